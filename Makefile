@@ -1,0 +1,25 @@
+# shadowtest: `make demo` runs the whole story, `make test` the test suite. Both set up from nothing.
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/shadowtest demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy capture replay faults agent_under_test harness
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

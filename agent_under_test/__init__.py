@@ -1,0 +1,1 @@
+"""The reference service under test: a gRPC trading agent that protects itself."""

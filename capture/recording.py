@@ -1,0 +1,356 @@
+"""The recording: one SQLite file that the recorder writes and the replayer reads.
+
+This is the project's one data model for captured traffic (STYLE.md habit 2). The recorder
+(eBPF, pcap, proxy backends), the pcap importer, the decoders, `inspect`, `redact` and the replayer
+all use the dataclasses and the reader/writer defined here; nothing else invents its own shape.
+
+    recorder / importer                        replayer / inspect / export
+        |  Flow, Chunk, Call                          ^  iterators in time order
+        v                                             |  (streamed, never all in memory)
+    RecordingWriter --- WAL, commit every <=0.5 s ---> Recording
+
+Schema (version 1), queryable with plain `sqlite3 FILE`:
+
+    meta(key TEXT PRIMARY KEY, value TEXT)            -- JSON values: host, kernel, started_wall_ns,
+                                                      -- clock, filters, tool_version, lost_events,
+                                                      -- truncated_events, redaction_rules, ...
+    flows(id, src_addr, src_port, dst_addr, dst_port, -- src is the client, dst the server
+          pid, comm, opened_ns, closed_ns,
+          joined_midstream, protocol)                 -- protocol: grpc | http2 | http1 | tcp
+    chunks(id, flow_id, direction, ts_ns, data)       -- direction: c2s | s2c; raw TCP payload bytes
+    calls(id, flow_id, protocol, method, kind,        -- kind: unary | client_stream | server_stream
+          stream_id, request_metadata,                --       | bidi | request (HTTP/1.1)
+          response_metadata, status, status_message,  -- metadata: JSON list of [name, value]
+          request_ts_ns, response_ts_ns, end_ts_ns,   -- status: grpc-status or HTTP status code
+          method_unknown)                             -- 1 when HPACK state was missing (joined)
+    messages(id, call_id, direction, seq, ts_ns,      -- each gRPC message (or HTTP body) with its
+             data, compressed)                        -- own timestamp; data without the 5-byte prefix
+
+All `*_ns` columns share one clock (CLOCK_MONOTONIC for eBPF captures, capture time for pcaps);
+`meta.started_wall_ns` and `meta.started_mono_ns` map it to wall-clock time.
+
+Durability: WAL mode with synchronous=NORMAL and a commit at least every `flush_interval_s`
+(default 0.5 s), so a recorder killed with SIGKILL leaves a file that opens, missing at most the
+last second. The file is created with mode 0600: recordings hold production data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from capture.errors import CorruptRecordingError, RecordingError
+
+SCHEMA_VERSION = 1
+Direction = Literal["c2s", "s2c"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS flows (
+    id INTEGER PRIMARY KEY, src_addr TEXT NOT NULL, src_port INTEGER NOT NULL,
+    dst_addr TEXT NOT NULL, dst_port INTEGER NOT NULL, pid INTEGER, comm TEXT,
+    opened_ns INTEGER, closed_ns INTEGER, joined_midstream INTEGER NOT NULL DEFAULT 0,
+    protocol TEXT NOT NULL DEFAULT 'tcp');
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY, flow_id INTEGER NOT NULL REFERENCES flows(id),
+    direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')),
+    ts_ns INTEGER NOT NULL, data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS chunks_by_flow ON chunks(flow_id, id);
+CREATE INDEX IF NOT EXISTS chunks_by_time ON chunks(ts_ns);
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY, flow_id INTEGER REFERENCES flows(id), protocol TEXT NOT NULL,
+    method TEXT, kind TEXT NOT NULL DEFAULT 'unary', stream_id INTEGER,
+    request_metadata TEXT NOT NULL DEFAULT '[]', response_metadata TEXT NOT NULL DEFAULT '[]',
+    status INTEGER, status_message TEXT, request_ts_ns INTEGER NOT NULL,
+    response_ts_ns INTEGER, end_ts_ns INTEGER, method_unknown INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS calls_by_time ON calls(request_ts_ns, id);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY, call_id INTEGER NOT NULL REFERENCES calls(id),
+    direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')), seq INTEGER NOT NULL,
+    ts_ns INTEGER NOT NULL, data BLOB NOT NULL, compressed INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS messages_by_call ON messages(call_id, direction, seq);
+"""
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One TCP connection. `src` is the client side, `dst` the server side."""
+
+    src: tuple[str, int]
+    dst: tuple[str, int]
+    pid: int | None = None
+    comm: str | None = None
+    opened_ns: int | None = None
+    closed_ns: int | None = None
+    joined_midstream: bool = False
+    protocol: str = "tcp"
+    id: int | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes seen in one direction of a flow at one instant (one syscall or one TCP segment run)."""
+
+    flow_id: int
+    direction: Direction
+    ts_ns: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Message:
+    """One gRPC message (without its 5-byte length prefix) or one HTTP body."""
+
+    direction: Direction
+    seq: int
+    ts_ns: int
+    data: bytes
+    compressed: bool = False
+
+
+@dataclass
+class Call:
+    """One RPC or HTTP request/response exchange on a flow."""
+
+    protocol: str
+    method: str | None
+    request_ts_ns: int
+    flow_id: int | None = None
+    kind: str = "unary"
+    stream_id: int | None = None
+    request_metadata: list[tuple[str, str]] = field(default_factory=list)
+    response_metadata: list[tuple[str, str]] = field(default_factory=list)
+    status: int | None = None
+    status_message: str | None = None
+    response_ts_ns: int | None = None
+    end_ts_ns: int | None = None
+    method_unknown: bool = False
+    requests: list[Message] = field(default_factory=list)
+    responses: list[Message] = field(default_factory=list)
+    id: int | None = None
+
+
+def _create_private(path: Path, overwrite: bool) -> None:
+    """Create `path` empty with mode 0600 before SQLite opens it (SQLite would use the umask)."""
+    if overwrite:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(str(path) + suffix).unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError as exc:
+        raise RecordingError(f"{path} already exists (pass overwrite to replace it)") from exc
+    except OSError as exc:
+        raise RecordingError(f"cannot create {path}: {exc.strerror}") from exc
+    os.close(fd)
+
+
+class RecordingWriter:
+    """Append flows, chunks and calls to a new recording file.
+
+    Args:
+        path: the file to create (mode 0600). Fails if it exists unless `overwrite`.
+        meta: initial metadata (JSON-serialisable values).
+        flush_interval_s: the longest time between commits; bounds the loss on SIGKILL.
+
+    Raises RecordingError when the file cannot be created or written. Use as a context manager;
+    `close()` commits everything written so far.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
+                 overwrite: bool = False, flush_interval_s: float = 0.5) -> None:
+        self.path = Path(path)
+        _create_private(self.path, overwrite)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise RecordingError(f"cannot initialise {self.path}: {exc}") from exc
+        self._flush_interval = flush_interval_s
+        self._last_commit = time.monotonic()
+        base = {"schema_version": SCHEMA_VERSION, "created_wall_ns": time.time_ns()}
+        self.set_meta(base | (meta or {}))
+        self.flush()
+
+    def set_meta(self, values: dict[str, Any]) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                             [(k, json.dumps(v)) for k, v in values.items()])
+        self._maybe_commit()
+
+    def add_flow(self, flow: Flow) -> int:
+        cur = self._db.execute(
+            "INSERT INTO flows(src_addr, src_port, dst_addr, dst_port, pid, comm, opened_ns, closed_ns,"
+            " joined_midstream, protocol) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (flow.src[0], flow.src[1], flow.dst[0], flow.dst[1], flow.pid, flow.comm, flow.opened_ns,
+             flow.closed_ns, int(flow.joined_midstream), flow.protocol))
+        self._maybe_commit()
+        return int(cur.lastrowid or 0)
+
+    def update_flow(self, flow_id: int, **fields: Any) -> None:
+        """Set columns of a flow already written, e.g. `closed_ns=...` or `protocol='grpc'`."""
+        allowed = {"closed_ns", "protocol", "pid", "comm", "opened_ns", "joined_midstream"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update flow columns {sorted(bad)}")
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._db.execute(f"UPDATE flows SET {cols} WHERE id = ?", (*fields.values(), flow_id))
+        self._maybe_commit()
+
+    def add_chunk(self, chunk: Chunk) -> None:
+        self._db.execute("INSERT INTO chunks(flow_id, direction, ts_ns, data) VALUES (?,?,?,?)",
+                         (chunk.flow_id, chunk.direction, chunk.ts_ns, bytes(chunk.data)))
+        self._maybe_commit()
+
+    def add_call(self, call: Call) -> int:
+        cur = self._db.execute(
+            "INSERT INTO calls(flow_id, protocol, method, kind, stream_id, request_metadata,"
+            " response_metadata, status, status_message, request_ts_ns, response_ts_ns, end_ts_ns,"
+            " method_unknown) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (call.flow_id, call.protocol, call.method, call.kind, call.stream_id,
+             json.dumps(call.request_metadata), json.dumps(call.response_metadata), call.status,
+             call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
+             int(call.method_unknown)))
+        call_id = int(cur.lastrowid or 0)
+        rows = [(call_id, m.direction, m.seq, m.ts_ns, bytes(m.data), int(m.compressed))
+                for m in (*call.requests, *call.responses)]
+        self._db.executemany("INSERT INTO messages(call_id, direction, seq, ts_ns, data, compressed)"
+                             " VALUES (?,?,?,?,?,?)", rows)
+        self._maybe_commit()
+        return call_id
+
+    def _maybe_commit(self) -> None:
+        if time.monotonic() - self._last_commit >= self._flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit what has been written; after this a SIGKILL loses none of it."""
+        try:
+            self._db.commit()
+        except sqlite3.Error as exc:
+            raise RecordingError(f"cannot write {self.path}: {exc}") from exc
+        self._last_commit = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        # Fold the WAL back so the recording is one self-contained file when the recorder exits.
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+
+    def __enter__(self) -> RecordingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _row_to_flow(r: sqlite3.Row) -> Flow:
+    return Flow(src=(r["src_addr"], r["src_port"]), dst=(r["dst_addr"], r["dst_port"]), pid=r["pid"],
+                comm=r["comm"], opened_ns=r["opened_ns"], closed_ns=r["closed_ns"],
+                joined_midstream=bool(r["joined_midstream"]), protocol=r["protocol"], id=r["id"])
+
+
+def _metadata(text: str) -> list[tuple[str, str]]:
+    return [(str(k), str(v)) for k, v in json.loads(text or "[]")]
+
+
+class Recording:
+    """Read a recording as streams in time order, without loading it into memory.
+
+    Raises RecordingError when the file does not exist, CorruptRecordingError when it is not a
+    recording or is damaged. Iterators stop at the first unreadable row of a damaged file and record
+    what happened in `problems`, so a caller can replay what is intact and say what was lost.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.problems: list[str] = []
+        if not self.path.exists():
+            raise RecordingError(f"{self.path}: no such recording")
+        try:
+            # Not read-only mode: a recording left by a killed recorder still has its WAL to replay.
+            self._db = sqlite3.connect(self.path, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self.meta = {r["key"]: json.loads(r["value"]) for r in self._db.execute("SELECT * FROM meta")}
+        except sqlite3.DatabaseError as exc:
+            raise CorruptRecordingError(f"{self.path} is not a readable recording: {exc}") from exc
+        version = self.meta.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise RecordingError(f"{self.path}: schema version {version!r}, this shadowtest reads "
+                                 f"{SCHEMA_VERSION}")
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> Iterator[sqlite3.Row]:
+        try:
+            yield from self._db.execute(sql, args)
+        except sqlite3.DatabaseError as exc:
+            # Salvage: everything yielded before the damage stands; say what was cut off.
+            self.problems.append(f"stopped reading at damaged data ({exc}) in: {sql.split(' FROM ')[1][:40]}")
+
+    def flows(self) -> Iterator[Flow]:
+        for r in self._rows("SELECT * FROM flows ORDER BY id"):
+            yield _row_to_flow(r)
+
+    def flow(self, flow_id: int) -> Flow | None:
+        r = self._db.execute("SELECT * FROM flows WHERE id = ?", (flow_id,)).fetchone()
+        return _row_to_flow(r) if r else None
+
+    def chunks(self, flow_id: int | None = None) -> Iterator[Chunk]:
+        """Chunks in capture order (of one flow when `flow_id` is given)."""
+        sql, args = "SELECT * FROM chunks ORDER BY ts_ns, id", ()
+        if flow_id is not None:
+            sql, args = "SELECT * FROM chunks WHERE flow_id = ? ORDER BY id", (flow_id,)
+        for r in self._rows(sql, args):
+            yield Chunk(flow_id=r["flow_id"], direction=r["direction"], ts_ns=r["ts_ns"], data=r["data"])
+
+    def calls(self, *, with_messages: bool = True) -> Iterator[Call]:
+        """Calls ordered by request time, each with its messages (fetched per call, never all)."""
+        for r in self._rows("SELECT * FROM calls ORDER BY request_ts_ns, id"):
+            call = Call(protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
+                        flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
+                        request_metadata=_metadata(r["request_metadata"]),
+                        response_metadata=_metadata(r["response_metadata"]), status=r["status"],
+                        status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
+                        end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"])
+            if with_messages:
+                self._attach_messages(call)
+            yield call
+
+    def _attach_messages(self, call: Call) -> None:
+        for m in self._rows("SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq", (call.id,)):
+            msg = Message(direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
+                          compressed=bool(m["compressed"]))
+            (call.requests if msg.direction == "c2s" else call.responses).append(msg)
+
+    def count(self, table: str) -> int:
+        if table not in {"flows", "chunks", "calls", "messages"}:
+            raise ValueError(table)
+        try:
+            return int(self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        except sqlite3.DatabaseError as exc:
+            self.problems.append(f"cannot count {table}: {exc}")
+            return 0
+
+    def time_range_ns(self) -> tuple[int, int] | None:
+        """(first, last) request time over all calls, or None for a recording without calls."""
+        r = self._db.execute("SELECT min(request_ts_ns), max(request_ts_ns) FROM calls").fetchone()
+        return None if r[0] is None else (int(r[0]), int(r[1]))
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_recording(path: str | os.PathLike[str]) -> Recording:
+    """Open a recording for reading (see `Recording`)."""
+    return Recording(path)

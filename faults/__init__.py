@@ -1,0 +1,1 @@
+"""Fault injection: a Toxiproxy-compatible proxy, CPU contention, process and GPU faults."""

@@ -1,0 +1,151 @@
+"""`shadowtest doctor`: what works on this host, and how to fix what does not.
+
+Each probe really tries the thing (loads a tracepoint program, binds a socket, reads the cgroup
+files) rather than guessing from versions. Probes never raise: a failure is a row with a fix hint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_BPF_PROBE = r"""
+BPF_RINGBUF_OUTPUT(events, 1);
+TRACEPOINT_PROBE(syscalls, sys_enter_getpid) { return 0; }
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    core: bool = False  # the core (replay, proxy, agent on CPU) needs it; others unlock features
+
+
+def _root() -> Check:
+    ok = os.geteuid() == 0
+    return Check("root", ok, "running as root" if ok else f"uid {os.geteuid()}",
+                 "run as root (sudo) for eBPF capture, cgroup quotas and raw-socket pcap capture")
+
+
+def _python_core() -> Check:
+    missing = []
+    for mod in ("grpc", "google.protobuf", "numpy", "scapy", "h2", "hdrh", "yaml", "rich", "prometheus_client"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            missing.append(mod)
+    return Check("python packages", not missing, "all core packages import" if not missing else
+                 f"missing: {', '.join(missing)}", "pip install shadowtest (or `make test` to set up .venv)",
+                 core=True)
+
+
+def _loopback() -> Check:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return Check("loopback sockets", True, "bind on 127.0.0.1 port 0 works", core=True)
+    except OSError as exc:
+        return Check("loopback sockets", False, str(exc), "enable the loopback interface", core=True)
+
+
+def _kernel_headers() -> Check:
+    build = Path("/lib/modules") / platform.release() / "build"
+    ok = (build / "include").exists()
+    return Check("kernel headers", ok, f"{build} -> {os.path.realpath(build)}" if ok else f"{build} missing",
+                 "apt-get install linux-headers-amd64 and link /lib/modules/$(uname -r)/build to "
+                 "/usr/src/linux-headers-*-amd64 (`make setup` does this)")
+
+
+def _bcc() -> Check:
+    try:
+        importlib.import_module("bcc")
+    except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception on a broken libbcc
+        return Check("bcc importable", False, str(exc) or type(exc).__name__,
+                     "apt-get install python3-bpfcc and expose /usr/lib/python3/dist-packages/bcc to "
+                     "this interpreter (`make setup` links it into .venv)")
+    return Check("bcc importable", True, "import bcc works")
+
+
+def _tracepoint() -> Check:
+    fix = ("needs root, python3-bpfcc, kernel headers and tracefs mounted at /sys/kernel/tracing "
+           "(`mount -t tracefs tracefs /sys/kernel/tracing`); without it use --backend pcap or proxy")
+    try:
+        from bcc import BPF  # type: ignore[import-not-found]
+
+        b = BPF(text=_BPF_PROBE)
+        b.cleanup()
+    except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+        return Check("eBPF tracepoint program", False, str(exc).splitlines()[0][:120], fix)
+    return Check("eBPF tracepoint program", True, "syscalls:sys_enter_getpid attached, ring buffer ok")
+
+
+def _tool(name: str, what: str, fix: str) -> Callable[[], Check]:
+    def probe() -> Check:
+        path = shutil.which(name)
+        return Check(name, path is not None, path or f"not on PATH ({what})", fix)
+    return probe
+
+
+def _cgroup_cpu() -> Check:
+    v1 = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v1.exists():
+        return Check("cgroup cpu controller", os.access(v1.parent, os.W_OK), f"v1 at {v1.parent}",
+                     "run as root to create cgroups under /sys/fs/cgroup/cpu")
+    if v2.exists() and "cpu" in v2.read_text().split():
+        return Check("cgroup cpu controller", os.access(v2.parent, os.W_OK), "v2 at /sys/fs/cgroup",
+                     "run as root to write cpu.max")
+    return Check("cgroup cpu controller", False, "no cpu controller mounted",
+                 "mount cgroup v2 or the v1 cpu controller; CPU quota faults are unavailable")
+
+
+def _cuda() -> Check:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return Check("CUDA", False, "torch not installed", "pip install 'shadowtest[agent]' for the agent's model")
+    if torch.cuda.is_available():
+        return Check("CUDA", True, f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})")
+    return Check("CUDA", False, f"no CUDA device (torch {torch.__version__}); the agent runs on CPU",
+                 "optional: a machine with an NVIDIA GPU and a CUDA build of torch")
+
+
+PROBES: list[Callable[[], Check]] = [
+    _root, _python_core, _loopback, _bcc, _kernel_headers, _tracepoint,
+    _tool("stress-ng", "CPU contention falls back to built-in workers", "apt-get install stress-ng"),
+    _tool("toxiproxy-server", "the embedded Toxiproxy-compatible proxy is used",
+          "optional: install Shopify's toxiproxy-server to drive the real one"),
+    _tool("promtool", "Prometheus rule tests are skipped", "apt-get install prometheus"),
+    _tool("tshark", "export cannot be checked by Wireshark's dissector", "apt-get install tshark"),
+    _cgroup_cpu, _cuda,
+]
+
+
+def run_checks() -> list[Check]:
+    return [probe() for probe in PROBES]
+
+
+def capture_backends(checks: list[Check]) -> dict[str, str]:
+    """Which capture backends will work here, and why (shown below the table)."""
+    by = {c.name: c for c in checks}
+    ebpf = by["eBPF tracepoint program"]
+    root = by["root"].ok
+    return {
+        "ebpf": "works" if ebpf.ok else f"unavailable: {ebpf.detail}",
+        "pcap": "works (raw socket as root)" if root else "unavailable: needs root or CAP_NET_RAW",
+        "proxy": "works (unprivileged: records through a local TCP proxy in the request path)",
+    }
+
+
+def as_json(checks: list[Check]) -> dict[str, object]:
+    return {"ok": all(c.ok for c in checks if c.core), "checks": [asdict(c) for c in checks],
+            "capture_backends": capture_backends(checks)}

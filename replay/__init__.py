@@ -1,0 +1,1 @@
+"""Replay a recording open-loop with its original timing and measure how well it did."""
