@@ -1,0 +1,85 @@
+"""The seam between the agent's request path and its self-protection.
+
+The server and batcher call a `Guard` at four points; `protection.build_guard()` returns the real
+one (limiter, P99 monitor, alerts, degradation, metrics), `NullGuard` admits everything.
+
+    call arrives --admit()--> refused: RESOURCE_EXHAUSTED + retry hint (never queued)
+         |                    admitted
+         v
+    batcher queue --choose_tier(depth)--> forward pass --on_batch()--> response --finish()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class GuardConfig:
+    """What `shadowtest agent serve` passes to `protection.build_guard` (extend with defaults only)."""
+
+    limiter: str = "off"                 # seed | gradient | off
+    p99_threshold_ms: float = 20.0
+    alert_periods: int = 3
+    resolve_periods: int = 3
+    period_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None      # None: no HTTP endpoint; 0: any free port
+    initial_rate: float = 2000.0         # calls/s the limiter starts at
+    min_rate: float = 10.0
+    max_rate: float = 20000.0
+    tier: str = "full"                   # the tier served when healthy
+
+
+class Guard(Protocol):
+    def admit(self, method: str) -> float | None:
+        """None when the call may proceed; else the retry-after hint in seconds (counted as rejected).
+
+        Unary calls are admitted per call, streams once when they open."""
+
+    def finish(self, method: str, latency_s: float, outcome: str) -> None:
+        """Once per admitted unary call and once per stream message: outcome ok | invalid | error."""
+
+    def choose_tier(self, queue_depth: int) -> str:
+        """The tier ('full' or 'light') for the next forward pass, given the queue behind it."""
+
+    def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
+        """After each forward pass."""
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        """Per pipeline stage of each request (parse, features, strategy, risk, order)."""
+
+    def start(self) -> None:
+        """Start periodic work (period ticks, metrics endpoint)."""
+
+    def stop(self) -> None:
+        """Stop it; idempotent."""
+
+
+class NullGuard:
+    """Admits everything and serves a fixed tier: the agent with no self-protection."""
+
+    def __init__(self, tier: str = "full") -> None:
+        self.tier = tier
+
+    def admit(self, method: str) -> float | None:
+        return None
+
+    def finish(self, method: str, latency_s: float, outcome: str) -> None:
+        pass
+
+    def choose_tier(self, queue_depth: int) -> str:
+        return self.tier
+
+    def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
+        pass
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
