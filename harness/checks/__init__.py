@@ -1,0 +1,18 @@
+"""Checks: each turns the run's timeline into a verdict with evidence (see `base.Check`)."""
+
+from harness.checks import alerts, limiter, service  # noqa: F401  (register the checks)
+from harness.checks.base import CHECKS, Check, Param, Verdict, register, verdict
+
+__all__ = ["CHECKS", "Check", "Param", "Verdict", "register", "verdict", "evaluate_all"]
+
+
+def evaluate_all(timeline, specs):  # type: ignore[no-untyped-def]
+    """Run every check in `specs`; a check that crashes becomes a failed verdict that says so."""
+    out = []
+    for spec in specs:
+        check = CHECKS[spec.kind]
+        try:
+            out.append(check.evaluate(timeline, spec))
+        except Exception as exc:  # noqa: BLE001 -- one broken check must not hide the others' verdicts
+            out.append(verdict(spec, False, f"check crashed: {type(exc).__name__}: {exc}"))
+    return out

@@ -1,0 +1,41 @@
+"""Durations as people write them in scenarios: "15s", "500ms", "1m30s", "2h", or a bare number of seconds."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from "15s", "500ms", "1m30s", "1.5s" or a number (seconds).
+
+    Raises ValueError with what is expected when `value` is not a non-negative duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like 15s or 500ms, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"expected a non-negative duration, got {value!r}")
+        return float(value)
+    text = str(value).strip().replace(" ", "")
+    pos, total = 0, 0.0
+    for match in _PART.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or pos != len(text):
+        raise ValueError(f"expected a duration like 15s, 500ms or 1m30s, got {value!r}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """A short human form: 0.5 -> "500ms", 15 -> "15s", 90 -> "1m30s"."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    minutes, secs = divmod(seconds, 60)
+    if minutes >= 1:
+        return f"{int(minutes)}m{secs:g}s" if secs else f"{int(minutes)}m"
+    return f"{secs:g}s"

@@ -1,0 +1,178 @@
+"""The scenario model: what to start, what traffic to play, which faults in which phase, what to expect.
+
+A scenario is plain data (frozen dataclasses); `harness.scenario_load` builds one from YAML and
+validates it with file and line numbers. The runner and the checks read only this model.
+
+    Scenario
+     +-- target:  AgentTarget (the bundled agent, started by the runner) | ExternalTarget (yours)
+     +-- traffic: RecordingTraffic (replay a recording) | GeneratorTraffic (built-in generator)
+     +-- phases:  [Phase(name, duration_s, faults=[FaultSpec])]   played back to back
+     +-- expect:  [CheckSpec(kind, params)]                          evaluated on the timeline
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Prometheus names the harness reads from a target's /metrics (the agent's by default)."""
+
+    latency_histogram: str = "agent_request_latency_seconds"
+    requests_total: str = "agent_requests_total"
+    limiter_rate: str = "agent_limiter_rate"
+    alert_firing: str = "agent_alert_firing"
+    model_tier: str = "agent_model_tier"
+    queue_depth: str = "agent_queue_depth"
+
+
+@dataclass(frozen=True)
+class AgentTarget:
+    """The bundled agent, started by the runner; `options` go to `AgentProcess(**options)`."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def p99_threshold_ms(self) -> float:
+        return float(self.options.get("p99_threshold_ms", 20.0))
+
+    @property
+    def alert_periods(self) -> int:
+        return int(self.options.get("alert_periods", 3))
+
+    @property
+    def period_s(self) -> float:
+        return float(self.options.get("period_s", 1.0))
+
+
+@dataclass(frozen=True)
+class ExternalTarget:
+    """A service the user runs: gRPC address plus where to read its metrics and events."""
+
+    address: str
+    metrics_url: str | None = None
+    events_url: str | None = None
+    metrics: MetricNames = MetricNames()
+    p99_threshold_ms: float = 20.0
+    alert_periods: int = 3
+    period_s: float = 1.0
+
+
+Target = AgentTarget | ExternalTarget
+
+
+@dataclass(frozen=True)
+class RecordingTraffic:
+    """Replay a recording file (path resolved relative to the scenario file)."""
+
+    path: str
+    speed: float = 1.0
+    loop: int = 1
+    methods: tuple[str, ...] = ()
+    window: tuple[float, float] | None = None   # seconds into the recording
+
+
+@dataclass(frozen=True)
+class GeneratorTraffic:
+    """The built-in production-like generator, open loop."""
+
+    rate: float
+    pattern: str = "poisson"
+    seed: int | None = None                    # None: the scenario's seed
+    stream_share: float = 0.0
+
+
+Traffic = RecordingTraffic | GeneratorTraffic
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault held for a whole phase (or part of it: `after_s`, `for_s`).
+
+    `family` is network | cpu | process, `kind` e.g. latency | contention | quota | pause,
+    `params` the rest of the YAML mapping (already validated).
+    """
+
+    family: str
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    after_s: float = 0.0
+    for_s: float | None = None
+    line: int | None = None
+
+    @property
+    def label(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.family}:{self.kind}" + (f" ({shown})" if shown else "")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    faults: tuple[FaultSpec, ...] = ()
+    line: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One expectation: `kind` names a registered check, `params` its validated arguments."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    line: int | None = None
+
+    @property
+    def id(self) -> str:
+        where = self.params.get("phase")
+        return f"{self.kind}[{where}]" if where else self.kind
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    target: Target
+    traffic: Traffic
+    phases: tuple[Phase, ...]
+    expect: tuple[CheckSpec, ...] = ()
+    seed: int = 0
+    description: str = ""
+    proxy: bool = True               # route traffic through the fault proxy
+    source: str | None = None        # the file it came from
+
+    @property
+    def duration_s(self) -> float:
+        return sum(p.duration_s for p in self.phases)
+
+    @property
+    def period_s(self) -> float:
+        return self.target.period_s
+
+    @property
+    def p99_threshold_ms(self) -> float:
+        return self.target.p99_threshold_ms
+
+    @property
+    def alert_periods(self) -> int:
+        return self.target.alert_periods
+
+    def phase(self, name: str) -> Phase | None:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def phase_bounds(self) -> dict[str, tuple[float, float]]:
+        """Each phase's (start, end) in seconds from the start of the run."""
+        out, t = {}, 0.0
+        for p in self.phases:
+            out[p.name] = (t, t + p.duration_s)
+            t += p.duration_s
+        return out
+
+    def scaled(self, factor: float) -> Scenario:
+        """The same scenario with every phase (and fault offset) `factor` times as long (for CI runs)."""
+        phases = tuple(replace(p, duration_s=p.duration_s * factor,
+                               faults=tuple(replace(f, after_s=f.after_s * factor,
+                                                    for_s=None if f.for_s is None else f.for_s * factor)
+                                            for f in p.faults)) for p in self.phases)
+        return replace(self, phases=phases)
