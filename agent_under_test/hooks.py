@@ -30,6 +30,14 @@ class GuardConfig:
     min_rate: float = 10.0
     max_rate: float = 20000.0
     tier: str = "full"                   # the tier served when healthy
+    # Added by the protection work (issue 3); defaults are documented in docs/protection.md.
+    burst_s: float = 0.05                # token-bucket burst: this many seconds of the rate (>= 1 call)
+    min_samples: int = 20                # fewer finished calls in a period: "insufficient"
+    error_ratio_threshold: float = 0.005     # ErrorRatioHigh: errors / (ok + errors) above this
+    rejected_ratio_threshold: float = 0.05   # RejectedRatioHigh: rejected / offered above this
+    queue_light_depth: int = 5           # queue depth above this serves new batches light ...
+    queue_drain_depth: int = 2           # ... until it is at most this
+    tier_hold_periods: int = 2           # healthy periods (from the resolving one) before full returns
 
 
 class Guard(Protocol):

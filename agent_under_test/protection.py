@@ -1,12 +1,208 @@
-"""Self-protection for the agent: builds the Guard from its configuration.
+"""Self-protection for the agent: the real Guard (limiter, P99 monitor, alerts, degradation, metrics).
 
-Placeholder until the limiter/alerts work lands (issue 3): no protection at all.
+    admit()  ---> limiter.try_acquire(now) ---> None | retry-after s (counted as rejected)
+    finish() ---> PeriodRecorder (HDR) + Prometheus latency/outcome
+    choose_tier(depth) ---> TierSelector.on_queue        on_batch() ---> queue depth, batch size
+    tick(now), once per period on a thread driven by the clock:
+        summary -> "period" event -> alerts ("alert" events) -> limiter ("limiter") -> tier ("tier")
+
+All decisions happen in `tick(now)` and the hooks, under one lock, with time passed in: tests build a
+`ProtectionGuard` on a `FakeClock` and call `tick()` themselves (never `start()`).
 """
 
 from __future__ import annotations
 
+import math
+import threading
+
+from agent_under_test.alerts import AlertSet, Transition
+from agent_under_test.clock import Clock, MonotonicClock
+from agent_under_test.degrade import TierChange, TierSelector
+from agent_under_test.events import EventLog
 from agent_under_test.hooks import Guard, GuardConfig, NullGuard
+from agent_under_test.limiter import Adjustment, Limiter, LimiterSettings, make_limiter
+from agent_under_test.metrics import Metrics, MetricsServer
+from agent_under_test.monitor import PeriodRecorder, PeriodSummary
+
+P99_ALERT = "P99High"
 
 
-def build_guard(config: GuardConfig) -> Guard:
-    return NullGuard(config.tier)
+class ProtectionGuard:
+    """The Guard the agent serves with. Thread-safe: hooks may come from any thread."""
+
+    def __init__(self, config: GuardConfig, clock: Clock | None = None) -> None:
+        _validate(config)
+        self.config = config
+        self.clock: Clock = clock or MonotonicClock()
+        self.limiter: Limiter = make_limiter(config.limiter, LimiterSettings(
+            threshold_ms=config.p99_threshold_ms, initial_rate=config.initial_rate,
+            min_rate=config.min_rate, max_rate=config.max_rate, burst_s=config.burst_s))
+        self.alerts = AlertSet(config.alert_periods, config.resolve_periods, config.error_ratio_threshold,
+                               config.rejected_ratio_threshold, config.min_samples)
+        self.tiers = TierSelector(config.tier, config.queue_light_depth, config.queue_drain_depth,
+                                  config.tier_hold_periods)
+        self.events = EventLog(self.clock)
+        self.metrics = Metrics(config.p99_threshold_ms / 1000.0, tuple(self.alerts.machines))
+        self.metrics.limiter_rate.set(self.limiter.rate)
+        self.metrics.set_tier(self.tiers.tier)
+        self.metrics_url: str | None = None
+        self.period = 0
+        self.last_summary: PeriodSummary | None = None
+        self._lock = threading.Lock()
+        self._recorder = PeriodRecorder(self.clock.now())
+        self._server: MetricsServer | None = None
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # -- the request path (hooks.Guard) -------------------------------------------------------------
+
+    def admit(self, method: str) -> float | None:
+        with self._lock:
+            retry = self.limiter.try_acquire(self.clock.now())
+            if retry is not None:
+                self._recorder.reject()
+        if retry is not None:
+            self.metrics.outcome["rejected"].inc()
+        return retry
+
+    def finish(self, method: str, latency_s: float, outcome: str) -> None:
+        with self._lock:
+            self._recorder.record(latency_s, outcome)
+        self.metrics.outcome.get(outcome, self.metrics.outcome["error"]).inc()
+        self.metrics.latency.observe(latency_s)
+
+    def choose_tier(self, queue_depth: int) -> str:
+        with self._lock:
+            change = self.tiers.on_queue(queue_depth)
+            tier = self.tiers.tier
+        if change is not None:
+            self._tier_event(change)
+        return tier
+
+    def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
+        self.metrics.batch_size.observe(size)
+        self.metrics.queue_depth.set(queue_depth)
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        self.metrics.observe_stage(stage, seconds)
+
+    # -- periods --------------------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> PeriodSummary:
+        """Close the current period at `now` (default: the clock's now) and act on it."""
+        now = self.clock.now() if now is None else now
+        with self._lock:
+            self.period += 1
+            summary = self._recorder.summarize(self.period, now, self.config.p99_threshold_ms,
+                                               self.config.min_samples)
+            self._recorder = PeriodRecorder(now)
+            transitions = self.alerts.observe(summary)
+            adjustment = self.limiter.on_period(summary)
+            change = self.tiers.on_period(self.alerts.firing(P99_ALERT), summary.state)
+            self.last_summary = summary
+        self._publish(summary, transitions, adjustment, change, now)
+        return summary
+
+    def _publish(self, summary: PeriodSummary, transitions: list[Transition], adjustment: Adjustment | None,
+                 change: TierChange | None, now: float) -> None:
+        fields = summary.event_fields()
+        fields["rate"] = _finite(self.limiter.rate)
+        self.events.emit("period", fields, mono=now)
+        m = self.metrics
+        for q, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms), ("0.99", summary.p99_ms)):
+            m.period_latency.labels(q).set((value or 0.0) / 1000.0)
+        m.period_count.set(summary.count)
+        for t in transitions:
+            self.events.emit("alert", t.event_fields(), mono=now)
+            m.alert_firing.labels(t.alert).set(1 if t.to_state == "firing" else 0)
+        if adjustment is not None:
+            self.events.emit("limiter", adjustment.event_fields(), mono=now)
+        m.limiter_rate.set(self.limiter.rate)
+        if change is not None:
+            self._tier_event(change, now)
+
+    def _tier_event(self, change: TierChange, mono: float | None = None) -> None:
+        self.events.emit("tier", change.event_fields(), mono=mono)
+        self.metrics.set_tier(change.to_tier)
+
+    @property
+    def tier(self) -> str:
+        return self.tiers.tier
+
+    def alert_state(self, name: str = P99_ALERT) -> str:
+        return self.alerts.machines[name].state
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the metrics endpoint (if a port is configured) and start the period ticker thread.
+
+        Raises ServeError when the metrics port cannot be bound; nothing is left running then."""
+        if self._ticker is not None:
+            return
+        if self.config.metrics_port is not None:
+            self._server = _bind(self.config, self.metrics, self.events)
+            self._server.start()
+            self.metrics_url = self._server.url
+        with self._lock:
+            self._recorder.start = self.clock.now()
+        self._ticker = threading.Thread(target=self._run_ticks, name="agent-guard-ticks", daemon=True)
+        self._ticker.start()
+
+    def _run_ticks(self) -> None:
+        # Ticks land on a fixed grid (start + n * period): a slow tick does not shift later ones.
+        next_at = self.clock.now() + self.config.period_s
+        while not self.clock.wait(self._stop, next_at - self.clock.now()):
+            self.tick(next_at)
+            next_at += self.config.period_s
+            behind = self.clock.now() - next_at
+            if behind > self.config.period_s:   # asleep for whole periods (e.g. SIGSTOP): skip them
+                next_at += math.ceil(behind / self.config.period_s) * self.config.period_s
+
+    def stop(self) -> None:
+        """Stop ticking and close the endpoint; idempotent."""
+        self._stop.set()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=5)
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def _bind(config: GuardConfig, metrics: Metrics, events: EventLog) -> MetricsServer:
+    from agent_under_test.errors import ServeError
+
+    try:
+        return MetricsServer(config.metrics_host, int(config.metrics_port or 0), metrics, events)
+    except OSError as exc:
+        raise ServeError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}; "
+                         "pick a free --metrics-port (0 = any free port)") from exc
+
+
+def _finite(rate: float) -> float | None:
+    return rate if math.isfinite(rate) else None
+
+
+def _validate(config: GuardConfig) -> None:
+    from agent_under_test.errors import ServeError
+
+    if config.period_s <= 0 or config.p99_threshold_ms <= 0:
+        raise ServeError("--period-s and --p99-threshold-ms must be positive")
+    if config.alert_periods < 1 or config.resolve_periods < 1:
+        raise ServeError("--alert-periods and --resolve-periods must be at least 1")
+    if not 0 < config.min_rate <= config.max_rate:
+        raise ServeError("need 0 < --min-rate <= --max-rate")
+
+
+def build_guard(config: GuardConfig, clock: Clock | None = None) -> Guard:
+    """The Guard for `config`: `ProtectionGuard` (also with limiter `off`: alerts, tiers and metrics
+    still work). Raises ServeError for a bad configuration or an unknown limiter."""
+    from agent_under_test.errors import ServeError
+
+    try:
+        return ProtectionGuard(config, clock)
+    except ValueError as exc:
+        raise ServeError(f"bad protection settings: {exc}") from exc
+
+
+__all__ = ["ProtectionGuard", "build_guard", "NullGuard", "P99_ALERT"]

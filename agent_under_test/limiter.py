@@ -1,0 +1,226 @@
+"""Adaptive limiters: one small interface, policies registered by name (`seed`, `gradient`, `off`).
+
+    admit() --try_acquire(now)--> token bucket: a token -> None (admitted)
+                                                no token -> retry-after seconds (rejected, never queued)
+    tick()  --on_period(summary)--> policy sets the bucket's rate for the next period (an Adjustment)
+
+Rates are floats in calls/s so a small rate still grows (1 x 1.1 = 1.1, never rounded back to 1).
+The burst allowance is explicit: `burst_s` seconds of the current rate, at least one call.
+The `gradient` formula, its defaults and why are in docs/protection.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent_under_test.monitor import PeriodSummary
+
+
+@dataclass(frozen=True)
+class LimiterSettings:
+    threshold_ms: float = 20.0
+    initial_rate: float = 2000.0
+    min_rate: float = 10.0
+    max_rate: float = 20000.0
+    burst_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    policy: str
+    old_rate: float
+    new_rate: float
+    reason: str
+
+    def event_fields(self) -> dict[str, object]:
+        return {"policy": self.policy, "old_rate": self.old_rate, "new_rate": self.new_rate,
+                "reason": self.reason}
+
+
+class Limiter(Protocol):
+    policy: str
+
+    @property
+    def rate(self) -> float:
+        """Admitted calls/s allowed now (`inf` when not limiting)."""
+
+    def try_acquire(self, now: float) -> float | None:
+        """None to admit one call at monotonic time `now`; else the retry-after hint in seconds."""
+
+    def on_period(self, summary: PeriodSummary) -> Adjustment | None:
+        """Adapt to the period just closed; the adjustment made, or None when the rate is unchanged."""
+
+
+class TokenBucket:
+    """Refills at `rate` tokens/s up to `burst` tokens; starts full."""
+
+    def __init__(self, rate: float, burst_s: float, now: float | None = None) -> None:
+        self.burst_s = burst_s
+        self.rate = rate
+        self.tokens = self.capacity
+        self.last = now
+
+    @property
+    def capacity(self) -> float:
+        return max(1.0, self.rate * self.burst_s)
+
+    def take(self, now: float) -> float | None:
+        """Take one token; None on success, else seconds until one is there."""
+        if self.last is not None and now > self.last:
+            self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now if self.last is None else max(self.last, now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return None
+        return (1.0 - self.tokens) / self.rate
+
+    def set_rate(self, rate: float) -> None:
+        # Keep the tokens already earned, but never more than the new burst allows.
+        self.rate = rate
+        self.tokens = min(self.tokens, self.capacity)
+
+
+class _BucketLimiter:
+    """Shared plumbing: a token bucket whose rate a policy moves within [min_rate, max_rate]."""
+
+    policy = "base"
+
+    def __init__(self, settings: LimiterSettings) -> None:
+        if not 0 < settings.min_rate <= settings.max_rate:
+            raise ValueError(f"limiter: need 0 < min_rate <= max_rate, got {settings.min_rate}, "
+                             f"{settings.max_rate}")
+        self.s = settings
+        start = float(min(settings.max_rate, max(settings.min_rate, settings.initial_rate)))
+        self.bucket = TokenBucket(start, settings.burst_s)
+
+    @property
+    def rate(self) -> float:
+        return self.bucket.rate
+
+    def try_acquire(self, now: float) -> float | None:
+        return self.bucket.take(now)
+
+    def _move(self, new_rate: float, reason: str) -> Adjustment | None:
+        new_rate = min(self.s.max_rate, max(self.s.min_rate, new_rate))
+        old = self.bucket.rate
+        if new_rate == old:
+            return None
+        self.bucket.set_rate(new_rate)
+        return Adjustment(self.policy, old, new_rate, reason)
+
+
+class SeedLimiter(_BucketLimiter):
+    """The rule we start from: x0.9 when the period's P99 exceeds the threshold, else x1.1.
+
+    A period with no finished calls holds the rate (no evidence either way). A period with fewer calls
+    than the alert's minimum still counts: its P99 is then its slowest call, which errs towards backing off.
+    """
+
+    policy = "seed"
+
+    def on_period(self, summary: PeriodSummary) -> Adjustment | None:
+        if summary.count == 0 or summary.p99_ms is None:
+            return None
+        p99, limit = summary.p99_ms, self.s.threshold_ms
+        if p99 > limit:
+            return self._move(self.rate * 0.9, f"p99 {p99:.3f} ms > {limit:g} ms: x0.9")
+        return self._move(self.rate * 1.1, f"p99 {p99:.3f} ms <= {limit:g} ms: x1.1")
+
+
+@dataclass(frozen=True)
+class GradientParams:
+    min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
+    max_cut: float = 0.95       # mildest cut on a breach
+    max_growth: float = 0.10    # growth per period with P99 far below the threshold (as seed's x1.1)
+    knee: float = 0.95          # close half the gap to knee x capacity estimate per healthy period
+    headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
+    smoothing: float = 0.5      # weight of the newest capacity sample
+
+
+class GradientLimiter(_BucketLimiter):
+    """A rate-based Gradient2/Vegas controller with a capacity estimate (formula in docs/protection.md).
+
+    breach:  cap = smooth(completed/s);  rate = min(rate, completed/s) * clamp(T / p99, min_cut, max_cut)
+    healthy, limiting (rejections):  h = 1 - p99/T
+        rate < knee*cap:   rate = max(rate*(1 + max_growth*h), rate + (knee*cap - rate)/2)
+        else:              rate = rate * (1 + max_growth*h^2)      (careful probing near capacity)
+    healthy, not limiting:  rate = min(rate*(1 + max_growth*h), headroom * offered/s)
+    """
+
+    policy = "gradient"
+
+    def __init__(self, settings: LimiterSettings, params: GradientParams | None = None) -> None:
+        super().__init__(settings)
+        self.p = params or GradientParams()
+        self.capacity: float | None = None
+
+    def on_period(self, summary: PeriodSummary) -> Adjustment | None:
+        if summary.count == 0 or summary.p99_ms is None:
+            return None
+        done = summary.count / summary.seconds
+        if summary.p99_ms > self.s.threshold_ms:
+            return self._breach(summary.p99_ms, done)
+        headroom = max(0.0, 1.0 - summary.p99_ms / self.s.threshold_ms)
+        if summary.rejected > 0:
+            return self._grow_limited(headroom, done)
+        offered = (summary.count + summary.rejected) / summary.seconds
+        cap = self.p.headroom * offered
+        grown = self.rate * (1.0 + self.p.max_growth * headroom)
+        if grown > cap:
+            return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
+        return self._move(grown, f"not limiting, headroom {headroom:.2f}: x{grown / self.rate:.3f}")
+
+    def _breach(self, p99: float, done: float) -> Adjustment | None:
+        # While P99 breaches, calls queue, so completions per second measure what the server can do.
+        a = self.p.smoothing
+        self.capacity = done if self.capacity is None else (1 - a) * self.capacity + a * done
+        g = min(self.p.max_cut, max(self.p.min_cut, self.s.threshold_ms / p99))
+        base = min(self.rate, done)
+        return self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms: "
+                                    f"{base:.1f}/s x{g:.3f} (capacity ~{self.capacity:.1f}/s)")
+
+    def _grow_limited(self, headroom: float, done: float) -> Adjustment | None:
+        if self.capacity is not None:
+            # Healthy at this rate: the server can do at least what it just did.
+            self.capacity = max(self.capacity, done)
+        knee = None if self.capacity is None else self.p.knee * self.capacity
+        if knee is not None and self.rate < knee:
+            new = max(self.rate * (1 + self.p.max_growth * headroom), self.rate + (knee - self.rate) / 2)
+            return self._move(new, f"limiting, below {knee:.1f}/s knee: halve the gap")
+        new = self.rate * (1 + self.p.max_growth * headroom * headroom)
+        return self._move(new, f"limiting, headroom {headroom:.2f}: probe x{new / self.rate:.4f}")
+
+
+class OffLimiter:
+    """No limit: admits everything, never adjusts."""
+
+    policy = "off"
+    rate = math.inf
+
+    def __init__(self, settings: LimiterSettings) -> None:
+        self.s = settings
+
+    def try_acquire(self, now: float) -> float | None:
+        return None
+
+    def on_period(self, summary: PeriodSummary) -> Adjustment | None:
+        return None
+
+
+LIMITERS: dict[str, Callable[[LimiterSettings], Limiter]] = {
+    "seed": SeedLimiter,
+    "gradient": GradientLimiter,
+    "off": OffLimiter,
+}
+
+
+def make_limiter(name: str, settings: LimiterSettings) -> Limiter:
+    """The limiter registered as `name`. Raises ValueError naming the known policies."""
+    try:
+        factory = LIMITERS[name]
+    except KeyError:
+        raise ValueError(f"unknown limiter {name!r}: choose one of {', '.join(sorted(LIMITERS))}") from None
+    return factory(settings)

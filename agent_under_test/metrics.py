@@ -1,0 +1,174 @@
+"""Prometheus metrics and the HTTP endpoint: /metrics, /events (JSON lines, streamed), /healthz.
+
+    GET /metrics                 Prometheus text exposition (the guard's own CollectorRegistry)
+    GET /events?since=SEQ&follow=1   chunked JSON lines: events after SEQ, then new ones as they happen
+    GET /events?follow=0         what exists now, then close
+    GET /healthz                 "ok"
+
+The server is stdlib `ThreadingHTTPServer` in a daemon thread: one thread per streaming reader, and
+nothing of it on the request path.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from agent_under_test.events import EventLog, to_line
+
+OUTCOME_LABELS = ("ok", "rejected", "invalid", "error")
+STAGES = ("parse", "features", "strategy", "risk", "order")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def latency_buckets(threshold_s: float) -> list[float]:
+    """The request-latency buckets, always with an edge at exactly the P99 threshold."""
+    return sorted(set(_LATENCY_BUCKETS) | {float(threshold_s)})
+
+
+class Metrics:
+    """Every metric the agent exports, on a private registry (no global state, one per guard)."""
+
+    def __init__(self, threshold_s: float, alerts: tuple[str, ...]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.latency = Histogram("agent_request_latency_seconds", "Server-side latency of admitted calls",
+                                 buckets=latency_buckets(threshold_s), registry=r)
+        self.requests = Counter("agent_requests", "Calls by outcome", ["outcome"], registry=r)
+        self.outcome = {o: self.requests.labels(o) for o in OUTCOME_LABELS}
+        self.limiter_rate = Gauge("agent_limiter_rate", "Limiter rate in calls/s (+Inf: off)", registry=r)
+        self.period_latency = Gauge("agent_period_latency_seconds", "Last period's latency quantiles",
+                                    ["quantile"], registry=r)
+        self.period_count = Gauge("agent_period_requests", "Calls finished in the last period", registry=r)
+        self.alert_firing = Gauge("agent_alert_firing", "1 while the alert fires", ["alert"], registry=r)
+        self.tier = Gauge("agent_model_tier", "1 for the tier being served", ["tier"], registry=r)
+        self.queue_depth = Gauge("agent_queue_depth", "Batcher queue depth after the last batch", registry=r)
+        self.batch_size = Histogram("agent_batch_size", "Requests per forward pass", buckets=_BATCH_BUCKETS,
+                                    registry=r)
+        self.stage = Histogram("agent_stage_latency_seconds", "Per pipeline stage latency", ["stage"],
+                               buckets=_STAGE_BUCKETS, registry=r)
+        self.stage_child = {s: self.stage.labels(s) for s in STAGES}
+        self.threshold = Gauge("agent_p99_threshold_seconds", "The P99 threshold", registry=r)
+        self.threshold.set(threshold_s)
+        for alert in alerts:
+            self.alert_firing.labels(alert).set(0)
+        for q in ("0.5", "0.95", "0.99"):
+            self.period_latency.labels(q).set(0)
+
+    def set_tier(self, tier: str) -> None:
+        for name in ("full", "light"):
+            self.tier.labels(name).set(1 if name == tier else 0)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        child = self.stage_child.get(stage)
+        if child is None:   # a new stage name: create its series once, then reuse it
+            child = self.stage_child[stage] = self.stage.labels(stage)
+        child.observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet: no stderr per request
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/metrics":
+            self._send(HTTPStatus.OK, CONTENT_TYPE_LATEST, self.server.metrics.exposition())
+        elif url.path == "/healthz":
+            self._send(HTTPStatus.OK, "text/plain; charset=utf-8", b"ok\n")
+        elif url.path == "/events":
+            self._events(query)
+        else:
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"try /metrics, /events, /healthz\n")
+
+    def _send(self, status: HTTPStatus, ctype: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _events(self, query: dict[str, list[str]]) -> None:
+        try:
+            since = int(query.get("since", ["0"])[0])
+            follow = query.get("follow", ["1"])[0] not in ("0", "false", "no")
+        except ValueError:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", b"since must be an integer\n")
+            return
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        try:
+            self._stream(self.server.events, since, follow)
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the reader went away: nothing to clean up
+        self.close_connection = True
+
+    def _stream(self, log: EventLog, since: int, follow: bool) -> None:
+        events = log.since(since)
+        while True:
+            if events:
+                body = b"".join(to_line(e) for e in events)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(body), body))
+                self.wfile.flush()
+                since = int(events[-1]["seq"])
+            if not follow or log.closed or self.server.stopping.is_set():
+                return
+            events = log.wait_after(since, 0.5)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], metrics: Metrics, events: EventLog) -> None:
+        self.metrics = metrics
+        self.events = events
+        self.stopping = threading.Event()
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(addr, _Handler)
+
+
+class MetricsServer:
+    """The endpoint in a daemon thread. `url` is "http://host:port" once started (port 0: any free)."""
+
+    def __init__(self, host: str, port: int, metrics: Metrics, events: EventLog) -> None:
+        self._server = _Server((host, port), metrics, events)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="agent-metrics", daemon=True)
+        bound_host, bound_port = self._server.server_address[:2]
+        self.url = f"http://{_url_host(str(bound_host))}:{bound_port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and end every streaming reader; idempotent."""
+        self._server.stopping.set()
+        self._server.events.close()
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
