@@ -1,0 +1,278 @@
+"""The open-loop replayer: every send at its intended time, however slow the target is.
+
+    plan (lazy) --lookahead--> heap of timed events --sleep_until/spin--> dispatch every overdue event
+                                  start call: in-flight cap check -> task(sender.call) -> CallResult
+                                  stream message: released into its call's request queue
+
+One loop sleeps; everything due goes out on each wake-up, so a slow response never delays a later
+send (calls run as independent tasks). In-flight cap policy (per connection): a call that finds
+`max_in_flight` calls still outstanding on its connection is NOT sent and is counted as
+not_sent/in_flight_cap -- shedding instead of queueing keeps memory bounded and the schedule honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replay import report as report_mod
+from replay.clock import Clock, MonotonicClock
+from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
+from replay.senders import SendOutcome, Sender, get_sender
+from replay.stats import CallResult, RunStats
+from replay.target import check_target
+
+log = logging.getLogger(__name__)
+_WAKE_NS = 100_000_000  # the longest sleep between stop checks
+_PROTOCOL_SENDER = {"grpc": "grpc", "http2": "grpc", "http1": "http1", "tcp": "tcp"}
+
+
+@dataclass
+class ReplayOptions:
+    """How to replay (the schedule options say what and when).
+
+    sender: a registered sender name for every call, or "auto" (by each call's protocol).
+    timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
+    lookahead_s: how far ahead of now the plan is read (bounds memory).
+    start_at_ns: t0 on the clock (workers pass a shared one); None: now.
+    compare: a `replay.compare.Comparer` to check responses against recorded ones, or None.
+    """
+
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    sender: str = "auto"
+    sender_options: dict[str, object] = field(default_factory=dict)
+    timeout_s: float = 10.0
+    max_in_flight: int = 256
+    lookahead_s: float = 0.2
+    start_at_ns: int | None = None
+    stop_grace_s: float = 1.0
+    allow_targets: tuple[str, ...] = ()
+    compare: object | None = None
+
+
+@dataclass
+class _Live:
+    planned: PlannedCall
+    intended_ns: int
+    sent_ns: int
+    queue: asyncio.Queue[PlannedMessage | None]
+    task: asyncio.Task[None] | None = None
+
+
+class ReplayRun:
+    """Replay a recording (path) or a plan (iterable of PlannedCall) to `target`.
+
+    Args:
+        source: a recording path, or an iterable of PlannedCall in due order (already sharded).
+        target: "host:port"; checked against the allowlist (TargetNotAllowedError).
+        options: ReplayOptions. on_result: called with each CallResult in the run's thread; its
+            exceptions are logged, never raised. clock: defaults to MonotonicClock.
+
+    `run()` blocks and returns the ReplayReport; `stop()` (any thread) ends it early: unsent calls
+    count as not_sent/stopped, in-flight calls get `stop_grace_s` and are then cancelled.
+    """
+
+    def __init__(self, source: str | Path | Iterable[PlannedCall], target: str,
+                 options: ReplayOptions | None = None, *,
+                 on_result: Callable[[CallResult], None] | None = None, clock: Clock | None = None) -> None:
+        self.options = options or ReplayOptions()
+        self.target = check_target(target, self.options.allow_targets)
+        self.source = source
+        self.on_result = on_result
+        self.clock = clock or MonotonicClock()
+        self.stats = RunStats()
+        self.problems: list[str] = []
+        self._stop = threading.Event()
+        self._senders: dict[str, Sender] = {}
+        self._by_conn: dict[str, int] = defaultdict(int)
+        self._live: set[_Live] = set()
+        self._seq = itertools.count()
+        self.t0_ns = 0
+        self.end_ns = 0
+
+    # ---- public -----------------------------------------------------------------------------
+    def run(self) -> report_mod.ReplayReport:
+        """Replay to completion (or stop) and return the report; safe to call from any thread."""
+        asyncio.run(self.run_async())
+        return self.report()
+
+    def stop(self) -> None:
+        """Ask a running replay to end early (thread-safe, idempotent)."""
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def report(self) -> report_mod.ReplayReport:
+        return report_mod.build(self.stats, self.t0_ns, self.end_ns, target=self.target,
+                                options=self.options, problems=self.problems, comparer=self.options.compare)
+
+    async def run_async(self) -> None:
+        """The run itself, for callers that already have an event loop."""
+        plan = self._open_plan()
+        try:
+            self.t0_ns = self.options.start_at_ns or self.clock.now_ns()
+            await self._schedule_loop(plan)
+            await self._drain()
+        finally:
+            self.end_ns = self.clock.now_ns()
+            for sender in self._senders.values():
+                await sender.close()
+            self._close_source()
+
+    # ---- plan -------------------------------------------------------------------------------
+    def _open_plan(self) -> Iterator[PlannedCall]:
+        if not isinstance(self.source, (str, Path)):
+            return iter(self.source)
+        from capture.errors import RecordingError
+
+        from replay.errors import PlanError
+        from replay.plan import plan_from_recording
+        try:
+            self._recording, plan = plan_from_recording(self.source, self.options.schedule)
+        except RecordingError as exc:
+            raise PlanError(f"cannot replay {self.source}: {exc}") from exc
+        return plan
+
+    def _close_source(self) -> None:
+        rec = getattr(self, "_recording", None)
+        if rec is not None:
+            from replay.source import recording_problems
+            self.problems.extend(recording_problems(rec))
+            rec.close()
+
+    # ---- the scheduling loop ----------------------------------------------------------------
+    async def _schedule_loop(self, plan: Iterator[PlannedCall]) -> None:
+        heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
+        pending = next(plan, None)
+        lookahead = int(self.options.lookahead_s * 1e9)
+        while not self._stop.is_set():
+            now = self.clock.now_ns() - self.t0_ns
+            while pending is not None and (pending.due_ns <= now + lookahead or not heap):
+                heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
+                self.stats.scheduled += 1
+                pending = next(plan, None)
+            if not heap:
+                return
+            if heap[0][0] > now:
+                await self.clock.sleep_until(self.t0_ns + min(heap[0][0], now + _WAKE_NS))
+                continue
+            while heap and heap[0][0] <= now:
+                due, _, item, msg = heapq.heappop(heap)
+                if isinstance(item, PlannedCall):
+                    self._start(item, heap)
+                elif item.task is not None and not item.task.done():
+                    self._release(item, msg, heap)
+        self._count_unsent(heap, pending, plan)
+
+    def _count_unsent(self, heap: list, pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
+        for _, _, item, msg in heap:
+            if isinstance(item, PlannedCall):
+                self._not_sent(item, "stopped")
+            elif msg is item.planned.messages[-1]:
+                item.queue.put_nowait(None)  # end the stream so the call can finish
+        for item in itertools.chain([pending] if pending else [], plan):
+            self.stats.scheduled += 1
+            self._not_sent(item, "stopped")
+
+    def _start(self, planned: PlannedCall, heap: list) -> None:
+        if self._by_conn[planned.connection] >= self.options.max_in_flight:
+            self._not_sent(planned, "in_flight_cap")
+            return
+        try:
+            sender = self._sender_for(planned)
+        except Exception as exc:  # an unknown protocol is this call's problem, not the run's
+            self._not_sent(planned, f"no_sender:{type(exc).__name__}")
+            return
+        intended = self.t0_ns + planned.due_ns
+        live = _Live(planned, intended, self.clock.now_ns(), asyncio.Queue())
+        self.stats.on_sent(intended, live.sent_ns)
+        self._by_conn[planned.connection] += 1
+        self._live.add(live)
+        for msg in planned.messages:
+            if msg.offset_ns == 0:
+                self._release(live, msg, heap)
+            else:
+                heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
+        if not planned.messages:
+            live.queue.put_nowait(None)
+        live.task = asyncio.create_task(self._call(sender, live))
+
+    def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:
+        live.queue.put_nowait(msg)
+        if msg is live.planned.messages[-1]:
+            live.queue.put_nowait(None)
+
+    def _sender_for(self, planned: PlannedCall) -> Sender:
+        name = self.options.sender
+        if name == "auto":
+            name = _PROTOCOL_SENDER.get(planned.protocol, planned.protocol)
+        if name not in self._senders:
+            self._senders[name] = get_sender(name, self.target, **self.options.sender_options)
+        return self._senders[name]
+
+    # ---- one call ---------------------------------------------------------------------------
+    async def _call(self, sender: Sender, live: _Live) -> None:
+        p = live.planned
+        limit = self.options.timeout_s + p.last_offset_ns / 1e9 + 1.0
+        try:
+            out = await asyncio.wait_for(sender.call(p, _drain_queue(live.queue), self.options.timeout_s), limit)
+        except (asyncio.TimeoutError, TimeoutError):
+            out = SendOutcome("timeout", "CLIENT_TIMEOUT")
+        except asyncio.CancelledError:
+            out = SendOutcome("error", "CANCELLED", detail="stopped while in flight")
+        except Exception as exc:  # a sender bug must not lose the call from the accounting
+            log.exception("sender failed on call %s", p.index)
+            out = SendOutcome("error", type(exc).__name__, detail=str(exc))
+        self._finish(live, out)
+
+    def _finish(self, live: _Live, out: SendOutcome) -> None:
+        p = live.planned
+        self._by_conn[p.connection] -= 1
+        self._live.discard(live)
+        result = CallResult(p.index, p.method, p.connection, p.flow_id, live.intended_ns, live.sent_ns,
+                            self.clock.now_ns(), out.outcome, out.code)
+        if self.options.compare is not None and out.outcome in ("ok", "error", "rejected"):
+            result.mismatch = self.options.compare.compare(p, out)  # type: ignore[attr-defined]
+        self.stats.add(result)
+        self._emit(result)
+
+    def _not_sent(self, planned: PlannedCall, reason: str) -> None:
+        intended = self.t0_ns + planned.due_ns
+        result = CallResult(planned.index, planned.method, planned.connection, planned.flow_id, intended,
+                            0, 0, "not_sent", reason)
+        self.stats.add(result)
+        self._emit(result)
+
+    def _emit(self, result: CallResult) -> None:
+        if self.on_result is None:
+            return
+        try:
+            self.on_result(result)
+        except Exception:  # listener errors are logged, not raised (Locust's event-hook habit)
+            log.exception("on_result callback failed")
+
+    async def _drain(self) -> None:
+        """Wait for in-flight calls (each bounded by its own timeout); after stop(), only the grace."""
+        tasks = {lv.task for lv in self._live if lv.task is not None}
+        while tasks and not self._stop.is_set():
+            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=self.options.stop_grace_s)
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late)
+
+
+async def _drain_queue(queue: asyncio.Queue[PlannedMessage | None]) -> AsyncIterator[PlannedMessage]:
+    while (msg := await queue.get()) is not None:
+        yield msg
