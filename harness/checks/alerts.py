@@ -18,13 +18,14 @@ def _phase(tl: Timeline, spec: CheckSpec) -> tuple[float, float]:
     return bounds if bounds else (0.0, 0.0)
 
 
-def first_breach(periods: list[PeriodStats], start: float, threshold_ms: float,
+def first_breach(periods: list[PeriodStats], start: float, end: float, threshold_ms: float,
                  consecutive: int) -> tuple[float, list[int]] | None:
-    """End time of the first run of `consecutive` periods (starting at/after `start`) whose client P99
-    exceeds the threshold, and those periods' indexes; None when it never happened."""
+    """End time of the first run of `consecutive` periods whose client P99 exceeds the threshold, the
+    run starting within [start, end) (it may finish after `end`: queues outlive a fault), and those
+    periods' indexes; None when it never happened."""
     run: list[int] = []
     for p in periods:
-        if p.start_s < start - 1e-9:
+        if p.start_s < start - 1e-9 or (not run and p.start_s >= end - 1e-9):
             continue
         if p.p99_ms is not None and p.p99_ms > threshold_ms:
             run.append(p.index)
@@ -52,10 +53,10 @@ class AlertFires:
         n = spec.params.get("consecutive", tl.alert_periods)
         threshold = spec.params.get("threshold_ms", tl.threshold_ms)
         start, end = _phase(tl, spec)
-        truth = first_breach(tl.periods, start, threshold, n)
+        truth = first_breach(tl.periods, start, end, threshold, n)
         evidence = {"threshold_ms": threshold, "consecutive": n, "within_periods": k,
                     "client_p99_ms": _p99s(tl, start, end)}
-        if truth is None or truth[0] > end + 1e-9:
+        if truth is None:
             return verdict(spec, False, f"client P99 never exceeded {threshold:g} ms for {n} consecutive "
                            "periods in the phase: the fault did not breach, so the alert cannot be judged",
                            **evidence)
