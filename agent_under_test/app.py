@@ -1,0 +1,135 @@
+"""Agent lifecycle: load the model, warm it up, open the port, print the ready line, drain on SIGTERM.
+
+    AgentServer(options).start()  -> ready dict {"event": "ready", "grpc": "host:port", ...}
+    AgentServer.stop()            -> health NOT_SERVING, stop accepting, finish in-flight calls (grace),
+                                     close the batcher, guard.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent_under_test import protection
+from agent_under_test.batcher import Batcher
+from agent_under_test.config import ServeOptions
+from agent_under_test.engine import Engine, load_engine
+from agent_under_test.errors import ServeError
+from agent_under_test.hooks import Guard
+from agent_under_test.pipeline import Pipeline
+from agent_under_test.proto import agent_pb2, agent_pb2_grpc
+from agent_under_test.server import SERVICE, TradingAgentServicer
+
+
+class AgentServer:
+    """One agent server inside the running event loop (the CLI and in-process tests both use it)."""
+
+    def __init__(self, options: ServeOptions, *, guard: Guard | None = None, engine: Engine | None = None) -> None:
+        self.options = options
+        self.guard = guard
+        self.engine = engine
+        self.batcher: Batcher | None = None
+        self.port = 0
+        self.ready: dict[str, object] = {}
+        self._server: aio.Server | None = None
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._executor = ThreadPoolExecutor(max(1, options.workers), thread_name_prefix="agent-forward")
+
+    async def start(self) -> dict[str, object]:
+        """Load and warm up the model, then open the port. Returns the ready dict.
+
+        Raises:
+            ServeError: the port cannot be bound, the device or weights are unusable.
+        """
+        opts = self.options
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(load_engine, opts.device, opts.weights, opts.seed, opts.torch_threads)
+            await asyncio.to_thread(self.engine.warm_up, opts.max_batch)
+        if self.guard is None:
+            self.guard = protection.build_guard(opts.guard_config())
+        self.batcher = Batcher(self.engine.run, self.guard, self._executor, window_s=opts.batch_window_ms / 1000,
+                               max_batch=opts.max_batch, workers=opts.workers)
+        self.batcher.start()
+        self._server = self._build_server()
+        try:
+            self.port = self._server.add_insecure_port(f"{opts.host}:{opts.port}")
+        except RuntimeError as exc:
+            raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc}); pick a free port or --port 0") from exc
+        await self._server.start()
+        self.guard.start()
+        await self._set_serving(True)
+        metrics = getattr(self.guard, "metrics_url", None)
+        self.ready = {"event": "ready", "grpc": f"{opts.host}:{self.port}", "metrics": metrics,
+                      "pid": os.getpid(), "device": self.engine.device, "tier": opts.tier}
+        return self.ready
+
+    def _build_server(self) -> aio.Server:
+        server = aio.server(options=self.options.grpc_options())
+        agent_pb2_grpc.add_TradingAgentServicer_to_server(
+            TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),
+                                 self.guard), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = (agent_pb2.DESCRIPTOR.services_by_name["TradingAgent"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        return server
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            result = self._health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let in-flight calls finish within the grace period, release everything."""
+        grace = self.options.grace_s if grace_s is None else grace_s
+        if self._server is not None:
+            await self._set_serving(False)
+            await self._server.stop(grace)
+            self._server = None
+        if self.batcher is not None:
+            await self.batcher.close()
+            self.batcher = None
+        if self.guard is not None:
+            self.guard.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _announce(ready: dict[str, object], ready_file: str | None) -> None:
+    line = json.dumps(ready)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, ready_file)  # readers never see half a line
+    print(line, flush=True)
+
+
+async def serve(options: ServeOptions) -> int:
+    """Run the agent until SIGTERM/SIGINT, then drain and return the exit status (0)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = AgentServer(options)
+    try:
+        _announce(await server.start(), options.ready_file)
+        await stop.wait()
+        print(json.dumps({"event": "stopping", "grace_s": options.grace_s}), file=sys.stderr, flush=True)
+    finally:
+        await server.stop()
+    return 0
+
+
+def run(options: ServeOptions) -> int:
+    """Blocking entry point for the CLI."""
+    return asyncio.run(serve(options))

@@ -1,0 +1,135 @@
+"""Micro-batching: requests arriving within a short window run as one forward pass.
+
+    submit() --> queue --(window from the oldest item, or max_batch reached)--> choose_tier(depth)
+                   ^                                                              |
+                   |                       worker thread: engine.run(batch, tier) v
+                   +------------ futures resolved <-- on_batch(size, depth, tier) -+
+
+A batch forms when a worker slot is free; while all workers are busy the queue grows, so batches
+grow with load (that is what makes latency respond to queueing). Queue depth and batch sizes are
+observable through `depth` and the Guard's on_batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent_under_test.features import Features
+from agent_under_test.hooks import Guard
+
+RunFn = Callable[[Sequence[Features], str], np.ndarray]
+
+
+@dataclass
+class BatchResult:
+    output: np.ndarray   # this request's row of the model output
+    batch_size: int
+    tier: str
+    queue_s: float       # waiting in the queue before the forward pass
+    forward_s: float     # the forward pass itself
+
+
+@dataclass
+class _Item:
+    features: Features
+    arrival: float
+    future: asyncio.Future[BatchResult]
+
+
+class Batcher:
+    """Collects submitted features into batches and runs them on `executor` (one slot per worker)."""
+
+    def __init__(self, run: RunFn, guard: Guard, executor: Executor, *, window_s: float = 0.002,
+                 max_batch: int = 32, workers: int = 1) -> None:
+        self._run, self._guard, self._executor = run, guard, executor
+        self.window_s, self.max_batch = window_s, max_batch
+        self._queue: deque[_Item] = deque()
+        self._slots = asyncio.Semaphore(workers)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self.batches = 0
+        self.max_batch_seen = 0
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for a forward pass."""
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._collect())
+
+    async def close(self) -> None:
+        """Stop collecting; in-flight forward passes finish, queued requests are cancelled."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        while self._queue:
+            self._queue.popleft().future.cancel()
+
+    async def submit(self, features: Features) -> BatchResult:
+        fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Item(features, time.perf_counter(), fut))
+        # Wake the collector only when it can act: first arrival, or a full batch.
+        if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
+            self._wake.set()
+        return await fut
+
+    async def _collect(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch, depth = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.get_running_loop().create_task(self._forward(batch, depth))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _next_batch(self) -> tuple[list[_Item], int]:
+        while not self._queue:
+            self._wake.clear()
+            await self._wake.wait()
+        # The window runs from the oldest waiting request: under load it has already expired.
+        delay = self._queue[0].arrival + self.window_s - time.perf_counter()
+        if delay > 0 and len(self._queue) < self.max_batch:
+            self._wake.clear()
+            timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+        depth = len(self._queue)
+        n = min(depth, self.max_batch)
+        return [self._queue.popleft() for _ in range(n)], depth
+
+    async def _forward(self, batch: list[_Item], depth: int) -> None:
+        try:
+            tier = self._guard.choose_tier(depth)
+            start = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            try:
+                out = await loop.run_in_executor(self._executor, self._run, [i.features for i in batch], tier)
+            except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the failure
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                return
+            forward_s = time.perf_counter() - start
+            self.batches += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
+            self._guard.on_batch(len(batch), len(self._queue), tier)
+            for row, item in enumerate(batch):
+                if not item.future.done():  # the caller may have been cancelled meanwhile
+                    item.future.set_result(BatchResult(out[row], len(batch), tier, start - item.arrival, forward_s))
+        finally:
+            self._slots.release()

@@ -1,0 +1,78 @@
+"""Click commands shared by `python -m agent_under_test` and `shadowtest agent` / `shadowtest traffic`.
+
+Only click is imported here; torch and grpc load inside the commands, so `shadowtest --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from agent_under_test.config import DEVICES, LIMITERS, TIERS, ServeOptions
+
+_D = ServeOptions()
+
+
+def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
+    return click.option(name, show_default=True, **kw)  # type: ignore[arg-type]
+
+
+@click.command("serve")
+@_opt("--host", default=_D.host, help="address to listen on")
+@_opt("--port", type=int, default=_D.port, help="gRPC port; 0 picks a free one (see the ready line)")
+@_opt("--metrics-host", default=_D.metrics_host, help="address of the guard's /metrics endpoint")
+@_opt("--metrics-port", type=int, default=_D.metrics_port, help="/metrics port (0: any free port)")
+@_opt("--device", type=click.Choice(DEVICES), default=_D.device, help="where the model runs")
+@_opt("--tier", type=click.Choice(TIERS), default=_D.tier, help="model tier served when healthy")
+@_opt("--weights", type=click.Path(dir_okay=False), default=None, help="weights file (default: seeded)")
+@_opt("--seed", type=int, default=_D.seed, help="seed of the default weights")
+@_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window")
+@_opt("--max-batch", type=click.IntRange(1, 1024), default=_D.max_batch, help="largest forward pass")
+@_opt("--workers", type=click.IntRange(1, 64), default=_D.workers, help="forward-pass workers (CUDA stream each)")
+@_opt("--torch-threads", type=click.IntRange(0, 256), default=_D.torch_threads,
+      help="torch intra-op threads on CPU (0: torch's default)")
+@_opt("--limiter", type=click.Choice(LIMITERS), default=_D.limiter, help="adaptive concurrency limiter")
+@_opt("--p99-threshold-ms", type=float, default=_D.p99_threshold_ms, help="P99 alert threshold")
+@_opt("--alert-periods", type=int, default=_D.alert_periods, help="periods over threshold before firing")
+@_opt("--resolve-periods", type=int, default=_D.resolve_periods, help="periods under it before resolving")
+@_opt("--period-s", type=float, default=_D.period_s, help="monitor period")
+@_opt("--initial-rate", type=float, default=_D.initial_rate, help="limiter start, calls/s")
+@_opt("--min-rate", type=float, default=_D.min_rate, help="limiter floor, calls/s")
+@_opt("--max-rate", type=float, default=_D.max_rate, help="limiter ceiling, calls/s")
+@_opt("--hpack-table-size", type=int, default=None, help="HPACK dynamic table size (0: captures decode mid-stream)")
+@_opt("--max-connection-age-s", type=float, default=None, help="close connections after this age")
+@_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
+@_opt("--max-message-bytes", type=int, default=_D.max_message_bytes, help="larger snapshots are rejected")
+@_opt("--ready-file", type=click.Path(dir_okay=False), default=None, help="also write the ready line here")
+def serve_command(**kwargs: object) -> None:
+    """Serve the reference trading agent over gRPC until SIGTERM/SIGINT (then drain and exit 0).
+
+    Prints one JSON ready line on stdout once the model is warm and the port is open.
+
+    \b
+    Examples:
+      shadowtest agent serve --port 50051 --metrics-port 9464
+      shadowtest agent serve --port 0 --tier light --ready-file /tmp/agent.json
+      shadowtest agent serve --limiter gradient --p99-threshold-ms 20 --hpack-table-size 0
+      python -m agent_under_test serve --device cpu --torch-threads 1
+    """
+    from agent_under_test import app
+
+    sys.exit(app.run(ServeOptions(**kwargs)))  # type: ignore[arg-type]
+
+
+@click.command("save-weights")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+def save_weights_command(path: str, seed: int) -> None:
+    """Write the seeded weights of both tiers to PATH (load them with `serve --weights PATH`).
+
+    \b
+    Examples:
+      shadowtest agent save-weights /tmp/agent-weights.pt --seed 7
+    """
+    from agent_under_test import model
+
+    model.save_weights(path, seed)
+    click.echo(path)

@@ -1,0 +1,64 @@
+"""`ServeOptions`: everything `agent serve` accepts, in one place (CLI, launcher and tests share it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from agent_under_test.hooks import GuardConfig
+
+DEVICES = ("auto", "cpu", "cuda")
+TIERS = ("full", "light")
+LIMITERS = ("seed", "gradient", "off")
+
+
+@dataclass
+class ServeOptions:
+    """Options of the agent server; field names match the CLI flags (underscores for dashes)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051                    # 0: any free port (see the ready line)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9464      # passed to the guard; None: no metrics endpoint
+    device: str = "auto"
+    tier: str = "full"
+    weights: str | None = None
+    seed: int = 0                        # seeds the model weights when --weights is not given
+    batch_window_ms: float = 2.0
+    max_batch: int = 32
+    workers: int = 1                     # forward-pass workers (one CUDA stream each)
+    torch_threads: int = 1               # intra-op threads on CPU; 1 leaves a core for the client
+    limiter: str = "off"
+    p99_threshold_ms: float = 20.0
+    alert_periods: int = 3
+    resolve_periods: int = 3
+    period_s: float = 1.0
+    initial_rate: float = 2000.0
+    min_rate: float = 10.0
+    max_rate: float = 20000.0
+    hpack_table_size: int | None = None  # 0 lets a mid-stream capture decode every header block
+    max_connection_age_s: float | None = None
+    grace_s: float = 5.0                 # how long SIGTERM waits for in-flight calls
+    max_message_bytes: int = 65536       # larger snapshots are INVALID_ARGUMENT ('message')
+    ready_file: str | None = None
+
+    def guard_config(self) -> GuardConfig:
+        """The subset the Guard needs (see hooks.GuardConfig)."""
+        names = {f.name for f in fields(GuardConfig)}
+        return GuardConfig(**{k: v for k, v in vars(self).items() if k in names})
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Channel arguments for grpc.aio.server."""
+        opts: list[tuple[str, int]] = [
+            # Oversize snapshots must reach validation (INVALID_ARGUMENT naming the field),
+            # so gRPC's own limit sits well above ours.
+            ("grpc.max_receive_message_length", max(4 * 1024 * 1024, self.max_message_bytes * 4)),
+            ("grpc.so_reuseport", 0),
+        ]
+        if self.hpack_table_size is not None:
+            opts += [("grpc.http2.hpack_table_size.decoder", self.hpack_table_size),
+                     ("grpc.http2.hpack_table_size.encoder", self.hpack_table_size)]
+        if self.max_connection_age_s is not None:
+            age_ms = int(self.max_connection_age_s * 1000)
+            opts += [("grpc.max_connection_age_ms", age_ms),
+                     ("grpc.max_connection_age_grace_ms", int(self.grace_s * 1000))]
+        return opts

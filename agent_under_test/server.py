@@ -1,0 +1,97 @@
+"""The gRPC server: TradingAgent (Decide, DecideStream), health checking and reflection.
+
+    call --Guard.admit()--> refused: RESOURCE_EXHAUSTED + retry-after-ms (never queued)
+      | admitted
+      v
+    Pipeline.decide() --> Decision --Guard.finish(method, latency, ok|invalid|error)
+
+A stream is admitted once when it opens; its messages run concurrently (so they batch with everyone
+else) and are answered strictly in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from agent_under_test.errors import InvalidSnapshotError
+from agent_under_test.hooks import Guard
+from agent_under_test.pipeline import Pipeline
+from agent_under_test.proto import agent_pb2, agent_pb2_grpc
+
+SERVICE = "shadowtest.agent.v1.TradingAgent"
+DECIDE = f"/{SERVICE}/Decide"
+DECIDE_STREAM = f"/{SERVICE}/DecideStream"
+STREAM_WINDOW = 64  # messages of one stream in flight at once; the reader waits beyond that
+
+
+async def _refuse(context: aio.ServicerContext, retry_s: float) -> None:
+    ms = str(max(0, int(retry_s * 1000)))
+    context.set_trailing_metadata((("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms)))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"agent overloaded: retry after {ms} ms")
+
+
+class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
+    def __init__(self, pipeline: Pipeline, guard: Guard) -> None:
+        self._pipeline, self._guard = pipeline, guard
+
+    async def _one(self, method: str, request: agent_pb2.MarketSnapshot,
+                   received_ns: int) -> agent_pb2.Decision | InvalidSnapshotError:
+        """Run one message and report it to the guard exactly once; bad input is returned, not raised."""
+        outcome = "error"
+        try:
+            decision = await self._pipeline.decide(request, received_ns)
+            outcome = "ok"
+            return decision
+        except InvalidSnapshotError as exc:
+            outcome = "invalid"
+            return exc
+        finally:
+            self._guard.finish(method, (time.perf_counter_ns() - received_ns) / 1e9, outcome)
+
+    async def Decide(self, request: agent_pb2.MarketSnapshot,  # noqa: N802 - gRPC method name
+                     context: aio.ServicerContext) -> agent_pb2.Decision:
+        received = time.perf_counter_ns()
+        retry = self._guard.admit(DECIDE)
+        if retry is not None:
+            await _refuse(context, retry)
+        result = await self._one(DECIDE, request, received)
+        if isinstance(result, InvalidSnapshotError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        return result  # type: ignore[return-value]
+
+    async def DecideStream(self, request_iterator: AsyncIterator[agent_pb2.MarketSnapshot],  # noqa: N802
+                           context: aio.ServicerContext) -> AsyncIterator[agent_pb2.Decision]:
+        retry = self._guard.admit(DECIDE_STREAM)
+        if retry is not None:
+            await _refuse(context, retry)
+        pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_WINDOW)
+        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending))
+        try:
+            while (task := await pending.get()) is not None:
+                result = await task
+                if isinstance(result, InvalidSnapshotError):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream message: {result}")
+                yield result
+            await reader  # surface a reader failure
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                if (task := pending.get_nowait()) is not None:
+                    task.cancel()
+
+    async def _read_stream(self, requests: AsyncIterator[agent_pb2.MarketSnapshot],
+                           pending: asyncio.Queue[asyncio.Task | None]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in requests:
+                received = time.perf_counter_ns()
+                await pending.put(loop.create_task(self._one(DECIDE_STREAM, request, received)))
+        except grpc.RpcError:
+            pass  # the client broke the stream: answer what was read, then end
+        # Not in `finally`: when the writer cancels us it has stopped reading, and a full queue would block.
+        await pending.put(None)

@@ -1,0 +1,105 @@
+"""Parse stage: validate a MarketSnapshot and turn it into arrays.
+
+Every rejection names the offending field (`levels[3].bid_price`, `ticks[7].ts_ns`, `symbol`, `message`)
+so the client can fix the call; the server answers INVALID_ARGUMENT and keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent_under_test.errors import InvalidSnapshotError
+
+MAX_LEVELS = 64
+MAX_TICKS = 256
+MAX_PRICE = 1e9
+MAX_SIZE = 1e9          # shares/contracts; anything above is a unit bug upstream, not a market
+MAX_POSITION = 1e9
+_SYMBOL = re.compile(r"^[A-Za-z0-9._:/-]{1,32}$")
+_LEVEL_FIELDS = ("bid_price", "bid_size", "ask_price", "ask_size")
+_TICK_FIELDS = ("ts_ns", "price", "size")
+
+
+@dataclass
+class ParsedSnapshot:
+    """A validated snapshot as arrays: book[L, 4] = bid_price, bid_size, ask_price, ask_size;
+    ticks[T, 3] = ts_ns, price, size (oldest first)."""
+
+    sequence_id: int
+    symbol: str
+    book: np.ndarray
+    ticks: np.ndarray
+    ts_ns: int
+    position: float
+
+
+def _first_bad(bad: np.ndarray) -> tuple[int, int]:
+    row, col = np.argwhere(bad)[0]
+    return int(row), int(col)
+
+
+def _check_book(book: np.ndarray) -> None:
+    prices, sizes = book[:, [0, 2]], book[:, [1, 3]]
+    for arr, cols, rule, ok in (
+        (prices, (0, 2), "must be a finite positive price", lambda a: np.isfinite(a) & (a > 0) & (a < MAX_PRICE)),
+        (sizes, (1, 3), f"must be a finite size in [0, {MAX_SIZE:g}]",
+         lambda a: np.isfinite(a) & (a >= 0) & (a <= MAX_SIZE)),
+    ):
+        bad = ~ok(arr)
+        if bad.any():
+            row, col = _first_bad(bad)
+            field = _LEVEL_FIELDS[cols[col]]
+            raise InvalidSnapshotError(f"levels[{row}].{field}", f"{rule}, got {float(arr[row, col])!r}")
+    crossed = book[:, 2] < book[:, 0]
+    if crossed.any():
+        row = int(np.argmax(crossed))
+        raise InvalidSnapshotError(f"levels[{row}].ask_price",
+                                   f"crossed book: ask {float(book[row, 2])!r} below bid {float(book[row, 0])!r}")
+
+
+def _check_ticks(ticks: np.ndarray) -> None:
+    if len(ticks) == 0:
+        return
+    rules = (
+        (0, "must be a positive timestamp in ns", lambda a: a > 0),
+        (1, "must be a finite positive price", lambda a: np.isfinite(a) & (a > 0) & (a < MAX_PRICE)),
+        (2, f"must be a finite size in [0, {MAX_SIZE:g}]", lambda a: np.isfinite(a) & (a >= 0) & (a <= MAX_SIZE)),
+    )
+    for col, rule, ok in rules:
+        bad = ~ok(ticks[:, col])
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise InvalidSnapshotError(f"ticks[{row}].{_TICK_FIELDS[col]}", f"{rule}, got {float(ticks[row, col])!r}")
+
+
+def parse_snapshot(msg: object, max_message_bytes: int = 65536) -> ParsedSnapshot:
+    """Validate `msg` (an agent_pb2.MarketSnapshot) and return its arrays.
+
+    Raises:
+        InvalidSnapshotError: the first problem found; `.field` names the field.
+    """
+    size = msg.ByteSize()  # type: ignore[attr-defined]
+    if size > max_message_bytes:
+        raise InvalidSnapshotError("message", f"{size} bytes, at most {max_message_bytes}")
+    levels, ticks = msg.levels, msg.ticks  # type: ignore[attr-defined]
+    if not levels:
+        raise InvalidSnapshotError("levels", f"empty order book (send 1..{MAX_LEVELS} levels)")
+    if len(levels) > MAX_LEVELS:
+        raise InvalidSnapshotError("levels", f"{len(levels)} levels, at most {MAX_LEVELS}")
+    if len(ticks) > MAX_TICKS:
+        raise InvalidSnapshotError("ticks", f"{len(ticks)} ticks, at most {MAX_TICKS}")
+    symbol = msg.symbol  # type: ignore[attr-defined]
+    if not _SYMBOL.match(symbol):
+        raise InvalidSnapshotError("symbol", f"{symbol[:40]!r} is not 1-32 characters of [A-Za-z0-9._:/-]")
+    position = msg.position  # type: ignore[attr-defined]
+    if not math.isfinite(position) or abs(position) > MAX_POSITION:
+        raise InvalidSnapshotError("position", f"must be finite with |position| <= {MAX_POSITION:g}, got {position!r}")
+    book = np.array([(lv.bid_price, lv.bid_size, lv.ask_price, lv.ask_size) for lv in levels], dtype=np.float64)
+    _check_book(book)
+    tick_arr = np.array([(t.ts_ns, t.price, t.size) for t in ticks], dtype=np.float64).reshape(-1, 3)
+    _check_ticks(tick_arr)
+    return ParsedSnapshot(msg.sequence_id, symbol, book, tick_arr, msg.ts_ns, position)  # type: ignore[attr-defined]
