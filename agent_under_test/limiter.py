@@ -134,20 +134,23 @@ class SeedLimiter(_BucketLimiter):
 class GradientParams:
     min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
     max_cut: float = 0.95       # mildest cut on a breach
-    max_growth: float = 0.10    # growth per period with P99 far below the threshold (as seed's x1.1)
-    knee: float = 0.95          # close half the gap to knee x capacity estimate per healthy period
+    max_growth: float = 0.10    # most growth per period (as seed's x1.1), scaled by latency headroom
+    probe: float = 0.01         # first probe step above the knee; doubles each healthy period
+    knee: float = 0.95          # approach knee x capacity estimate by halving the gap
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
     smoothing: float = 0.5      # weight of the newest capacity sample
 
 
 class GradientLimiter(_BucketLimiter):
-    """A rate-based Gradient2/Vegas controller with a capacity estimate (formula in docs/protection.md).
+    """Rate-based Gradient2/Vegas controller with a capacity estimate (formula in docs/protection.md).
 
-    breach:  cap = smooth(completed/s);  rate = min(rate, completed/s) * clamp(T / p99, min_cut, max_cut)
-    healthy, limiting (rejections):  h = 1 - p99/T
-        rate < knee*cap:   rate = max(rate*(1 + max_growth*h), rate + (knee*cap - rate)/2)
-        else:              rate = rate * (1 + max_growth*h^2)      (careful probing near capacity)
-    healthy, not limiting:  rate = min(rate*(1 + max_growth*h), headroom * offered/s)
+    T threshold, P period, done = completed calls/s, h = 1 - p99/T (latency headroom)
+    breach (p99 > T): cap = smooth(done); the queue beyond T holds done*(p99-T) calls (Little's law);
+        drain it in one period: rate = min(rate, done) * clamp(1 - (p99-T)/P, min_cut, max_cut)
+    healthy, limiting (calls were rejected): cap = max(cap, done)
+        rate < knee*cap:  rate = max(rate*(1 + max_growth*h), rate + (knee*cap - rate)/2)
+        else (probe):     rate = rate*(1 + min(max_growth, probe*2^k)*h), k = healthy probes so far
+    healthy, not limiting:  rate = min(rate*(1 + max_growth*h), headroom*offered)
     """
 
     policy = "gradient"
@@ -156,16 +159,19 @@ class GradientLimiter(_BucketLimiter):
         super().__init__(settings)
         self.p = params or GradientParams()
         self.capacity: float | None = None
+        self.probes = 0
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
             return None
         done = summary.count / summary.seconds
         if summary.p99_ms > self.s.threshold_ms:
-            return self._breach(summary.p99_ms, done)
+            self.probes = 0
+            return self._breach(summary.p99_ms, done, summary.seconds)
         headroom = max(0.0, 1.0 - summary.p99_ms / self.s.threshold_ms)
         if summary.rejected > 0:
             return self._grow_limited(headroom, done)
+        self.probes = 0
         offered = (summary.count + summary.rejected) / summary.seconds
         cap = self.p.headroom * offered
         grown = self.rate * (1.0 + self.p.max_growth * headroom)
@@ -173,11 +179,12 @@ class GradientLimiter(_BucketLimiter):
             return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
         return self._move(grown, f"not limiting, headroom {headroom:.2f}: x{grown / self.rate:.3f}")
 
-    def _breach(self, p99: float, done: float) -> Adjustment | None:
+    def _breach(self, p99: float, done: float, seconds: float) -> Adjustment | None:
         # While P99 breaches, calls queue, so completions per second measure what the server can do.
         a = self.p.smoothing
         self.capacity = done if self.capacity is None else (1 - a) * self.capacity + a * done
-        g = min(self.p.max_cut, max(self.p.min_cut, self.s.threshold_ms / p99))
+        excess_s = (p99 - self.s.threshold_ms) / 1000.0
+        g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - excess_s / seconds))
         base = min(self.rate, done)
         return self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms: "
                                     f"{base:.1f}/s x{g:.3f} (capacity ~{self.capacity:.1f}/s)")
@@ -188,10 +195,12 @@ class GradientLimiter(_BucketLimiter):
             self.capacity = max(self.capacity, done)
         knee = None if self.capacity is None else self.p.knee * self.capacity
         if knee is not None and self.rate < knee:
+            self.probes = 0
             new = max(self.rate * (1 + self.p.max_growth * headroom), self.rate + (knee - self.rate) / 2)
-            return self._move(new, f"limiting, below {knee:.1f}/s knee: halve the gap")
-        new = self.rate * (1 + self.p.max_growth * headroom * headroom)
-        return self._move(new, f"limiting, headroom {headroom:.2f}: probe x{new / self.rate:.4f}")
+            return self._move(new, f"limiting, below the {knee:.1f}/s knee: halve the gap")
+        step = min(self.p.max_growth, self.p.probe * 2 ** self.probes) * headroom
+        self.probes += 1
+        return self._move(self.rate * (1 + step), f"limiting, headroom {headroom:.2f}: probe x{1 + step:.4f}")
 
 
 class OffLimiter:
