@@ -63,6 +63,7 @@ class FakeClock:
     def __init__(self, start_ns: int = 1_000_000_000, lag_ns: int = 0) -> None:
         self._now = start_ns
         self.lag_ns = lag_ns
+        self.settle_yields = 20
         self.sleeps: list[int] = []
 
     def now_ns(self) -> int:
@@ -73,6 +74,8 @@ class FakeClock:
 
     async def sleep_until(self, deadline_ns: int) -> None:
         self.sleeps.append(deadline_ns)
+        # Let every task that is ready run at the current virtual time before time jumps.
+        for _ in range(self.settle_yields):
+            await asyncio.sleep(0)
         if deadline_ns > self._now:
             self._now = deadline_ns + self.lag_ns
-        await asyncio.sleep(0)

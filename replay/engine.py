@@ -25,7 +25,7 @@ from pathlib import Path
 from replay import report as report_mod
 from replay.clock import Clock, MonotonicClock
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
-from replay.senders import SendOutcome, Sender, get_sender
+from replay.senders import Sender, SendOutcome, get_sender
 from replay.stats import CallResult, RunStats
 from replay.target import check_target
 
@@ -57,7 +57,7 @@ class ReplayOptions:
     compare: object | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity hashing: live calls sit in a set
 class _Live:
     planned: PlannedCall
     intended_ns: int
@@ -133,7 +133,6 @@ class ReplayRun:
         if not isinstance(self.source, (str, Path)):
             return iter(self.source)
         from capture.errors import RecordingError
-
         from replay.errors import PlanError
         from replay.plan import plan_from_recording
         try:
@@ -146,7 +145,7 @@ class ReplayRun:
         rec = getattr(self, "_recording", None)
         if rec is not None:
             from replay.source import recording_problems
-            self.problems.extend(recording_problems(rec))
+            self.problems.extend(p for p in recording_problems(rec) if p not in self.problems)
             rec.close()
 
     # ---- the scheduling loop ----------------------------------------------------------------
@@ -184,6 +183,9 @@ class ReplayRun:
             self._not_sent(item, "stopped")
 
     def _start(self, planned: PlannedCall, heap: list) -> None:
+        if not planned.messages:  # e.g. a damaged recording lost this call's request bytes
+            self._not_sent(planned, "no_request_in_recording")
+            return
         if self._by_conn[planned.connection] >= self.options.max_in_flight:
             self._not_sent(planned, "in_flight_cap")
             return
@@ -202,8 +204,6 @@ class ReplayRun:
                 self._release(live, msg, heap)
             else:
                 heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
-        if not planned.messages:
-            live.queue.put_nowait(None)
         live.task = asyncio.create_task(self._call(sender, live))
 
     def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:

@@ -32,8 +32,9 @@ def estimate_total(path: str | Path, opts: ScheduleOptions) -> int:
 
 def recording_calls_light(rec: Recording) -> Iterator:  # type: ignore[type-arg]
     """Calls without their messages (cheap); TCP flows still come from `recording_calls`."""
-    from replay.source import _tcp_calls, _tcp_flow_starts
     import heapq
+
+    from replay.source import _tcp_calls, _tcp_flow_starts
     starts = _tcp_flow_starts(rec)
     calls = (c for c in rec.calls(with_messages=False) if c.protocol != "tcp")
     return heapq.merge(calls, _tcp_calls(rec, starts), key=lambda c: c.request_ts_ns)

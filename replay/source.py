@@ -44,7 +44,12 @@ def recording_calls(rec: Recording) -> Iterator[Call]:
 
 def recording_problems(rec: Recording) -> list[str]:
     """What the recording says it lost or could not read (empty for an intact, complete file)."""
-    problems = list(rec.problems)
+    problems: list[str] = []
+    for p in rec.problems:  # one line per kind of damage, with how often it was hit
+        n = rec.problems.count(p)
+        line = p if n == 1 else f"{p} ({n} times)"
+        if line not in problems:
+            problems.append(line)
     for key in ("lost_events", "truncated_events"):
         value = rec.meta.get(key)
         if value:

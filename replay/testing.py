@@ -105,6 +105,7 @@ class EchoServer:
     def __init__(self, delay_s: float = 0.0, reject_every: int = 0, port: int = 0) -> None:
         self.delay_s, self.reject_every, self.port = delay_s, reject_every, port
         self.received: list[tuple[int, str, int]] = []
+        self.metadata: list[dict[str, str]] = []
         self._rng = random.Random(1)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,6 +159,7 @@ class EchoServer:
     async def _decide(self, request: bytes, context: object) -> bytes:
         import grpc
         n = len(self.received) + 1
+        self.metadata.append(dict(context.invocation_metadata()))  # type: ignore[attr-defined]
         answer = self._answer("Decide", request)
         if self.reject_every and n % self.reject_every == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed")  # type: ignore[attr-defined]

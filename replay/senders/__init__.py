@@ -9,9 +9,9 @@ fake transport). A sender keeps one connection per `PlannedCall.connection` unle
 
 from replay.senders.base import (
     HOP_BY_HOP,
-    SendOutcome,
     Sender,
     SenderFactory,
+    SendOutcome,
     available,
     get_sender,
     register,
