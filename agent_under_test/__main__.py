@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from agent_under_test.cli import save_weights_command, serve_command
+from agent_under_test.cli import save_weights_command, serve_command, traffic_command
 from agent_under_test.errors import AgentError
 
 
@@ -17,6 +17,7 @@ def main() -> None:
 
 main.add_command(serve_command)
 main.add_command(save_weights_command)
+main.add_command(traffic_command)
 
 if __name__ == "__main__":
     try:

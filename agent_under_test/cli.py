@@ -76,3 +76,62 @@ def save_weights_command(path: str, seed: int) -> None:
 
     model.save_weights(path, seed)
     click.echo(path)
+
+
+@click.command("traffic")
+@click.option("--target", required=True, help="HOST:PORT of the agent")
+@click.option("--rate", type=float, required=True, help="mean calls/s (unary + stream messages)")
+@click.option("--duration", "duration_s", type=float, required=True, help="seconds to send")
+@click.option("--pattern", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="fixes schedule, prices and mix")
+@click.option("--stream-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+              help="fraction of calls sent on DecideStream")
+@click.option("--symbols", type=click.IntRange(1, 1000), default=4, show_default=True)
+@click.option("--streams", type=click.IntRange(1, 64), default=4, show_default=True, help="stream lanes")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="write the report as JSON here ('-' for stdout)")
+@click.option("--log-sent", type=click.Path(dir_okay=False), default=None,
+              help="write every request sent (time, method, bytes) as JSON lines, mode 0600")
+def traffic_command(target: str, rate: float, duration_s: float, pattern: str, seed: int, stream_share: float,
+                    symbols: int, streams: int, json_out: str | None, log_sent: str | None) -> None:
+    """Send production-like open-loop traffic to an agent and report rate, p50/p95/p99 and errors.
+
+    Latency is measured from each call's intended send time. Exit 1 when no call succeeded.
+
+    \b
+    Examples:
+      shadowtest traffic --target 127.0.0.1:50051 --rate 500 --duration 10
+      shadowtest traffic --target 127.0.0.1:50051 --rate 1500 --duration 30 --pattern bursty --seed 7
+      shadowtest traffic --target 127.0.0.1:50051 --rate 200 --duration 5 --log-sent sent.jsonl --json -
+    """
+    import json
+
+    from agent_under_test.traffic import run_traffic
+
+    report = run_traffic(target, rate, duration_s, pattern, seed, stream_share, symbols=symbols,
+                         streams=streams, log_sent=log_sent)
+    doc = json.dumps(report.to_dict(), indent=2)
+    if json_out == "-":
+        click.echo(doc)
+    else:
+        if json_out:
+            with open(json_out, "w") as f:
+                f.write(doc + "\n")
+        _print_report(report)
+    sys.exit(0 if report.ok else 1)
+
+
+def _print_report(report: object) -> None:
+    r = report
+    lines = [
+        f"target {r.target}  pattern {r.pattern}  seed {r.seed}",  # type: ignore[attr-defined]
+        f"sent {r.sent}  ok {r.ok}  achieved {r.achieved_rate}/s (asked {r.rate:g}/s)",  # type: ignore[attr-defined]
+        f"latency ms  p50 {r.p50_ms}  p95 {r.p95_ms}  p99 {r.p99_ms}  (send lag p99 {r.send_lag_p99_ms} ms)",  # type: ignore[attr-defined]
+        f"by method {r.by_method}  errors {r.errors or 'none'}",  # type: ignore[attr-defined]
+    ]
+    if sys.stdout.isatty():
+        from rich.console import Console
+
+        Console().print("\n".join(lines), highlight=True)
+    else:
+        click.echo("\n".join(lines))
