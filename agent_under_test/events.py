@@ -12,10 +12,12 @@ import json
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from agent_under_test.clock import Clock
 
 EVENT_TYPES = ("period", "limiter", "alert", "tier")
+Event = dict[str, Any]
 
 
 class EventLog:
@@ -23,23 +25,23 @@ class EventLog:
 
     def __init__(self, clock: Clock, max_events: int = 100_000) -> None:
         self._clock = clock
-        self._events: deque[dict[str, object]] = deque(maxlen=max_events)
+        self._events: deque[Event] = deque(maxlen=max_events)
         self._seq = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._listeners: list[Callable[[dict[str, object]], None]] = []
+        self._listeners: list[Callable[[Event], None]] = []
 
     @property
     def last_seq(self) -> int:
         return self._seq
 
-    def emit(self, kind: str, fields: dict[str, object], mono: float | None = None) -> dict[str, object]:
+    def emit(self, kind: str, fields: dict[str, object], mono: float | None = None) -> Event:
         """Append one event of `kind`; `mono` defaults to the clock's now. Returns the event."""
         if kind not in EVENT_TYPES:
             raise ValueError(f"unknown event type {kind!r}")
         with self._cond:
             self._seq += 1
-            event: dict[str, object] = {"seq": self._seq, "ts": self._clock.wall(),
+            event: Event = {"seq": self._seq, "ts": self._clock.wall(),
                                         "mono": self._clock.now() if mono is None else mono, "type": kind}
             event.update(fields)
             self._events.append(event)
@@ -52,17 +54,17 @@ class EventLog:
                 pass
         return event
 
-    def add_listener(self, listener: Callable[[dict[str, object]], None]) -> None:
+    def add_listener(self, listener: Callable[[Event], None]) -> None:
         """Call `listener(event)` after each append (errors in it are swallowed)."""
         with self._cond:
             self._listeners.append(listener)
 
-    def since(self, seq: int = 0, kind: str | None = None) -> list[dict[str, object]]:
+    def since(self, seq: int = 0, kind: str | None = None) -> list[Event]:
         """Events with seq > `seq` still held, oldest first, optionally of one `kind`."""
         with self._cond:
             return [e for e in self._events if int(e["seq"]) > seq and (kind is None or e["type"] == kind)]
 
-    def wait_after(self, seq: int, timeout: float) -> list[dict[str, object]]:
+    def wait_after(self, seq: int, timeout: float) -> list[Event]:
         """Block up to `timeout` s for events after `seq`; [] on timeout or once the log is closed."""
         with self._cond:
             if self._seq <= seq and not self._closed:
@@ -80,6 +82,6 @@ class EventLog:
         return self._closed
 
 
-def to_line(event: dict[str, object]) -> bytes:
+def to_line(event: Event) -> bytes:
     """One event as a JSON line."""
     return (json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n").encode()

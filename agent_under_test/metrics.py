@@ -4,6 +4,7 @@
     GET /events?since=SEQ&follow=1   chunked JSON lines: events after SEQ, then new ones as they happen
     GET /events?follow=0         what exists now, then close
     GET /healthz                 "ok"
+    POST /threshold?p99_ms=20    change the P99 threshold from the next period on (tests, chaos runs)
 
 The server is stdlib `ThreadingHTTPServer` in a daemon thread: one thread per streaming reader, and
 nothing of it on the request path.
@@ -13,11 +14,19 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from agent_under_test.events import EventLog, to_line
 
@@ -95,6 +104,23 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"try /metrics, /events, /healthz\n")
 
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        url = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(min(length, 65536))   # drain a body we do not use
+        if url.path != "/threshold" or self.server.set_threshold is None:
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"POST /threshold?p99_ms=MS\n")
+            return
+        try:
+            ms = float(parse_qs(url.query)["p99_ms"][0])
+            self.server.set_threshold(ms)
+        except (KeyError, ValueError) as exc:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8",
+                       f"need ?p99_ms=<positive number>: {exc}\n".encode())
+            return
+        self._send(HTTPStatus.OK, "application/json", b'{"p99_threshold_ms": %s}\n' % repr(ms).encode())
+
     def _send(self, status: HTTPStatus, ctype: str, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -138,9 +164,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], metrics: Metrics, events: EventLog) -> None:
+    def __init__(self, addr: tuple[str, int], metrics: Metrics, events: EventLog,
+                 set_threshold: Callable[[float], None] | None) -> None:
         self.metrics = metrics
         self.events = events
+        self.set_threshold = set_threshold
         self.stopping = threading.Event()
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
@@ -150,8 +178,9 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     """The endpoint in a daemon thread. `url` is "http://host:port" once started (port 0: any free)."""
 
-    def __init__(self, host: str, port: int, metrics: Metrics, events: EventLog) -> None:
-        self._server = _Server((host, port), metrics, events)
+    def __init__(self, host: str, port: int, metrics: Metrics, events: EventLog,
+                 set_threshold: Callable[[float], None] | None = None) -> None:
+        self._server = _Server((host, port), metrics, events, set_threshold)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="agent-metrics", daemon=True)
         bound_host, bound_port = self._server.server_address[:2]

@@ -12,8 +12,10 @@ All decisions happen in `tick(now)` and the hooks, under one lock, with time pas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
+from collections.abc import Callable
 
 from agent_under_test.alerts import AlertSet, Transition
 from agent_under_test.clock import Clock, MonotonicClock
@@ -125,6 +127,20 @@ class ProtectionGuard:
         self.events.emit("tier", change.event_fields(), mono=mono)
         self.metrics.set_tier(change.to_tier)
 
+    def set_threshold(self, threshold_ms: float) -> None:
+        """Change the P99 threshold from the next period on (e.g. to restore it after a test lowered it).
+
+        The latency histogram keeps its bucket edge at the threshold it started with (Prometheus
+        buckets are fixed for a process). Raises ValueError for a threshold that is not positive."""
+        if not threshold_ms > 0:
+            raise ValueError("the P99 threshold must be positive")
+        with self._lock:
+            self.config = dataclasses.replace(self.config, p99_threshold_ms=threshold_ms)
+            settings = getattr(self.limiter, "s", None)
+            if isinstance(settings, LimiterSettings):
+                self.limiter.s = dataclasses.replace(settings, threshold_ms=threshold_ms)  # type: ignore[attr-defined]
+        self.metrics.threshold.set(threshold_ms / 1000.0)
+
     @property
     def tier(self) -> str:
         return self.tiers.tier
@@ -141,7 +157,7 @@ class ProtectionGuard:
         if self._ticker is not None:
             return
         if self.config.metrics_port is not None:
-            self._server = _bind(self.config, self.metrics, self.events)
+            self._server = _bind(self.config, self.metrics, self.events, self.set_threshold)
             self._server.start()
             self.metrics_url = self._server.url
         with self._lock:
@@ -169,11 +185,12 @@ class ProtectionGuard:
             self._server = None
 
 
-def _bind(config: GuardConfig, metrics: Metrics, events: EventLog) -> MetricsServer:
+def _bind(config: GuardConfig, metrics: Metrics, events: EventLog,
+          set_threshold: Callable[[float], None]) -> MetricsServer:
     from agent_under_test.errors import ServeError
 
     try:
-        return MetricsServer(config.metrics_host, int(config.metrics_port or 0), metrics, events)
+        return MetricsServer(config.metrics_host, int(config.metrics_port or 0), metrics, events, set_threshold)
     except OSError as exc:
         raise ServeError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}; "
                          "pick a free --metrics-port (0 = any free port)") from exc

@@ -7,14 +7,14 @@ import pytest
 from agent_under_test.alerts import AlertMachine, AlertSet, ratio_verdict
 from agent_under_test.monitor import classify, summary_from_values
 
-B, H, I = "breaching", "healthy", "insufficient"
+B, H, INSUF = "breaching", "healthy", "insufficient"
 
 
 def run(machine: AlertMachine, verdicts: str) -> list[tuple[int, str, str]]:
     """Feed verdicts (B/H/I letters, period numbers from 1); return (period, from, to) transitions."""
     out = []
     for n, letter in enumerate(verdicts, 1):
-        t = machine.observe({"B": B, "H": H, "I": I}[letter], n)
+        t = machine.observe({"B": B, "H": H, "I": INSUF}[letter], n)
         if t is not None:
             out.append((t.period, t.from_state, t.to_state))
     return out
@@ -55,7 +55,7 @@ def test_bad_settings_are_refused():
 
 
 def test_period_verdicts_threshold_and_minimum_samples():
-    assert classify(19, 50.0, 20.0, 20) == I
+    assert classify(19, 50.0, 20.0, 20) == INSUF
     assert classify(20, 20.0, 20.0, 20) == H       # at the threshold is not above it
     assert classify(20, 20.5, 20.0, 20) == B
     s = summary_from_values(1, 0.0, 1.0, [1.0] * 98 + [30.0, 30.0], threshold_ms=20.0, min_samples=20)
@@ -67,7 +67,7 @@ def test_period_verdicts_threshold_and_minimum_samples():
 def test_error_ratio_above_half_a_percent_breaches():
     assert ratio_verdict(5, 1000, 0.005, 20) == H          # exactly 0.5 % is not above it
     assert ratio_verdict(6, 1000, 0.005, 20) == B
-    assert ratio_verdict(5, 10, 0.005, 20) == I
+    assert ratio_verdict(5, 10, 0.005, 20) == INSUF
 
 
 def test_alert_set_runs_the_golden_signals_with_the_same_mechanism():
