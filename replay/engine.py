@@ -42,7 +42,8 @@ class ReplayOptions:
     timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
     lookahead_s: how far ahead of now the plan is read (bounds memory).
     start_at_ns: t0 on the clock (workers pass a shared one); None: now.
-    compare: a `replay.compare.Comparer` to check responses against recorded ones, or None.
+    compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
+        against recorded ones, or None.
     """
 
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
@@ -117,6 +118,9 @@ class ReplayRun:
 
     async def run_async(self) -> None:
         """The run itself, for callers that already have an event loop."""
+        from replay.compare import CompareSpec
+        if isinstance(self.options.compare, CompareSpec):
+            self.options.compare = self.options.compare.build(self.target)
         plan = self._open_plan()
         try:
             self.t0_ns = self.options.start_at_ns or self.clock.now_ns()

@@ -102,8 +102,10 @@ class EchoServer:
     stops it at once mid-run (the target dying).
     """
 
-    def __init__(self, delay_s: float = 0.0, reject_every: int = 0, port: int = 0) -> None:
+    def __init__(self, delay_s: float = 0.0, reject_every: int = 0, port: int = 0,
+                 reflection: bool = False) -> None:
         self.delay_s, self.reject_every, self.port = delay_s, reject_every, port
+        self.reflection = reflection
         self.received: list[tuple[int, str, int]] = []
         self.metadata: list[dict[str, str]] = []
         self._rng = random.Random(1)
@@ -145,6 +147,12 @@ class EchoServer:
             "Decide": grpc.unary_unary_rpc_method_handler(self._decide),
             "DecideStream": grpc.stream_stream_rpc_method_handler(self._decide_stream)})
         server.add_generic_rpc_handlers((handler,))
+        if self.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            from agent_under_test.proto import agent_pb2  # registers the service in the default pool
+            reflection.enable_server_reflection(
+                (agent_pb2.DESCRIPTOR.services_by_name["TradingAgent"].full_name, reflection.SERVICE_NAME), server)
         self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         await server.start()
         self._ready.set()

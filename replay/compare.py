@@ -1,0 +1,207 @@
+"""The shadow check: replayed responses against recorded ones, by status, bytes and protobuf field.
+
+    recorded Call (status, response bytes) --+
+                                             +--> Comparer.compare -> ["status: 0 != 8", "confidence", ...]
+    replayed SendOutcome (code, bytes) ------+        |
+                                                      v  summary(): by method {compared, mismatched, fields}
+
+Field-by-field needs the method's output type: from server reflection (`descriptors_from_reflection`)
+or from generated modules / a protoset file (`descriptors_from_modules`, `descriptors_from_file`).
+Without one, differing bytes are one mismatch, "bytes". Noisy fields are ignored by glob on their
+path ("server_latency_ns", "stages*", "*.ts_ns").
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
+
+from replay.errors import CompareError
+from replay.schedule import PlannedCall
+from replay.senders import SendOutcome
+
+
+class Descriptors:
+    """Output message classes by full method name, looked up lazily in a descriptor pool."""
+
+    def __init__(self, pool: descriptor_pool.DescriptorPool) -> None:
+        self.pool = pool
+        self._cache: dict[str, type[Message] | None] = {}
+
+    def output_class(self, method: str | None) -> type[Message] | None:
+        if not method:
+            return None
+        if method not in self._cache:
+            self._cache[method] = self._lookup(method)
+        return self._cache[method]
+
+    def _lookup(self, method: str) -> type[Message] | None:
+        service, _, name = method.strip("/").rpartition("/")
+        try:
+            desc = self.pool.FindServiceByName(service).FindMethodByName(name)
+        except KeyError:
+            return None
+        return None if desc is None else message_factory.GetMessageClass(desc.output_type)
+
+
+def descriptors_from_modules(*modules: str) -> Descriptors:
+    """Descriptors from generated `_pb2` modules (their files land in the default pool on import)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise CompareError(f"cannot import descriptor module {name}: {exc}") from exc
+    return Descriptors(descriptor_pool.Default())
+
+
+def descriptors_from_file(path: str | Path) -> Descriptors:
+    """Descriptors from a protoset (`protoc --include_imports --descriptor_set_out=FILE`)."""
+    try:
+        fds = descriptor_pb2.FileDescriptorSet.FromString(Path(path).read_bytes())
+    except (OSError, DecodeError) as exc:
+        raise CompareError(f"cannot read descriptor set {path}: {exc}; make one with protoc "
+                           f"--include_imports --descriptor_set_out") from exc
+    pool = descriptor_pool.DescriptorPool()
+    for f in fds.file:
+        pool.Add(f)
+    return Descriptors(pool)
+
+
+def descriptors_from_reflection(target: str, timeout_s: float = 5.0) -> Descriptors:
+    """Descriptors fetched from the target's server reflection (looked up per method, on demand).
+
+    Raises CompareError when the target does not answer reflection."""
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = db.get_services()
+    except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+        channel.close()
+        raise CompareError(f"{target} does not answer server reflection ({exc!r}); pass --descriptors "
+                           f"FILE.protoset or compare bytes only") from exc
+    pool = descriptor_pool.DescriptorPool(db)
+    for s in services:  # fetch now, while the channel is known good; the run needs no reflection
+        pool.FindServiceByName(s)
+    return Descriptors(pool)
+
+
+def field_diff(a: Message, b: Message, prefix: str = "") -> list[str]:
+    """Paths of fields that differ between two messages of one type (recursing into messages)."""
+    out: list[str] = []
+    for fd in a.DESCRIPTOR.fields:
+        path = prefix + fd.name
+        va, vb = getattr(a, fd.name), getattr(b, fd.name)
+        is_msg = fd.message_type is not None and not fd.message_type.GetOptions().map_entry
+        if is_msg and not fd.is_repeated:
+            out += field_diff(va, vb, path + ".") if va != vb else []
+        elif is_msg:
+            if len(va) != len(vb):
+                out.append(f"{path}[len]")
+            out += [d for i, (x, y) in enumerate(zip(va, vb)) for d in field_diff(x, y, f"{path}[{i}].")]
+        elif va != vb:
+            out.append(path)
+    return out
+
+
+class Comparer:
+    """Compare each replayed call with its recording and keep a summary by method.
+
+    Args:
+        descriptors: message types for field-by-field comparison, or None for bytes only.
+        ignore: glob patterns on field paths that never count ("server_latency_ns", "stages*").
+    """
+
+    def __init__(self, descriptors: Descriptors | None = None, ignore: Iterable[str] = ()) -> None:
+        self.descriptors = descriptors
+        self.ignore = tuple(ignore)
+        self._by_method: dict[str, dict[str, Any]] = defaultdict(
+            lambda: {"compared": 0, "mismatched": 0, "fields": Counter()})
+
+    def _ignored(self, path: str) -> bool:
+        bare = path.replace("[", ".[").split(".")
+        plain = ".".join(p for p in bare if not p.startswith("["))
+        return any(fnmatch.fnmatch(path, g) or fnmatch.fnmatch(plain, g) for g in self.ignore)
+
+    def compare(self, planned: PlannedCall, outcome: SendOutcome) -> list[str]:
+        """Mismatches of one call (empty when it matches); counted into the summary."""
+        diffs: list[str] = []
+        if planned.expected_status is not None and outcome.status is not None \
+                and planned.expected_status != outcome.status:
+            diffs.append(f"status: {planned.expected_status} != {outcome.status}")
+        elif planned.expected_responses and outcome.outcome == "ok":
+            diffs += self._responses(planned, outcome.responses)
+        entry = self._by_method[planned.method or "?"]
+        entry["compared"] += 1
+        entry["mismatched"] += bool(diffs)
+        entry["fields"].update(d.split(":")[0] for d in diffs)
+        return diffs
+
+    def _responses(self, planned: PlannedCall, got: list[bytes]) -> list[str]:
+        want = planned.expected_responses
+        diffs = [f"responses: {len(want)} != {len(got)}"] if len(want) != len(got) else []
+        cls = self.descriptors.output_class(planned.method) if self.descriptors else None
+        for w, g in zip(want, got, strict=False):
+            if w == g:
+                continue
+            if cls is None:
+                diffs.append("bytes")
+                continue
+            try:
+                paths = field_diff(cls.FromString(w), cls.FromString(g))
+            except DecodeError:
+                diffs.append("bytes (not a valid message)")
+                continue
+            diffs += [p for p in paths if not self._ignored(p) and p not in diffs]
+        return diffs
+
+    def summary(self) -> dict[str, Any]:
+        """{'total': n, 'by_method': {method: {compared, mismatched, fields: {path: n}}}}."""
+        by = {m: {**e, "fields": dict(e["fields"].most_common())} for m, e in sorted(self._by_method.items())}
+        return {"total": sum(e["mismatched"] for e in by.values()), "by_method": by}
+
+    @staticmethod
+    def merge_summaries(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        """Merge summaries from worker processes."""
+        by: dict[str, dict[str, Any]] = {}
+        for part in parts:
+            for m, e in part.get("by_method", {}).items():
+                cur = by.setdefault(m, {"compared": 0, "mismatched": 0, "fields": Counter()})
+                cur["compared"] += e["compared"]
+                cur["mismatched"] += e["mismatched"]
+                cur["fields"].update(e["fields"])
+        by = {m: {**e, "fields": dict(e["fields"].most_common())} for m, e in sorted(by.items())}
+        return {"total": sum(e["mismatched"] for e in by.values()), "by_method": by}
+
+
+class CompareSpec:
+    """A picklable recipe for a Comparer (worker processes each build their own).
+
+    source: "reflection" (ask the target), "bytes" (no descriptors), a protoset path ending in
+    .protoset/.pb, or comma-separated module names ("agent_under_test.proto.agent_pb2").
+    """
+
+    def __init__(self, source: str = "reflection", ignore: Iterable[str] = ()) -> None:
+        self.source, self.ignore = source, tuple(ignore)
+
+    def build(self, target: str) -> Comparer:
+        """Raises CompareError when the descriptors cannot be had."""
+        if self.source == "bytes":
+            desc = None
+        elif self.source == "reflection":
+            desc = descriptors_from_reflection(target)
+        elif self.source.endswith((".protoset", ".pb", ".desc")):
+            desc = descriptors_from_file(self.source)
+        else:
+            desc = descriptors_from_modules(*self.source.split(","))
+        return Comparer(desc, self.ignore)

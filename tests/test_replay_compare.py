@@ -1,0 +1,52 @@
+"""Response comparison against recorded responses: reflection, field paths, ignores, status, bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.compare import CompareSpec, field_diff
+from replay.engine import ReplayOptions, ReplayRun
+from replay.errors import CompareError
+from replay.testing import DECIDE, EchoServer, write_unary_recording
+
+MS = 1_000_000
+
+
+def _replay(path: Path, server: EchoServer, spec: CompareSpec) -> dict:
+    rep = ReplayRun(path, server.address, ReplayOptions(compare=spec)).run()
+    assert rep.invariant_ok
+    return rep.mismatches
+
+
+def test_fields_by_reflection_with_and_without_ignores(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 2 * MS for i in range(20)])
+    with EchoServer(reflection=True) as server:
+        noisy = _replay(tmp_path / "r.rec", server, CompareSpec("reflection"))
+        quiet = _replay(tmp_path / "r.rec", server, CompareSpec("reflection", ignore=["server_latency_ns"]))
+    # the echo server answers a random server_latency_ns; everything else matches the recording
+    assert noisy["by_method"][DECIDE] == {"compared": n, "mismatched": n, "fields": {"server_latency_ns": n}}
+    assert quiet["total"] == 0 and quiet["by_method"][DECIDE]["compared"] == n
+
+
+def test_status_and_bytes_only(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 2 * MS for i in range(20)])
+    with EchoServer(reject_every=5) as server:
+        summary = _replay(tmp_path / "r.rec", server, CompareSpec("bytes"))
+    fields = summary["by_method"][DECIDE]["fields"]
+    assert fields == {"status": n // 5, "bytes": n - n // 5}
+
+
+def test_reflection_missing_is_a_clear_error(tmp_path: Path) -> None:
+    write_unary_recording(tmp_path / "r.rec", [0])
+    with EchoServer() as server, pytest.raises(CompareError, match="reflection"):
+        ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(compare=CompareSpec("reflection"))).run()
+
+
+def test_field_diff_recurses_and_indexes_repeated() -> None:
+    from agent_under_test.proto import agent_pb2
+    a = agent_pb2.Decision(sequence_id=1, stages=[agent_pb2.StageTiming(stage="parse", ns=1)])
+    b = agent_pb2.Decision(sequence_id=2, stages=[agent_pb2.StageTiming(stage="parse", ns=5),
+                                                  agent_pb2.StageTiming(stage="risk", ns=1)])
+    assert field_diff(a, b) == ["sequence_id", "stages[len]", "stages[0].ns"]
