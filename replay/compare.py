@@ -108,7 +108,7 @@ def field_diff(a: Message, b: Message, prefix: str = "") -> list[str]:
         elif is_msg:
             if len(va) != len(vb):
                 out.append(f"{path}[len]")
-            out += [d for i, (x, y) in enumerate(zip(va, vb)) for d in field_diff(x, y, f"{path}[{i}].")]
+            out += [d for i, (x, y) in enumerate(zip(va, vb, strict=False)) for d in field_diff(x, y, f"{path}[{i}].")]
         elif va != vb:
             out.append(path)
     return out
