@@ -1,0 +1,13 @@
+"""An asyncio proxy that speaks Toxiproxy 2.x's HTTP API, plus call-level HTTP/2 (gRPC) toxics.
+
+    client --> [listener] --> Link(upstream):   chunk -> toxic -> toxic -> writer --> upstream service
+    client <-- [writer]   <-- Link(downstream): chunk <- toxic <- toxic <- reader <-- upstream service
+
+Every chunk carries its arrival time, so a latency toxic sleeps `delay - age` and never reorders.
+Public face: `faults.proxy.EmbeddedToxiproxy` (in-process, own thread and loop) and
+`faults.proxy.spawn_proxy_server` (a subprocess); both serve the same HTTP API.
+"""
+
+from faults.proxy.server import EmbeddedToxiproxy, ProxyProcess, ToxicApplied, spawn_proxy_server
+
+__all__ = ["EmbeddedToxiproxy", "ProxyProcess", "ToxicApplied", "spawn_proxy_server"]

@@ -1,0 +1,293 @@
+"""Call-level toxics for HTTP/2 and gRPC: delay or fail a share of calls on one shared connection.
+
+Toxiproxy's toxics act on whole connections, and gRPC multiplexes every call onto one, so a
+connection fault is all or nothing. The tap follows the HTTP/2 frames of an h2 connection from its
+first byte (HPACK is stateful, so it must) and, per new call, asks the call toxics for a fate:
+
+    client --frames--> tap.feed_up --+--> HEADERS always forwarded (the server's HPACK table must stay in step)
+                                     +--> DATA of a delayed call held until `delay` after its HEADERS
+                                     +--> failed call: RST_STREAM(CANCEL) to the server, its DATA dropped
+                                          (and given back to the client as a connection WINDOW_UPDATE)
+    client <--frames-- tap.feed_down <-- trailers-only HEADERS (grpc-status) injected at a frame boundary,
+                                         encoded without touching the client's HPACK dynamic table
+
+A request whose HEADERS carry END_STREAM (no body) cannot be delayed (nothing can be held without
+breaking HPACK order); gRPC requests always have a body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import hpack
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_DATA, _HEADERS, _RST, _WINDOW_UPDATE, _CONTINUATION = 0, 1, 3, 8, 9
+_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
+_CANCEL = 0x8
+
+
+def frame(ftype: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    """One serialized HTTP/2 frame."""
+    return struct.pack(">I", len(payload))[1:] + bytes((ftype, flags)) + struct.pack(">I", stream_id) + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_trailers_only(status: int, message: str) -> bytes:
+    """HPACK block for a gRPC trailers-only response that never touches the dynamic table.
+
+    `:status: 200` is static index 8; every other field is "literal never indexed" with a literal
+    name, so the client's decoder state is exactly as the server left it.
+    """
+    block = bytearray(b"\x88")
+    for name, value in ((b"content-type", b"application/grpc"), (b"grpc-status", str(status).encode()),
+                        (b"grpc-message", quote(message, safe=" ").encode())):
+        block += b"\x10" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
+    return bytes(block)
+
+
+@dataclass
+class CallRule:
+    """One call toxic as this connection sees it (toxicity already drawn)."""
+
+    kind: str  # "delay" | "error"
+    attrs: dict[str, Any]
+
+    def matches(self, path: str) -> bool:
+        want = str(self.attrs.get("method") or "")
+        return not want or path == want or path == "/" + want.lstrip("/") or path.endswith("/" + want)
+
+
+@dataclass
+class _Fate:
+    delay_s: float = 0.0
+    error: tuple[int, str] | None = None
+    released: bool = False
+    failed: bool = False
+    held: list[bytes] = field(default_factory=list)
+    held_flow: int = 0
+
+
+class H2Tap:
+    """Frame-aware filter between a connection's sockets and its two links (see module doc)."""
+
+    def __init__(self, push_up: Callable[[bytes], None], push_down: Callable[[bytes], None],
+                 rules: Callable[[], list[CallRule]], rng: random.Random) -> None:
+        self._push_up, self._push_down, self._rules, self._rng = push_up, push_down, rules, rng
+        self._up = bytearray()
+        self._preface_left = len(PREFACE)
+        self._decoder = hpack.Decoder()
+        self._decoder.max_allowed_table_size = 1 << 20
+        self._block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) until END_HEADERS
+        self._max_stream = 0
+        self._fates: dict[int, _Fate] = {}
+        self._d_hdr = bytearray()
+        self._d_left = 0
+        self._d_in_block = False
+        self._inject: list[bytes] = []
+        self.broken = False
+        self.calls_seen = 0
+        self.calls_delayed = 0
+        self.calls_failed = 0
+
+    # --- client -> server -------------------------------------------------------------------
+    def feed_up(self, data: bytes) -> None:
+        if self.broken:
+            return self._push_up(data)
+        if self._preface_left:
+            n = min(self._preface_left, len(data))
+            self._preface_left -= n
+            self._push_up(data[:n])
+            data = data[n:]
+        self._up += data
+        out: list[bytes] = []
+        pos, buf = 0, self._up
+        while len(buf) - pos >= 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            end = pos + 9 + length
+            if len(buf) < end:
+                break
+            self._on_up_frame(bytes(buf[pos:end]), out)
+            pos = end
+        del buf[:pos]
+        if out:
+            self._push_up(b"".join(out))
+
+    def flush_up(self) -> None:
+        """The client closed: pass on any partial frame as it is."""
+        if self._up:
+            self._push_up(bytes(self._up))
+            self._up.clear()
+
+    def _on_up_frame(self, raw: bytes, out: list[bytes]) -> None:
+        ftype, flags = raw[3], raw[4]
+        sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
+        if ftype in (_HEADERS, _CONTINUATION):
+            out.append(raw)
+            return self._on_header_fragment(ftype, flags, sid, raw[9:], out)
+        fate = self._fates.get(sid) if sid else None
+        if fate is None:
+            out.append(raw)
+        elif ftype == _RST and not fate.failed:  # the client gave up on a delayed call: drop what we held
+            fate.failed = True
+            fate.held.clear()
+            self._give_back_window(fate)
+            out.append(raw)
+        elif fate.failed or (ftype == _DATA and not fate.released):
+            if ftype == _DATA:
+                fate.held_flow += len(raw) - 9
+                if not fate.failed:
+                    fate.held.append(raw)
+                else:
+                    self._give_back_window(fate)
+        else:
+            out.append(raw)
+
+    def _on_header_fragment(self, ftype: int, flags: int, sid: int, payload: bytes, out: list[bytes]) -> None:
+        if ftype == _HEADERS:
+            pad = payload[0] if flags & _PADDED else 0
+            start = (1 if flags & _PADDED else 0) + (5 if flags & _PRIORITY else 0)
+            self._block = (sid, flags, bytearray(payload[start:len(payload) - pad]))
+        elif self._block is not None:
+            self._block[2].extend(payload)
+        if self._block is None or not flags & _END_HEADERS:
+            return
+        sid, first_flags, block = self._block
+        self._block = None
+        try:
+            headers = self._decoder.decode(bytes(block), raw=True)
+        except Exception as exc:  # noqa: BLE001 - never break the connection: stop tapping instead
+            log.warning("HPACK decode failed (%s); call-level toxics off for this connection", exc)
+            self.broken = True
+            return
+        if sid > self._max_stream and sid % 2 == 1:
+            self._max_stream = sid
+            self._new_call(sid, headers, bool(first_flags & _END_STREAM), out)
+
+    def _new_call(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool, out: list[bytes]) -> None:
+        self.calls_seen += 1
+        path = next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
+        fate = _Fate()
+        for rule in self._rules():
+            if not rule.matches(path) or self._rng.random() >= float(rule.attrs.get("share", 1.0)):
+                continue
+            if rule.kind == "delay":
+                jitter = int(rule.attrs.get("jitter", 0))
+                extra = self._rng.randrange(2 * jitter) - jitter if jitter > 0 else 0
+                fate.delay_s += max(0, int(rule.attrs.get("delay", 0)) + extra) / 1000.0
+            elif fate.error is None:
+                fate.error = (int(rule.attrs.get("status", 14)), str(rule.attrs.get("message", "")))
+        if fate.delay_s <= 0 and fate.error is None:
+            return
+        self._fates[sid] = fate
+        if fate.error is not None:
+            self.calls_failed += 1
+        if fate.delay_s > 0 and not ended:
+            self.calls_delayed += 1
+            asyncio.get_running_loop().call_later(fate.delay_s, self._release, sid)
+        elif fate.error is not None:
+            self._fail(sid, fate, out)
+        else:
+            del self._fates[sid]
+
+    def _release(self, sid: int) -> None:
+        fate = self._fates.get(sid)
+        if fate is None:
+            return
+        if fate.error is not None:
+            return self._fail(sid, fate, None)
+        fate.released = True
+        if fate.held:
+            self._push_up(b"".join(fate.held))
+            fate.held.clear()
+        del self._fates[sid]
+
+    def _fail(self, sid: int, fate: _Fate, out: list[bytes] | None) -> None:
+        fate.failed = True
+        fate.held.clear()
+        rst = frame(_RST, 0, sid, struct.pack(">I", _CANCEL))
+        if out is not None:
+            out.append(rst)
+        else:
+            self._push_up(rst)
+        self._give_back_window(fate)
+        status, message = fate.error or (14, "")
+        self.inject_down(frame(_HEADERS, _END_STREAM | _END_HEADERS, sid, encode_trailers_only(status, message)))
+
+    def _give_back_window(self, fate: _Fate) -> None:
+        # The server never sees these bytes, so it never returns their flow-control window: we do.
+        if fate.held_flow > 0:
+            self.inject_down(frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", fate.held_flow)))
+            fate.held_flow = 0
+
+    # --- server -> client -------------------------------------------------------------------
+    def inject_down(self, raw: bytes) -> None:
+        """Queue a frame for the client; it goes out at the next frame boundary of the server's stream."""
+        self._inject.append(raw)
+        if self._at_boundary():
+            self._flush_inject()
+
+    def _at_boundary(self) -> bool:
+        return not self._d_left and not self._d_hdr and not self._d_in_block
+
+    def _flush_inject(self) -> None:
+        if self._inject:
+            self._push_down(b"".join(self._inject))
+            self._inject.clear()
+
+    def feed_down(self, data: bytes) -> None:
+        """Forward the server's bytes at once, tracking frame boundaries for injections."""
+        start, i, n = 0, 0, len(data)
+        while i < n:
+            if self._d_left:
+                take = min(self._d_left, n - i)
+                i += take
+                self._d_left -= take
+            else:
+                need = 9 - len(self._d_hdr)
+                self._d_hdr += data[i:i + need]
+                i += min(need, n - i)
+                if len(self._d_hdr) == 9:
+                    self._on_down_header(bytes(self._d_hdr))
+                    self._d_hdr.clear()
+            if self._inject and self._at_boundary():
+                self._push_down(data[start:i])
+                start = i
+                self._flush_inject()
+        if start < n:
+            self._push_down(data[start:] if start else data)
+
+    def sync_down(self, data: bytes) -> None:
+        """Account for server bytes forwarded before the tap existed."""
+        saved, self._push_down = self._push_down, lambda _b: None
+        try:
+            self.feed_down(data)
+        finally:
+            self._push_down = saved
+
+    def _on_down_header(self, hdr: bytes) -> None:
+        self._d_left = int.from_bytes(hdr[:3], "big")
+        ftype, flags = hdr[3], hdr[4]
+        if ftype in (_HEADERS, 5, _CONTINUATION):  # 5 = PUSH_PROMISE: a header block too
+            self._d_in_block = not flags & _END_HEADERS

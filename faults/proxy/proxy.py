@@ -1,0 +1,293 @@
+"""A proxy (listener -> upstream) and the connections it carries, each with two toxic links."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import struct
+from typing import Any
+
+from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
+from faults.proxy.h2tap import PREFACE, CallRule, H2Tap
+from faults.proxy.link import Link
+from faults.proxy.model import ApiError, ToxicSpec
+
+log = logging.getLogger(__name__)
+_EARLY_LIMIT = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    """'host:port', '[v6]:port' or ':port' -> (host, port); raises ValueError."""
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        raise ValueError(f"address {addr}: missing port")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port or 0)
+
+
+class _Side(asyncio.Protocol):
+    def __init__(self, proxy: Proxy | None, conn: Connection | None, role: str) -> None:
+        self.proxy, self.conn, self.role = proxy, conn, role
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.role == "client":
+            assert self.proxy is not None
+            transport.pause_reading()  # type: ignore[attr-defined]
+            self.conn = Connection(self.proxy, transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.on_data(self.role, data)
+
+    def eof_received(self) -> bool:
+        if self.conn is not None:
+            self.conn.on_eof(self.role)
+        return True  # keep our write side open: the other direction may still be flowing
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.conn.on_lost(self.role)
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.dest_paused(self.role, True)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.dest_paused(self.role, False)
+
+
+class Connection:
+    """client <-> proxy <-> upstream, with `up` (client->upstream) and `down` links."""
+
+    def __init__(self, proxy: Proxy, client: asyncio.Transport) -> None:
+        self.proxy, self.client = proxy, client
+        self.loop = asyncio.get_running_loop()
+        self.rng = random.Random(proxy.rng.getrandbits(64))
+        self.upstream: asyncio.Transport | None = None
+        self.up: Link | None = None
+        self.down: Link | None = None
+        self.tap: H2Tap | None = None
+        self._proto_known = False
+        self._early_down: list[bytes] = []
+        self._pre: list[tuple[str, bytes | None]] = []
+        self._lost: set[str] = set()
+        self._ended: set[str] = set()
+        self._call_draws: dict[int, bool] = {}
+        self.closed = False
+        proxy.connections.add(self)
+        self._open_task = self.loop.create_task(self._open())
+
+    async def _open(self) -> None:
+        host, port = split_hostport(self.proxy.upstream)
+        try:
+            self.upstream, _ = await self.loop.create_connection(lambda: _Side(None, self, "upstream"), host, port)
+        except OSError as exc:
+            log.warning("proxy %s: upstream %s unreachable: %s", self.proxy.name, self.proxy.upstream, exc)
+            return self.close()
+        up_t, cl_t = self.upstream, self.client
+        self.up = Link(up_t.write, lambda k: self._end("upstream", k), lambda p: self._pause(cl_t, p), self.close)
+        self.down = Link(cl_t.write, lambda k: self._end("downstream", k), lambda p: self._pause(up_t, p),
+                         self.close)
+        self.up.build(self.proxy.stage_specs("upstream"), self.rng)
+        self.down.build(self.proxy.stage_specs("downstream"), self.rng)
+        for role, data in self._pre:
+            self.on_data(role, data) if data is not None else self.on_eof(role)
+        self._pre.clear()
+        if not self.closed:
+            cl_t.resume_reading()
+
+    @staticmethod
+    def _pause(transport: asyncio.Transport, paused: bool) -> None:
+        if transport.is_closing():
+            return
+        transport.pause_reading() if paused else transport.resume_reading()
+
+    # --- socket events --------------------------------------------------------------------------
+    def on_data(self, role: str, data: bytes) -> None:
+        if self.up is None or self.down is None:
+            self._pre.append((role, data))
+            return
+        if role == "client":
+            if not self._proto_known:
+                self._detect(data)
+            if self.tap is not None:
+                self.tap.feed_up(data)
+            else:
+                self.up.push(Chunk(data, self.loop.time()))
+            return
+        if not self._proto_known:
+            self._early_down.append(data)
+            if sum(map(len, self._early_down)) > _EARLY_LIMIT:
+                self._proto_known, self._early_down = True, []
+        if self.tap is not None:
+            self.tap.feed_down(data)
+        else:
+            self.down.push(Chunk(data, self.loop.time()))
+
+    def _detect(self, data: bytes) -> None:
+        self._proto_known = True
+        if data[:len(PREFACE)] == PREFACE[:len(data)]:
+            up, down = self.up, self.down
+            assert up is not None and down is not None
+            self.tap = H2Tap(lambda b: up.push(Chunk(b, self.loop.time())),
+                             lambda b: down.push(Chunk(b, self.loop.time())),
+                             self.call_rules, random.Random(self.rng.getrandbits(64)))
+            for early in self._early_down:
+                self.tap.sync_down(early)
+        self._early_down = []
+
+    def call_rules(self) -> list[CallRule]:
+        """The call toxics active on this connection (toxicity drawn once per connection and version)."""
+        rules = []
+        for spec in self.proxy.toxics:
+            if spec.toxic.stage:
+                continue
+            key = id(spec)
+            if key not in self._call_draws:
+                self._call_draws[key] = self.rng.random() < spec.toxicity
+            if self._call_draws[key]:
+                rules.append(CallRule("delay" if spec.type == "grpc_delay" else "error", spec.attributes))
+        return rules
+
+    def on_eof(self, role: str) -> None:
+        if self.up is None or self.down is None:
+            self._pre.append((role, None))
+            return
+        if role == "client":
+            if self.tap is not None:
+                self.tap.flush_up()
+            self.up.push(Chunk(b"", self.loop.time(), EOF))
+        else:
+            self.down.push(Chunk(b"", self.loop.time(), EOF))
+
+    def on_lost(self, role: str) -> None:
+        self._lost.add(role)
+        if not self.closed and self.up is not None:
+            self.on_eof(role)  # a reset or vanished peer ends its direction like an EOF
+        if len(self._lost) == 2 or (self.up is None and role == "client"):
+            self.close()
+
+    def dest_paused(self, role: str, paused: bool) -> None:
+        link = self.down if role == "client" else self.up
+        if link is not None:
+            link.set_dest_paused(paused)
+
+    # --- ends -----------------------------------------------------------------------------------
+    def _end(self, direction: str, kind: int) -> None:
+        if kind == RESET:
+            return self.reset()
+        if kind == CLOSE:
+            return self.close()
+        dest = self.upstream if direction == "upstream" else self.client
+        if dest is not None and not dest.is_closing() and dest.can_write_eof():
+            try:
+                dest.write_eof()
+            except OSError:
+                pass
+        self._ended.add(direction)
+        if len(self._ended) == 2:
+            self.close()
+
+    def close(self) -> None:
+        """Close both sockets (buffered bytes are still flushed) and stop the links."""
+        if self.closed:
+            return
+        self.closed = True
+        for t in (self.client, self.upstream):
+            if t is not None:
+                t.close()
+        for link in (self.up, self.down):
+            if link is not None:
+                link.stop()
+        self.proxy.connections.discard(self)
+
+    def reset(self) -> None:
+        """Abort both sockets with SO_LINGER 0, so each peer gets a TCP RST."""
+        for t in (self.client, self.upstream):
+            if t is None:
+                continue
+            sock = t.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            t.abort()
+        self.close()
+
+
+class Proxy:
+    """One named proxy: its listener, its toxics (in API order) and its live connections."""
+
+    def __init__(self, name: str, listen: str, upstream: str, rng: random.Random) -> None:
+        self.name, self.listen, self.upstream = name, listen, upstream
+        self.enabled = False
+        self.rng = rng
+        self.toxics: list[ToxicSpec] = []
+        self.connections: set[Connection] = set()
+        self._server: asyncio.Server | None = None
+
+    def to_json(self, with_toxics: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "listen": self.listen, "upstream": self.upstream,
+                               "enabled": self.enabled}
+        if with_toxics:
+            out["toxics"] = self.toxic_array()
+        return out
+
+    def toxic_array(self) -> list[dict[str, Any]]:
+        """Upstream toxics first, then downstream, each in the order added (as Toxiproxy lists them)."""
+        return [t.to_json() for d in ("upstream", "downstream") for t in self.toxics if t.stream == d]
+
+    def stage_specs(self, direction: str) -> list[ToxicSpec]:
+        return [t for t in self.toxics if t.stream == direction and t.toxic.stage]
+
+    def find(self, name: str) -> ToxicSpec | None:
+        return next((t for t in self.toxics if t.name == name), None)
+
+    async def start(self) -> None:
+        if self.enabled:
+            return
+        try:
+            host, port = split_hostport(self.listen)
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _Side(self, None, "client"), host, port, reuse_address=True)
+        except (OSError, ValueError) as exc:
+            raise ApiError(f"listen tcp {self.listen}: {exc}", 500) from exc
+        sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
+        self.listen = f"{sock_host}:{sock_port}" if ":" not in sock_host else f"[{sock_host}]:{sock_port}"
+        self.enabled = True
+
+    async def stop(self) -> None:
+        """Stop listening and close every connection (as Toxiproxy's disable does)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self.connections):
+            conn.close()
+        self.enabled = False
+
+    async def _each_link(self, direction: str, op: str, *args: Any) -> None:
+        links = [(c.up if direction == "upstream" else c.down) for c in list(self.connections)]
+        await asyncio.gather(*(getattr(link, op)(*args) for link in links if link is not None))
+
+    async def add_toxic(self, spec: ToxicSpec) -> None:
+        self.toxics.append(spec)
+        if spec.toxic.stage:
+            await self._each_link(spec.stream, "add", spec, self.rng)
+
+    async def update_toxic(self, spec: ToxicSpec) -> None:
+        i = next(i for i, t in enumerate(self.toxics) if t.name == spec.name)
+        self.toxics[i] = spec
+        if spec.toxic.stage:
+            await self._each_link(spec.stream, "update", spec)
+
+    async def remove_toxic(self, name: str) -> None:
+        spec = self.find(name)
+        if spec is None:
+            return
+        self.toxics.remove(spec)
+        if spec.toxic.stage:
+            await self._each_link(spec.stream, "remove", name)

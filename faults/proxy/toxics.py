@@ -1,0 +1,322 @@
+"""Toxics with Toxiproxy 2.x semantics, one small class each, registered by name.
+
+A toxic's `pipe(stub)` moves chunks from `stub.recv()` to `stub.send()` until the direction ends.
+`stub.send(piece, rest=...)` records what is still unsent, so an interrupted stage (a toxic added,
+removed or updated mid-stream) flushes exactly the unsent bytes downstream: nothing is dropped or
+duplicated. Connection-level toxics (the gRPC call toxics) set `stage = False`: they are consulted
+by the HTTP/2 tap per call instead of running as a stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, ClassVar, Protocol
+
+from faults.proxy.channel import CLOSE, DATA, EOF, RESET, Chunk
+
+
+class Stub(Protocol):
+    """What a toxic sees of its place in the chain (implemented by `link.Stage`)."""
+
+    rng: random.Random
+    state: Any
+
+    async def recv(self) -> Chunk: ...
+
+    async def send(self, chunk: Chunk, rest: Chunk | None = None) -> None: ...
+
+    def drop(self) -> None: ...
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class Toxic:
+    """Base class: `ATTRS` names each attribute with its default (its type is the default's type)."""
+
+    ATTRS: ClassVar[dict[str, Any]] = {}
+    GO_NAME: ClassVar[str] = "Toxic"
+    stage: ClassVar[bool] = True
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = dict(attrs)
+        for key, value in attrs.items():
+            setattr(self, key, value)
+
+    def new_state(self) -> Any:
+        return None
+
+    async def pipe(self, stub: Stub) -> None:
+        while True:
+            c = await stub.recv()
+            await stub.send(c)
+            if c.kind != DATA:
+                return
+
+
+REGISTRY: dict[str, type[Toxic]] = {}
+
+
+def register(name: str) -> Any:
+    """Class decorator: make a toxic available to the API under `name`."""
+
+    def deco(cls: type[Toxic]) -> type[Toxic]:
+        REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def parse_attributes(toxic_type: str, given: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Decode `attributes` the way Go's encoding/json does into the toxic's struct.
+
+    Unknown keys are ignored; a value of the wrong JSON type raises ValueError with Go's wording.
+    `base` holds current values (PATCH keeps what the body does not name).
+    """
+    cls = REGISTRY[toxic_type]
+    out = dict(cls.ATTRS if base is None else base)
+    if given is None:
+        return out
+    if not isinstance(given, dict):
+        raise ValueError(f"json: cannot unmarshal {_json_kind(given)} into Go struct field "
+                         f"ToxicWrapper.attributes of type toxics.{cls.GO_NAME}")
+    for key, value in given.items():
+        if key in cls.ATTRS:
+            out[key] = _coerce(cls, key, value)
+    return out
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "null")
+
+
+def _coerce(cls: type[Toxic], key: str, value: Any) -> Any:
+    want = type(cls.ATTRS[key])
+    if value is None:
+        return cls.ATTRS[key]  # Go leaves the field unchanged on null
+    ok = (want is str and isinstance(value, str)) or (
+        want in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool))
+    if want is int and ok and float(value) != int(value):
+        ok = False
+    if not ok:
+        go_type = {int: "int64", float: "float64", str: "string"}[want]
+        shown = _json_kind(value) if not isinstance(value, float) else f"number {value}"
+        raise ValueError(f"json: cannot unmarshal {shown} into Go struct field "
+                         f"{cls.GO_NAME}.attributes.{key} of type {go_type}")
+    return want(value)
+
+
+async def _forward_end(stub: Stub, c: Chunk) -> None:
+    await stub.send(c)
+
+
+@register("noop")
+class NoopToxic(Toxic):
+    GO_NAME = "NoopToxic"
+
+
+def latency_delay(rng: random.Random, latency_ms: int, jitter_ms: int) -> float:
+    """Seconds of delay for one chunk: latency +/- jitter, uniform in [latency-jitter, latency+jitter)."""
+    delay = latency_ms
+    if jitter_ms > 0:
+        delay += rng.randrange(jitter_ms * 2) - jitter_ms
+    return delay / 1000.0
+
+
+@register("latency")
+class LatencyToxic(Toxic):
+    """Each chunk leaves `latency +/- jitter` ms after it ARRIVED (delay - age): no backlog, no reordering."""
+
+    ATTRS = {"latency": 0, "jitter": 0}
+    GO_NAME = "LatencyToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        while True:
+            c = await stub.recv()
+            if c.kind != DATA:
+                return await _forward_end(stub, c)
+            wait = latency_delay(stub.rng, self.latency, self.jitter) - (stub.now() - c.t)
+            if wait > 0:
+                await stub.sleep(wait)
+            await stub.send(c)
+
+
+@register("bandwidth")
+class BandwidthToxic(Toxic):
+    """Limits the rate to `rate` KB/s (1 KB = 1000 bytes, as Toxiproxy); big chunks go in 100 ms slices."""
+
+    ATTRS = {"rate": 0}
+    GO_NAME = "BandwidthToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        debt = 0.0  # seconds we still owe; carries the sleep error from one chunk to the next
+        while True:
+            c = await stub.recv()
+            if c.kind != DATA:
+                return await _forward_end(stub, c)
+            if self.rate <= 0:
+                await stub.send(c)
+                continue
+            debt += len(c.data) / (self.rate * 1000.0)
+            data, step = c.data, self.rate * 100
+            while len(data) > step:
+                await stub.sleep(0.1)
+                piece, data = data[:step], data[step:]
+                await stub.send(Chunk(piece, c.t), rest=Chunk(data, c.t))
+                debt -= 0.1
+            start = stub.now()
+            await stub.sleep(debt)
+            debt -= stub.now() - start
+            await stub.send(Chunk(data, c.t))
+
+
+@register("slow_close")
+class SlowCloseToxic(Toxic):
+    """Passes data; delays the close (EOF) by `delay` ms."""
+
+    ATTRS = {"delay": 0}
+    GO_NAME = "SlowCloseToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        while True:
+            c = await stub.recv()
+            if c.kind != DATA:
+                await stub.sleep(self.delay / 1000.0)
+                return await _forward_end(stub, c)
+            await stub.send(c)
+
+
+@register("timeout")
+class TimeoutToxic(Toxic):
+    """Stops all data; closes the connection after `timeout` ms (never, when 0)."""
+
+    ATTRS = {"timeout": 0}
+    GO_NAME = "TimeoutToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        deadline = stub.now() + self.timeout / 1000.0
+        while True:
+            try:
+                left = deadline - stub.now() if self.timeout > 0 else None
+                c = await asyncio.wait_for(stub.recv(), left)
+            except TimeoutError:
+                return await stub.send(Chunk(b"", stub.now(), CLOSE))
+            stub.drop()  # Drop the data on the ground: that is the fault
+            if c.kind != DATA:
+                return await _forward_end(stub, Chunk(b"", c.t, CLOSE))
+
+
+@register("reset_peer")
+class ResetPeerToxic(Toxic):
+    """On the first chunk, waits `timeout` ms and then resets the connection (TCP RST)."""
+
+    ATTRS = {"timeout": 0}
+    GO_NAME = "ResetToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        await stub.recv()
+        stub.drop()
+        await stub.sleep(self.timeout / 1000.0)
+        await stub.send(Chunk(b"", stub.now(), RESET))
+
+
+def slice_offsets(rng: random.Random, size: int, average: int, variation: int) -> list[int]:
+    """Cut points for a chunk of `size` bytes, Toxiproxy's recursive halving: [0, a, b, ..., size]."""
+    if average <= 0:
+        return [0, size]
+    cuts: list[int] = []
+
+    def chunk(start: int, end: int) -> None:
+        if (end - start) - average <= variation:
+            cuts.append(end)
+            return
+        vary = rng.randrange(variation * 2) - variation if variation > 0 else 0
+        mid = start + (end - start) // 2 + vary
+        chunk(start, mid)
+        chunk(mid, end)
+
+    chunk(0, size)
+    return [0, *cuts]
+
+
+@register("slicer")
+class SlicerToxic(Toxic):
+    """Slices each chunk into pieces of about `average_size` +/- `size_variation` bytes, `delay` us apart."""
+
+    ATTRS = {"average_size": 0, "size_variation": 0, "delay": 0}
+    GO_NAME = "SlicerToxic"
+
+    async def pipe(self, stub: Stub) -> None:
+        while True:
+            c = await stub.recv()
+            if c.kind != DATA:
+                return await _forward_end(stub, c)
+            cuts = slice_offsets(stub.rng, len(c.data), self.average_size, self.size_variation)
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                rest = Chunk(c.data[b:], c.t) if b < len(c.data) else None
+                await stub.send(Chunk(c.data[a:b], c.t), rest=rest)
+                if self.delay > 0:
+                    await stub.sleep(self.delay / 1e6)
+
+
+class _Sent:
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+@register("limit_data")
+class LimitDataToxic(Toxic):
+    """Closes the connection once `bytes` bytes have passed (counted per connection, across updates)."""
+
+    ATTRS = {"bytes": 0}
+    GO_NAME = "LimitDataToxic"
+
+    def new_state(self) -> Any:
+        return _Sent()
+
+    async def pipe(self, stub: Stub) -> None:
+        sent: _Sent = stub.state
+        while True:
+            c = await stub.recv()
+            if c.kind != DATA:
+                return await _forward_end(stub, c)
+            left = max(0, self.bytes - sent.n)
+            if left < len(c.data):
+                c = Chunk(c.data[:left], c.t)
+            if c.data:
+                sent.n += len(c.data)
+                await stub.send(c)
+            else:
+                stub.drop()
+            if self.bytes - sent.n <= 0:
+                return await stub.send(Chunk(b"", stub.now(), CLOSE))
+
+
+@register("grpc_delay")
+class GrpcDelayToxic(Toxic):
+    """Call-level (HTTP/2): delays `share` of the calls (optionally only `method`) by `delay` +/- `jitter` ms."""
+
+    ATTRS = {"delay": 0, "jitter": 0, "share": 1.0, "method": ""}
+    GO_NAME = "GrpcDelayToxic"
+    stage = False
+
+
+@register("grpc_error")
+class GrpcErrorToxic(Toxic):
+    """Call-level (HTTP/2): fails `share` of the calls (optionally only `method`) with gRPC `status`."""
+
+    ATTRS = {"status": 14, "message": "injected by shadowtest proxy", "share": 1.0, "method": ""}
+    GO_NAME = "GrpcErrorToxic"
+    stage = False
+
+
+__all__ = ["REGISTRY", "Toxic", "Stub", "register", "parse_attributes", "latency_delay", "slice_offsets",
+           "DATA", "EOF", "CLOSE", "RESET"]
