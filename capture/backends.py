@@ -1,0 +1,74 @@
+"""Capture backends behind one small interface, registered by name.
+
+    ebpf   syscall tracepoints through bcc (root): outside the request path, nothing to reconfigure
+    pcap   live capture on an interface with scapy (root or CAP_NET_RAW): packets, own reassembly
+    proxy  unprivileged: a local TCP proxy IN the request path (clients must connect to it)
+
+A backend pushes flows and bytes into a `FlowSink`; `Recorder` (capture/record.py) owns the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from capture.errors import CaptureError
+from capture.sink import FlowSink
+
+
+@dataclass
+class RecordOptions:
+    """What to record and where. `port` is the service port (server side by default)."""
+
+    output: str
+    backend: str = "ebpf"
+    port: int = 0
+    pid: int | None = None
+    cgroup: str | None = None
+    side: str = "server"               # server | client: which end's syscalls (eBPF)
+    max_bytes: int = 16384             # payload bytes kept per syscall (eBPF)
+    interface: str = "lo"              # pcap
+    listen_port: int = 0               # proxy: where clients connect (0 = any free port)
+    upstream_host: str = "127.0.0.1"   # proxy: where the service is
+    redact: list[str] = field(default_factory=list)   # user rules, e.g. "header:x-session"
+    default_redaction: bool = True
+    overwrite: bool = False
+    ring_pages: int = 1024             # eBPF ring buffer size in pages (4 MiB)
+
+
+class Backend(Protocol):
+    def start(self, sink: FlowSink) -> None:
+        """Begin delivering flows and bytes to `sink`. Raises PrivilegeError when this host cannot."""
+
+    def stop(self) -> None:
+        """Stop and deliver what is still buffered; idempotent."""
+
+    def describe(self) -> dict[str, object]:
+        """Filters and settings, stored in the recording's meta."""
+
+
+_REGISTRY: dict[str, str] = {
+    "ebpf": "capture.ebpf.loader:EbpfBackend",
+    "pcap": "capture.pcap_live:PcapBackend",
+    "proxy": "capture.proxy:ProxyBackend",
+}
+
+
+def register(name: str, target: str) -> None:
+    """Register a backend as 'module:Class' (imported only when used: bcc and scapy are heavy)."""
+    _REGISTRY[name] = target
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create(options: RecordOptions) -> Backend:
+    target = _REGISTRY.get(options.backend)
+    if target is None:
+        raise CaptureError(f"unknown capture backend {options.backend!r}: choose one of {', '.join(names())}")
+    module, _, cls = target.partition(":")
+    factory: Callable[[RecordOptions], Backend] = getattr(importlib.import_module(module), cls)
+    return factory(options)

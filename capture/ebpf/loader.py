@@ -1,0 +1,237 @@
+"""Load recorder.bpf.c through bcc and turn its ring-buffer records into flows and chunks.
+
+    recorder.bpf.c (filters substituted in `render_program`, the one place)
+        | ring buffer: OPEN / DATA (<= CHUNK bytes each, split syscalls share a timestamp) / CLOSE
+        v
+    EbpfBackend._on_event --(tgid, fd) flow key--> FlowSink
+
+Connections already open are found in /proc (procnet) and put into the program's socket map, so
+their bytes are captured from the next syscall on; they are marked `joined_midstream`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import threading
+from pathlib import Path
+
+from capture.backends import RecordOptions
+from capture.ebpf import procnet
+from capture.errors import CaptureError, PrivilegeError
+from capture.recording import Flow
+from capture.sink import FlowSink
+
+BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
+CHUNK = 4096
+MAX_IOV = 32
+EV_DATA, EV_OPEN, EV_CLOSE = 1, 2, 3
+
+
+class SockInfo(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_uint8), ("is_server", ctypes.c_uint8), ("lport", ctypes.c_uint16),
+                ("rport", ctypes.c_uint16), ("laddr", ctypes.c_uint8 * 16), ("raddr", ctypes.c_uint8 * 16)]
+
+
+class EvHdr(ctypes.Structure):
+    _fields_ = [("ts_ns", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("fd", ctypes.c_uint32),
+                ("len", ctypes.c_uint32), ("total", ctypes.c_uint32), ("offset", ctypes.c_uint32),
+                ("type", ctypes.c_uint8), ("is_write", ctypes.c_uint8), ("truncated", ctypes.c_uint8),
+                ("pad", ctypes.c_uint8), ("si", SockInfo), ("comm", ctypes.c_char * 16)]
+
+
+HDR_SIZE = ctypes.sizeof(EvHdr)
+
+
+def cgroup_filter(path: str | None) -> tuple[int, bool, set[int]]:
+    """(cgroup v2 id, use-tgid-map, tgids) for `--cgroup PATH`.
+
+    cgroup v2: filter on bpf_get_current_cgroup_id() == inode of the directory. cgroup v1 has no
+    such id, so its member processes (cgroup.procs) go into a map, refreshed every second."""
+    if not path:
+        return 0, False, set()
+    p = Path(path)
+    if not p.is_dir():
+        raise CaptureError(f"--cgroup {path}: no such cgroup directory")
+    if (p / "cgroup.controllers").exists():
+        return p.stat().st_ino, False, set()
+    return 0, True, _cgroup_procs(p)
+
+
+def _cgroup_procs(p: Path) -> set[int]:
+    try:
+        return {int(x) for x in (p / "cgroup.procs").read_text().split()}
+    except OSError as exc:
+        raise CaptureError(f"cannot read {p}/cgroup.procs: {exc.strerror}") from exc
+
+
+def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = False) -> str:
+    """The BPF program text with every filter substituted (what --print-bpf shows)."""
+    max_bytes = max(CHUNK, (options.max_bytes + CHUNK - 1) // CHUNK * CHUNK)
+    defines = {
+        "FILTER_PORT": options.port or 0, "FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL",
+        "FILTER_TGID_MAP": int(tgid_map), "SIDE_SERVER": int(options.side == "server"),
+        "MAX_BYTES": max_bytes, "CHUNK": CHUNK, "MAX_IOV": MAX_IOV, "RINGBUF_PAGES": options.ring_pages,
+    }
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + BPF_SOURCE.read_text()
+
+
+def _ip(family: int, raw: ctypes.Array[ctypes.c_uint8]) -> str:
+    b = bytes(raw)
+    if family == 2:
+        return str(ipaddress.IPv4Address(b[:4]))
+    ip6 = ipaddress.IPv6Address(b)
+    return str(ip6.ipv4_mapped or ip6)
+
+
+class EbpfBackend:
+    """Syscall-tracepoint capture (root). See recorder.bpf.c for what is traced and why."""
+
+    def __init__(self, options: RecordOptions) -> None:
+        if options.side not in ("server", "client"):
+            raise CaptureError(f"--side must be server or client, not {options.side!r}")
+        self.options = options
+        self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
+        self.bpf: object | None = None
+        self.sink: FlowSink | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: dict[tuple[int, int], list] = {}
+        self._reported = (0, 0)
+
+    def describe(self) -> dict[str, object]:
+        return {"chunk": CHUNK, "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
+                "cgroup_id": self.cgroup_id, "cgroup_v1_tgids": self.tgid_map}
+
+    def _load(self) -> object:
+        if os.geteuid() != 0:
+            raise PrivilegeError("the ebpf backend needs root (CAP_BPF + CAP_PERFMON): run as root, "
+                                 "or use --backend proxy (unprivileged) or pcap")
+        try:
+            from bcc import BPF  # type: ignore[import-not-found]
+        except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception
+            raise PrivilegeError("bcc is not importable: apt-get install python3-bpfcc (and expose it to this "
+                                 f"interpreter; `make setup` does), or use --backend proxy ({exc})") from exc
+        try:
+            return BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map))
+        except Exception as exc:  # noqa: BLE001 - compile/attach errors are plain Exception
+            raise PrivilegeError(f"cannot load the eBPF program ({str(exc).splitlines()[0][:160]}): needs kernel "
+                                 "headers (apt-get install linux-headers-amd64) and tracefs; "
+                                 "`shadowtest doctor` says which is missing") from exc
+
+    def start(self, sink: FlowSink) -> None:
+        self.sink = sink
+        self.bpf = b = self._load()
+        self._sync_tgids()
+        b["events"].open_ring_buffer(self._on_event)   # type: ignore[index]
+        self._join_open_connections()
+        self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
+        self._thread.start()
+
+    def _sync_tgids(self) -> None:
+        if not self.tgid_map:
+            return
+        table = self.bpf["tgids"]   # type: ignore[index]
+        current = _cgroup_procs(Path(self.options.cgroup or "")) if self.options.cgroup else set()
+        for tgid in current - self.tgids:
+            table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
+        for tgid in self.tgids - current:
+            table.pop(ctypes.c_uint32(tgid), None)
+        self.tgids = current
+        if not current:
+            return
+        for tgid in current:
+            table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
+
+    def _join_open_connections(self) -> None:
+        """Put connections opened before the capture into the socket map, marked as joined."""
+        assert self.sink is not None
+        pids = {self.options.pid} if self.options.pid else (self.tgids if self.tgid_map else None)
+        socks = self.bpf["socks"]   # type: ignore[index]
+        now = __import__("time").monotonic_ns()
+        for c in procnet.open_connections(self.options.port, self.options.side, pids):
+            key = ctypes.c_uint64((c.pid << 32) | c.fd)
+            if key in socks:
+                continue
+            si = SockInfo(family=c.family, is_server=int(self.options.side == "server"))
+            socks[key] = si
+            client, server = (c.remote, c.local) if self.options.side == "server" else (c.local, c.remote)
+            self.sink.open_flow((c.pid, c.fd), Flow(src=client, dst=server, pid=c.pid, comm=c.comm,
+                                                    opened_ns=now, joined_midstream=True))
+
+    def _poll(self) -> None:
+        b = self.bpf
+        n = 0
+        while not self._stop.is_set():
+            b.ring_buffer_poll(100)   # type: ignore[attr-defined]
+            self._flush_pending()
+            n += 1
+            if n % 10 == 0:
+                self._report_counters()
+                self._sync_tgids()
+
+    def _on_event(self, ctx: object, data: int, size: int) -> None:
+        raw = ctypes.string_at(data, size)
+        h = EvHdr.from_buffer_copy(raw[:HDR_SIZE])
+        key = (h.tgid, h.fd)
+        if h.type == EV_DATA:
+            self._data(key, h, raw[HDR_SIZE:HDR_SIZE + h.len])
+        elif h.type == EV_OPEN:
+            self._open(key, h)
+        elif h.type == EV_CLOSE:
+            self._flush_pending(key)
+            assert self.sink is not None
+            self.sink.close_flow(key, h.ts_ns)
+
+    def _open(self, key: tuple[int, int], h: EvHdr) -> None:
+        assert self.sink is not None
+        si = h.si
+        remote = (_ip(si.family, si.raddr), si.rport)
+        if si.is_server:
+            client, server = remote, (_ip(si.family, si.laddr), si.lport)
+        else:
+            client, server = ("0.0.0.0", 0), remote   # local end filled in at the first data
+        self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
+                                      opened_ns=h.ts_ns, joined_midstream=False))
+
+    def _data(self, key: tuple[int, int], h: EvHdr, payload: bytes) -> None:
+        is_server = self.options.side == "server"
+        direction = "s2c" if bool(h.is_write) == is_server else "c2s"
+        pending = self._pending.get(key)
+        if h.offset == 0 or pending is None or pending[0] != direction or pending[1] != h.ts_ns:
+            self._flush_pending(key)
+            self._pending[key] = [direction, h.ts_ns, bytearray(payload)]
+        else:
+            pending[2] += payload   # the next CHUNK of the same syscall
+
+    def _flush_pending(self, key: tuple[int, int] | None = None) -> None:
+        assert self.sink is not None
+        keys = [key] if key is not None else list(self._pending)
+        for k in keys:
+            p = self._pending.pop(k, None)
+            if p is not None:
+                self.sink.data(k, p[0], p[1], bytes(p[2]))
+
+    def _counter(self, name: str) -> int:
+        table = self.bpf[name]   # type: ignore[index]
+        return int(sum(table[ctypes.c_int(0)]))
+
+    def _report_counters(self) -> None:
+        assert self.sink is not None
+        lost, trunc = self._counter("lost"), self._counter("truncated")
+        self.sink.add_loss(lost - self._reported[0], trunc - self._reported[1])
+        self._reported = (lost, trunc)
+
+    def stop(self) -> None:
+        if self.bpf is None:
+            return
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        self.bpf.ring_buffer_consume()   # type: ignore[attr-defined]
+        self._flush_pending()
+        self._report_counters()
+        self.bpf.cleanup()   # type: ignore[attr-defined]
+        self.bpf = None

@@ -1,0 +1,160 @@
+"""Redaction: remove credentials before they reach the recording, or afterwards with `redact`.
+
+Rules are small objects registered by kind (`header`, `body-regex`, `json-field`):
+
+    header:NAME[,NAME...]     mask metadata/header values (glob patterns: `*-token`)
+    body-regex:PATTERN        replace regex matches in request/response bodies with '*' (same length)
+    json-field:PATH           mask a field of JSON bodies (dotted path, e.g. `user.ssn`)
+
+`DEFAULT_RULES` mask authorization, cookies and API-key/token style headers; they apply at record time
+unless `--no-default-redaction`. Masking keeps lengths where bytes are masked in place, so the raw
+chunks stay a valid byte stream (HTTP/1.1 header lines, HPACK literals) for replay and export.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from capture.errors import CaptureError
+from capture.recording import Call, Message
+
+MASK = "<redacted>"
+DEFAULT_HEADER_PATTERNS = ("authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key",
+                           "api-key", "apikey", "*-api-key", "*-token", "*-secret", "x-auth-*")
+
+
+class Rule(Protocol):
+    spec: str
+
+    def apply(self, call: Call) -> bool:
+        """Redact `call` in place; True when something changed."""
+
+
+@dataclass
+class HeaderRule:
+    patterns: tuple[str, ...]
+    spec: str = ""
+
+    def matches(self, name: str) -> bool:
+        low = name.lower()
+        return any(fnmatch.fnmatchcase(low, p) for p in self.patterns)
+
+    def apply(self, call: Call) -> bool:
+        changed = False
+        for attr in ("request_metadata", "response_metadata"):
+            meta = getattr(call, attr)
+            new = [(k, MASK if self.matches(k) else v) for k, v in meta]
+            changed |= new != meta
+            setattr(call, attr, new)
+        return changed
+
+
+@dataclass
+class BodyRegexRule:
+    pattern: re.Pattern[bytes]
+    spec: str = ""
+
+    def mask(self, data: bytes) -> bytes:
+        return self.pattern.sub(lambda m: b"*" * len(m.group(0)), data)
+
+    def apply(self, call: Call) -> bool:
+        return _map_messages(call, self.mask)
+
+
+@dataclass
+class JsonFieldRule:
+    path: tuple[str, ...]
+    spec: str = ""
+
+    def mask(self, data: bytes) -> bytes:
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return data            # not JSON (protobuf, binary): this rule does not apply
+        node = doc
+        for key in self.path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or self.path[-1] not in node:
+            return data
+        node[self.path[-1]] = MASK
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def apply(self, call: Call) -> bool:
+        return _map_messages(call, self.mask)
+
+
+def _map_messages(call: Call, fn: object) -> bool:
+    changed = False
+    for attr in ("requests", "responses"):
+        out = []
+        for m in getattr(call, attr):
+            data = fn(m.data)  # type: ignore[operator]
+            changed |= data != m.data
+            out.append(Message(m.direction, m.seq, m.ts_ns, data, m.compressed))
+        setattr(call, attr, out)
+    return changed
+
+
+def parse_rule(spec: str) -> Rule:
+    """Build a rule from `kind:argument` (see the module docstring).
+
+    Raises CaptureError with the accepted forms when `spec` is malformed."""
+    kind, _, arg = spec.partition(":")
+    if not arg:
+        raise CaptureError(f"redaction rule {spec!r} needs KIND:ARG with KIND header, body-regex or json-field")
+    if kind == "header":
+        return HeaderRule(tuple(p.strip().lower() for p in arg.split(",") if p.strip()), spec)
+    if kind == "body-regex":
+        try:
+            return BodyRegexRule(re.compile(arg.encode()), spec)
+        except re.error as exc:
+            raise CaptureError(f"redaction rule {spec!r}: bad regex: {exc}") from exc
+    if kind == "json-field":
+        return JsonFieldRule(tuple(arg.split(".")), spec)
+    raise CaptureError(f"unknown redaction rule kind {kind!r} in {spec!r}: use header, body-regex or json-field")
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (HeaderRule(DEFAULT_HEADER_PATTERNS, "default:credential-headers"),)
+
+
+@dataclass
+class Redactor:
+    """The rules in force for one recording; applies to calls and masks raw header bytes in chunks."""
+
+    rules: list[Rule] = field(default_factory=lambda: list(DEFAULT_RULES))
+
+    @property
+    def specs(self) -> list[str]:
+        return [r.spec for r in self.rules]
+
+    def header_rule(self) -> HeaderRule | None:
+        pats = tuple(p for r in self.rules if isinstance(r, HeaderRule) for p in r.patterns)
+        return HeaderRule(pats) if pats else None
+
+    def call(self, call: Call) -> bool:
+        changed = False
+        for rule in self.rules:
+            changed |= rule.apply(call)
+        return changed
+
+    def body(self, data: bytes) -> bytes:
+        for rule in self.rules:
+            if isinstance(rule, BodyRegexRule):
+                data = rule.mask(data)
+        return data
+
+
+_H1_HEADER = re.compile(rb"(?m)^([A-Za-z0-9!#$%&'*+.^_`|~-]+):[ \t]*([^\r\n]*)")
+
+
+def mask_http1_headers(data: bytes, rule: HeaderRule) -> bytes:
+    """Mask values of matching `Name: value` lines in raw HTTP/1.1 bytes, keeping every length."""
+    def sub(m: re.Match[bytes]) -> bytes:
+        if not rule.matches(m.group(1).decode("latin-1")):
+            return m.group(0)
+        return m.group(0)[:m.start(2) - m.start(0)] + b"*" * len(m.group(2))
+    return _H1_HEADER.sub(sub, data)

@@ -1,0 +1,151 @@
+"""Where every backend's bytes go: flows and chunks into the recording, decoded calls beside them.
+
+    backend (eBPF / pcap / proxy / import)
+        | open_flow(key, ...)  data(key, dir, ts, bytes)  close_flow(key, ts)
+        v
+    FlowSink --chunks (credentials masked in place)--> RecordingWriter.chunks
+        |---FlowDecoder per flow--> calls (redaction rules applied) --> RecordingWriter.calls
+        '---counters (flows, calls, bytes, lost, truncated, unknown methods) --> meta, live line
+
+Thread-safe: backends call it from their own threads; one lock serialises writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass, field
+
+from capture.decode import FlowDecoder
+from capture.decode.h2mask import H2ChunkMasker
+from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
+from capture.redact import Redactor, mask_http1_headers
+
+
+@dataclass
+class SinkStats:
+    flows: int = 0
+    joined_flows: int = 0
+    calls: int = 0
+    bytes: int = 0
+    chunks: int = 0
+    lost_events: int = 0
+    truncated_events: int = 0
+    unknown_method_calls: int = 0
+    methods: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class _FlowState:
+    def __init__(self, flow_id: int, joined: bool) -> None:
+        self.flow_id = flow_id
+        self.joined = joined
+        self.decoder = FlowDecoder(flow_id, joined)
+        self.maskers: dict[str, H2ChunkMasker] = {}
+        self.protocol_written: str | None = None
+
+
+class FlowSink:
+    """Collect flows from a backend into `writer`, decoding and redacting as bytes arrive."""
+
+    def __init__(self, writer: RecordingWriter, redactor: Redactor | None = None) -> None:
+        self.writer = writer
+        self.redactor = redactor if redactor is not None else Redactor([])
+        self._header_rule = self.redactor.header_rule()
+        self.stats = SinkStats()
+        self._flows: dict[Hashable, _FlowState] = {}
+        self._lock = threading.Lock()
+
+    def open_flow(self, key: Hashable, flow: Flow) -> int:
+        """Start a flow (replacing one with the same key, which must have closed unseen)."""
+        with self._lock:
+            if key in self._flows:
+                self._close_locked(key, flow.opened_ns)
+            flow_id = self.writer.add_flow(flow)
+            self._flows[key] = _FlowState(flow_id, flow.joined_midstream)
+            self.stats.flows += 1
+            self.stats.joined_flows += int(flow.joined_midstream)
+            return flow_id
+
+    def has_flow(self, key: Hashable) -> bool:
+        return key in self._flows
+
+    def data(self, key: Hashable, direction: Direction, ts_ns: int, data: bytes) -> None:
+        """Bytes seen on a flow; unknown keys are ignored (their open event was filtered or lost)."""
+        with self._lock:
+            st = self._flows.get(key)
+            if st is None or not data:
+                return
+            self.stats.bytes += len(data)
+            calls = st.decoder.feed(direction, ts_ns, data)   # first: it detects the protocol
+            for ts, chunk in self._masked(st, direction, ts_ns, data):
+                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
+                self.stats.chunks += 1
+            self._store_calls(st, calls)
+
+    def _masked(self, st: _FlowState, direction: Direction, ts_ns: int,
+                data: bytes) -> list[tuple[int, bytes]]:
+        """The chunk as it may be stored: credentials masked in place, lengths unchanged."""
+        proto, rule = st.decoder.protocol, self._header_rule
+        if not self.redactor.rules or proto not in ("http1", "grpc", "http2"):
+            return [(ts_ns, data)]
+        if proto == "http1":
+            return [(ts_ns, self.redactor.body(mask_http1_headers(data, rule) if rule else data))]
+        masker = st.maskers.get(direction)
+        if masker is None:
+            masker = st.maskers[direction] = H2ChunkMasker(
+                rule.matches if rule else (lambda _n: False), self.redactor.body,
+                direction == "c2s", st.joined)
+        return masker.feed(ts_ns, data)
+
+    def _store_calls(self, st: _FlowState, calls: list[Call]) -> None:
+        proto = st.decoder.protocol
+        if proto and proto != st.protocol_written:
+            self.writer.update_flow(st.flow_id, protocol=proto)
+            st.protocol_written = proto
+        for call in calls:
+            self.redactor.call(call)
+            self.writer.add_call(call)
+            self.stats.calls += 1
+            self.stats.unknown_method_calls += int(call.method_unknown)
+            name = call.method or "<unknown>"
+            self.stats.methods[name] = self.stats.methods.get(name, 0) + 1
+
+    def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
+        with self._lock:
+            self._close_locked(key, ts_ns)
+
+    def _close_locked(self, key: Hashable, ts_ns: int | None) -> None:
+        st = self._flows.pop(key, None)
+        if st is None:
+            return
+        for direction, masker in st.maskers.items():
+            for ts, chunk in masker.flush():
+                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))  # type: ignore[arg-type]
+        self._store_calls(st, st.decoder.finish(ts_ns))
+        if ts_ns is not None:
+            self.writer.update_flow(st.flow_id, closed_ns=ts_ns)
+
+    def add_loss(self, lost: int = 0, truncated: int = 0) -> None:
+        with self._lock:
+            self.stats.lost_events += lost
+            self.stats.truncated_events += truncated
+
+    def tick(self) -> None:
+        """Commit what was written (bounds what a SIGKILL can lose)."""
+        with self._lock:
+            self.writer.flush()
+
+    def close(self, ts_ns: int | None = None, meta: dict[str, object] | None = None) -> SinkStats:
+        """Finish every open flow (its calls are stored incomplete) and write the counters to meta."""
+        with self._lock:
+            for key in list(self._flows):
+                self._close_locked(key, None)
+            self.writer.set_meta({"lost_events": self.stats.lost_events,
+                                  "truncated_events": self.stats.truncated_events,
+                                  "unknown_method_calls": self.stats.unknown_method_calls,
+                                  "redaction_rules": self.redactor.specs} | (meta or {}))
+            self.writer.flush()
+        return self.stats
