@@ -47,7 +47,11 @@ async def start_api(host: str, port: int, seed: int) -> tuple[asyncio.Server, Pr
     collection = ProxyCollection(seed)
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await serve_connection(collection, reader, writer)
+        try:
+            await serve_connection(collection, reader, writer)
+        except asyncio.CancelledError:
+            # Shutting down. Ending normally (not "cancelled") keeps 3.11's stream callback quiet.
+            writer.close()
 
     server = await asyncio.start_server(on_client, host, port, reuse_address=True)
     return server, collection
