@@ -1,0 +1,63 @@
+"""deploy/: the Prometheus rules pass promtool, and rules and dashboard only use metrics the agent exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent_under_test.hooks import GuardConfig
+from agent_under_test.protection import ProtectionGuard
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (apt-get install prometheus)")
+
+
+def exported_names() -> set[str]:
+    g = ProtectionGuard(GuardConfig())
+    g.finish("Decide", 0.001, "ok")
+    text = g.metrics.exposition().decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def used_names(text: str) -> set[str]:
+    return set(re.findall(r"\bagent_[a-z0-9_]+", text)) - {"agent_under_test"}
+
+
+@needs_promtool
+def test_promtool_checks_the_rules():
+    out = subprocess.run([PROMTOOL, "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+@needs_promtool
+def test_promtool_unit_tests_pass():
+    out = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=DEPLOY / "prometheus",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_rules_and_dashboard_only_use_exported_metrics():
+    names = exported_names()
+    rules = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    dash_text = (DEPLOY / "grafana" / "agent.json").read_text()
+    assert used_names(rules) <= names, used_names(rules) - names
+    assert used_names(dash_text) <= names, used_names(dash_text) - names
+    assert 'agent_request_latency_seconds_bucket{le="0.02"}' in rules   # the edge the agent guarantees
+
+
+def test_dashboard_shows_quantiles_rate_limiter_alert_and_tier():
+    dash = json.loads((DEPLOY / "grafana" / "agent.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for needle in ('quantile="0.5"', 'quantile="0.95"', 'quantile="0.99"', "rate(agent_requests_total",
+                   "agent_limiter_rate", "agent_alert_firing", "agent_model_tier"):
+        assert needle in exprs
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and dash["uid"] == "shadowtest-agent"
