@@ -1,0 +1,88 @@
+"""`shadowtest chaos run` and `shadowtest chaos validate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.group("chaos")
+def command() -> None:
+    """Run chaos scenarios (YAML) against the agent or your own service, and check their verdicts.
+
+    \b
+    Examples:
+      shadowtest chaos validate scenarios/*.yaml
+      shadowtest chaos run scenarios/baseline.yaml
+      shadowtest chaos run scenarios/jitter-and-cpu.yaml --report-dir out/ --junit out/junit.xml
+    """
+
+
+@command.command("validate")
+@click.argument("scenarios", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
+def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
+    """Check scenario files without running them: each error says file, line and what is expected.
+
+    Exit 0 when every file is valid, 1 otherwise.
+
+    \b
+    Examples:
+      shadowtest chaos validate scenarios/*.yaml
+      shadowtest chaos validate my.yaml --json
+    """
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario
+
+    results = []
+    for path in scenarios:
+        try:
+            s = load_scenario(path)
+            results.append({"file": path, "ok": True, "name": s.name, "phases": len(s.phases),
+                            "checks": len(s.expect), "duration_s": s.duration_s})
+        except ScenarioError as exc:
+            results.append({"file": path, "ok": False, "error": str(exc), "line": exc.line})
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            if r["ok"]:
+                click.echo(f"ok  {r['file']}: {r['name']}, {r['phases']} phases, {r['checks']} checks, "
+                           f"{r['duration_s']:g}s")
+            else:
+                click.secho(f"bad {r['error']}", fg="red", err=True)
+    sys.exit(0 if all(r["ok"] for r in results) else 1)
+
+
+@command.command("run")
+@click.argument("scenario", type=click.Path(dir_okay=False))
+@click.option("--report-dir", type=click.Path(file_okay=False), default=None,
+              help="where results.json, junit.xml, summary.md and timeline.png go "
+                   "(default shadowtest-reports/NAME)")
+@click.option("--junit", type=click.Path(dir_okay=False), default=None, help="JUnit XML path (default in --report-dir)")
+@click.option("--scale", type=click.FloatRange(0.05, 10.0), default=1.0, show_default=True,
+              help="multiply every phase duration (0.2 for a quick CI smoke run)")
+@click.option("--clear-leftovers", is_flag=True, help="undo faults a crashed run left behind, then run")
+@click.option("--no-png", is_flag=True, help="skip the PNG timeline")
+@click.option("--json", "as_json", is_flag=True, help="print results.json to stdout instead of the table")
+def run(scenario: str, report_dir: str | None, junit: str | None, scale: float, clear_leftovers: bool,
+        no_png: bool, as_json: bool) -> None:
+    """Run one scenario: start the target, replay traffic through the fault proxy, apply faults per
+    phase, follow /metrics and /events, check every expectation, write the reports.
+
+    Exit 0 when every check passes, 1 when one fails or the run was interrupted (Ctrl-C and SIGTERM
+    end cleanly: faults removed, partial report written).
+
+    \b
+    Examples:
+      shadowtest chaos run scenarios/baseline.yaml
+      shadowtest chaos run scenarios/overload.yaml --report-dir out/overload --junit out/junit.xml
+      shadowtest chaos run scenarios/jitter-and-cpu.yaml --scale 0.5 --json > results.json
+    """
+    from harness.session import run_and_report
+
+    code = run_and_report(scenario, report_dir=report_dir, junit=junit, scale=scale,
+                          clear_leftovers=clear_leftovers, png=not no_png, as_json=as_json)
+    sys.exit(code)

@@ -1,0 +1,150 @@
+"""Follow the target while it runs: /metrics scrapes, /events, and CPU use of the target and host.
+
+Each follower is a small daemon thread that never raises: a target that stops answering leaves a
+gap in the timeline (and a note), not a crashed run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from harness.scenario import MetricNames
+from harness.timeline import CpuSample, Event, MetricSample
+
+log = logging.getLogger(__name__)
+
+
+def flatten_metrics(text: str, names: MetricNames) -> dict[str, float]:
+    """'name{label="v",...}' -> value for the metrics the harness reads (histogram buckets left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = set(vars(names).values()) | {"agent_period_latency_seconds", "agent_batch_size"}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted and family.name + "_total" not in wanted:
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+def scrape(url: str, names: MetricNames, timeout_s: float = 2.0) -> dict[str, float]:
+    """One scrape of a Prometheus endpoint. Raises OSError (URLError) when it cannot be read."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 -- loopback targets
+        return flatten_metrics(resp.read().decode("utf-8", "replace"), names)
+
+
+class _Poller:
+    def __init__(self, every_s: float, name: str) -> None:
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.failures = 0
+        self.last_error = ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 -- a gap in the data, never a crashed run
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            self._stop.wait(self.every_s)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class MetricsFollower(_Poller):
+    """Scrapes `url` every `every_s`; `samples` holds MetricSamples at seconds from `t0`."""
+
+    def __init__(self, url: str, names: MetricNames, t0: float, every_s: float = 0.5) -> None:
+        super().__init__(every_s, "shadowtest-metrics")
+        self.url, self.names, self.t0 = url, names, t0
+        self.samples: list[MetricSample] = []
+
+    def poll(self) -> None:
+        values = scrape(self.url, self.names)
+        self.samples.append(MetricSample(time.monotonic() - self.t0, values))
+
+
+class EventsFollower(_Poller):
+    """Reads `url?since=SEQ&follow=0` every `every_s`: every event once, in order, with its `mono` time."""
+
+    def __init__(self, url: str, t0: float, every_s: float = 0.2,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        super().__init__(every_s, "shadowtest-events")
+        self.url, self.t0, self.on_event = url, t0, on_event
+        self.events: list[Event] = []
+        self.seq = 0
+
+    def poll(self) -> None:
+        sep = "&" if "?" in self.url else "?"
+        with urllib.request.urlopen(f"{self.url}{sep}since={self.seq}&follow=0", timeout=2.0) as resp:  # noqa: S310
+            lines = resp.read().decode("utf-8", "replace").splitlines()
+        for line in lines:
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            self.seq = max(self.seq, int(raw.get("seq", 0)))
+            fields = {k: v for k, v in raw.items() if k not in ("seq", "ts", "mono", "type")}
+            mono = float(raw.get("mono", time.monotonic()))
+            event = Event(round(mono - self.t0, 6), str(raw.get("type")), fields | {"seq": raw.get("seq")})
+            self.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
+
+
+class CpuFollower(_Poller):
+    """Samples the target's CPU (% of one core; None when it is not our process) and the host's."""
+
+    def __init__(self, pid: int | None, t0: float, every_s: float = 0.5) -> None:
+        super().__init__(every_s, "shadowtest-cpu")
+        import psutil
+
+        self._psutil = psutil
+        self.t0 = t0
+        self._proc = psutil.Process(pid) if pid else None
+        if self._proc is not None:
+            self._proc.cpu_percent(None)
+        psutil.cpu_percent(None)
+        self.samples: list[CpuSample] = []
+
+    def poll(self) -> None:
+        target = None
+        if self._proc is not None:
+            try:
+                target = self._proc.cpu_percent(None)
+            except self._psutil.Error:
+                self._proc = None
+        host = self._psutil.cpu_percent(None)
+        self.samples.append(CpuSample(round(time.monotonic() - self.t0, 3), target, host))
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    """Wait until `url` answers; raises OSError with the last error after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0):  # noqa: S310
+                return
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)

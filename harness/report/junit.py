@@ -1,0 +1,35 @@
+"""JUnit XML: one testsuite per scenario, one testcase per check, the evidence in the failure text."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.report.write import RunResult
+
+
+def junit_xml(result: RunResult) -> str:
+    """The run as JUnit XML (what CI systems show as a test report)."""
+    failures = sum(not v.passed for v in result.verdicts)
+    suite = ET.Element("testsuite", name=f"shadowtest.{result.scenario.name}", tests=str(len(result.verdicts)),
+                       failures=str(failures), errors="1" if result.interrupted else "0",
+                       time=f"{result.timeline.duration_s:.3f}")
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("seed", result.scenario.seed), ("source", result.scenario.source or ""),
+                       ("partial", result.timeline.partial)):
+        ET.SubElement(props, "property", name=key, value=str(value))
+    for v in result.verdicts:
+        case = ET.SubElement(suite, "testcase", classname=f"shadowtest.{result.scenario.name}", name=v.id,
+                             time="0")
+        if not v.passed:
+            fail = ET.SubElement(case, "failure", message=v.summary, type=v.kind)
+            fail.text = json.dumps(v.evidence, indent=2, default=str)
+        else:
+            ET.SubElement(case, "system-out").text = v.summary
+    if result.interrupted:
+        case = ET.SubElement(suite, "testcase", classname=f"shadowtest.{result.scenario.name}", name="run")
+        ET.SubElement(case, "error", message=f"run interrupted: {result.interrupted}", type="interrupted")
+    ET.indent(suite)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"

@@ -1,0 +1,51 @@
+"""A Markdown summary for CI job pages: the verdicts first, then phases, faults and the client view."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.report.write import RunResult
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.1f}{unit}"
+
+
+def markdown(result: RunResult, png_name: str | None = None) -> str:
+    """The run summarised in Markdown (verdict table, fault windows, per-phase client stats)."""
+    s, tl = result.scenario, result.timeline
+    failed = sum(not v.passed for v in result.verdicts)
+    head = "PASSED" if result.passed else ("INTERRUPTED" if result.interrupted else "FAILED")
+    lines = [f"## shadowtest chaos: {s.name} -- {head}", "",
+             f"{len(result.verdicts) - failed}/{len(result.verdicts)} checks passed; seed {s.seed}; "
+             f"{tl.duration_s:.1f}s; period {tl.period_s:g}s; P99 threshold {tl.threshold_ms:g} ms."]
+    if result.interrupted:
+        lines += ["", f"**Run interrupted ({result.interrupted}): partial report.**"]
+    lines += ["", "| check | verdict | why |", "|---|---|---|"]
+    for v in result.verdicts:
+        mark = "pass" if v.passed else "**FAIL**"
+        lines.append(f"| `{v.id}` | {mark} | {v.summary.replace('|', '/')} |")
+    lines += ["", "### Phases (client-side view)", "",
+              "| phase | time | offered/s | achieved/s | ok | rejected | errors | P50 ms | P99 ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, start, end in tl.phases:
+        ps = [p for p in tl.periods if p.phase == name]
+        span = max(1e-9, end - start)
+        p99s = [p.p99_ms for p in ps if p.p99_ms is not None]
+        p50s = [p.p50_ms for p in ps if p.p50_ms is not None]
+        lines.append(f"| {name} | {start:.1f}-{end:.1f}s | {sum(p.offered for p in ps) / span:.0f} | "
+                     f"{sum(p.completed for p in ps) / span:.0f} | {sum(p.ok for p in ps)} | "
+                     f"{sum(p.rejected for p in ps)} | {sum(p.errors + p.timeouts for p in ps)} | "
+                     f"{_fmt(max(p50s) if p50s else None)} | {_fmt(max(p99s) if p99s else None)} |")
+    if tl.faults:
+        lines += ["", "### Faults", "", "| fault | phase | asked | took effect | removed | note |",
+                  "|---|---|---|---|---|---|"]
+        for f in tl.faults:
+            lines.append(f"| {f.label} | {f.phase} | {f.requested_s:.2f}s | {_fmt(f.applied_s, 's')} | "
+                         f"{_fmt(f.removed_s, 's')} | {f.error or f.detail} |")
+    for note in result.notes:
+        lines += ["", f"> {note}"]
+    if png_name:
+        lines += ["", f"![timeline]({png_name})"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,275 @@
+"""Run a scenario: start the target, play the traffic, apply faults on schedule, follow, judge, report.
+
+    check leftovers --> start agent + proxy --> scrape once (counters before)
+        t0: traffic starts (open loop, own thread)
+        phase 1 .. n: faults applied at phase start (+after), removed at phase end (or after `for`),
+                      each logged with when it really took effect; live view 4x a second
+        end: faults off, traffic stopped and drained, final scrape and events
+    --> timeline --> checks --> RunResult (reports are written by the caller)
+
+Everything is entered into one ExitStack, so the agent, the proxy, every fault and every follower
+are undone on success, on failure, on Ctrl-C and on SIGTERM (turned into the same path). An
+interrupted run still returns a result (marked partial), which the CLI turns into reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.checks import evaluate_all
+from harness.clock import Clock, MonotonicClock
+from harness.errors import RunError
+from harness.faultrun import FaultSession, check_leftovers
+from harness.live import LiveView, Snapshot
+from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
+from harness.report import RunResult
+from harness.scenario import Scenario
+from harness.target import Running, open_target
+from harness.timeline import FaultWindow, MetricSample, Timeline
+from harness.traffic import TrafficRun
+
+_TICK_S = 0.1
+_START_DELAY_S = 0.3     # lets the traffic thread build its senders before the first due send
+
+
+class Interrupted(Exception):
+    """Raised in the main thread by SIGTERM (SIGINT raises KeyboardInterrupt): end with a partial report."""
+
+
+@dataclass
+class _Action:
+    at_s: float
+    apply: bool
+    window: FaultWindow
+    spec: Any
+
+
+@dataclass
+class RunOptions:
+    startup_timeout_s: float = 120.0
+    drain_s: float | None = None          # after the last phase; default one period + 1 s
+    view: LiveView | None = None
+    clear_leftovers: bool = False         # undo leftovers instead of refusing to start
+    notes: list[str] = field(default_factory=list)
+
+
+class Runner:
+    """Runs one scenario. `run()` returns a RunResult; RunError when the run cannot start at all."""
+
+    def __init__(self, scenario: Scenario, options: RunOptions | None = None, clock: Clock | None = None) -> None:
+        self.scenario = scenario
+        self.options = options or RunOptions()
+        self.clock = clock or MonotonicClock()
+        self.view = self.options.view or LiveView(scenario.name, rich=False)
+        self.log_lines: list[str] = []
+        self.windows: list[FaultWindow] = []
+        self.t0 = 0.0
+
+    def log(self, message: str) -> None:
+        t = self.clock.monotonic() - self.t0 if self.t0 else 0.0
+        line = f"[{t:7.2f}s] {message}" if self.t0 else f"[  setup ] {message}"
+        self.log_lines.append(line)
+        self.view.log(line)
+
+    def run(self) -> RunResult:
+        self._leftovers()
+        started_wall = time.time()
+        with _signals_to_exceptions(), contextlib.ExitStack() as stack:
+            self.log(f"scenario {self.scenario.name} (seed {self.scenario.seed}, "
+                     f"{self.scenario.duration_s:g}s in {len(self.scenario.phases)} phases)")
+            running = open_target(self.scenario, stack, self.options.startup_timeout_s)
+            self.log(f"target {running.grpc_address} (pid {running.pid}); traffic to {running.traffic_address}")
+            result = self._play(running, stack)
+        result.started_wall = started_wall
+        return result
+
+    def _leftovers(self) -> None:
+        left = check_leftovers()
+        if left and not self.options.clear_leftovers:
+            raise RunError(f"a previous run left faults behind ({'; '.join(left)}); run `shadowtest faults "
+                           "clear` (or chaos run --clear-leftovers) first")
+        if left:
+            from harness.faultrun import clear_leftovers
+            self.log(f"cleared leftovers: {'; '.join(clear_leftovers())}")
+
+    def _play(self, running: Running, stack: contextlib.ExitStack) -> RunResult:
+        s = self.scenario
+        before = self._scrape(running)
+        self.t0 = self.clock.monotonic() + _START_DELAY_S
+        followers = self._followers(running, stack)
+        traffic = TrafficRun(s.traffic, s.duration_s, running.traffic_address, int(self.t0 * 1e9), s.seed,
+                             timeout_s=max(2.0, s.period_s * 4))
+        traffic.start()
+        stack.callback(traffic.stop)
+        faults = FaultSession(running, s.seed, self.log)
+        stack.callback(faults.close)
+        interrupted = None
+        with self.view:
+            try:
+                self._schedule(traffic, faults, followers)
+            except (KeyboardInterrupt, Interrupted) as exc:
+                interrupted = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+                self.log(f"interrupted by {interrupted}: removing faults, stopping traffic")
+            end = min(self.clock.monotonic() - self.t0, s.duration_s)
+            faults.close()
+            self._finish(traffic, interrupted)
+        after = self._scrape(running)
+        for f in followers.values():
+            f.stop()
+        return self._result(running, traffic, followers, before, after, end, interrupted)
+
+    def _followers(self, running: Running, stack: contextlib.ExitStack) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        every = min(0.5, self.scenario.period_s / 2)
+        if running.metrics_url:
+            out["metrics"] = MetricsFollower(running.metrics_url, running.names, self.t0, every)
+        if running.events_url:
+            out["events"] = EventsFollower(running.events_url, self.t0, min(0.2, every))
+        out["cpu"] = CpuFollower(running.pid, self.t0, every)
+        for f in out.values():
+            f.start()
+            stack.callback(f.stop)
+        return out
+
+    def _scrape(self, running: Running) -> MetricSample | None:
+        if not running.metrics_url:
+            return None
+        try:
+            return MetricSample(self.clock.monotonic() - self.t0 if self.t0 else -0.0,
+                                scrape(running.metrics_url, running.names))
+        except OSError as exc:
+            self.log(f"cannot scrape {running.metrics_url}: {exc}")
+            return None
+
+    def _actions(self) -> list[_Action]:
+        out = []
+        for name, (start, end) in self.scenario.phase_bounds().items():
+            for spec in self.scenario.phase(name).faults:  # type: ignore[union-attr]
+                on = start + spec.after_s
+                off = min(end, on + spec.for_s) if spec.for_s is not None else end
+                window = FaultWindow(spec.label, name, spec.family, spec.kind, on)
+                self.windows.append(window)
+                out += [_Action(on, True, window, spec), _Action(off, False, window, spec)]
+        # At a phase boundary, remove the old phase's faults before applying the next one's.
+        return sorted(out, key=lambda a: (a.at_s, a.apply))
+
+    def _schedule(self, traffic: TrafficRun, faults: FaultSession, followers: dict[str, Any]) -> None:
+        actions = self._actions()
+        phases = list(self.scenario.phase_bounds().items())
+        current = None
+        while (now := self.clock.monotonic() - self.t0) < self.scenario.duration_s:
+            phase = next((n for n, (a, b) in phases if a <= now < b), phases[-1][0])
+            if phase != current and now >= 0:
+                current = phase
+                self.log(f"phase {phase} starts")
+            while actions and actions[0].at_s <= now:
+                self._do(actions.pop(0), faults)
+            if traffic.error is not None:
+                raise RunError(f"the traffic stopped: {traffic.error}") from traffic.error
+            self.view.update(self._snapshot(now, current or phases[0][0], traffic, followers, faults))
+            self.clock.sleep(min(_TICK_S, max(0.0, self.scenario.duration_s - now)))
+        for action in actions:        # removals due exactly at the end
+            if not action.apply:
+                self._do(action, faults)
+
+    def _do(self, action: _Action, faults: FaultSession) -> None:
+        w = action.window
+        if action.apply:
+            try:
+                w.detail = faults.apply(action.spec, key=id(w))
+                w.applied_s = self.clock.monotonic() - self.t0
+                self.log(f"fault {w.label} took effect ({(w.applied_s - w.requested_s) * 1000:+.0f} ms "
+                         f"after schedule) {w.detail}")
+            except Exception as exc:  # noqa: BLE001 -- a fault that fails is evidence, the run goes on
+                w.error = f"{type(exc).__name__}: {exc}"
+                self.log(f"fault {w.label} FAILED to apply: {w.error}")
+        elif w.applied_s is not None and w.removed_s is None:
+            faults.remove(key=id(w))
+            w.removed_s = self.clock.monotonic() - self.t0
+            self.log(f"fault {w.label} removed")
+
+    def _finish(self, traffic: TrafficRun, interrupted: str | None) -> None:
+        if interrupted:
+            traffic.stop()
+        grace = self.options.drain_s if self.options.drain_s is not None else self.scenario.period_s + 1.0
+        if not traffic.join(grace + 5.0):
+            traffic.stop()
+            traffic.join(5.0)
+        # One more period so the agent's last period event and counters cover every call.
+        self.clock.sleep(min(grace, self.scenario.period_s + 0.3))
+
+    def _snapshot(self, now: float, phase: str, traffic: TrafficRun, followers: dict[str, Any],
+                  faults: FaultSession) -> Snapshot:
+        return live_snapshot(now, phase, self.scenario, traffic.snapshot(),
+                             followers.get("events"), followers.get("metrics"), faults.active_labels())
+
+    def _result(self, running: Running, traffic: TrafficRun, followers: dict[str, Any],
+                before: MetricSample | None, after: MetricSample | None, end: float,
+                interrupted: str | None) -> RunResult:
+        s = self.scenario
+        phases = [(n, a, min(b, end)) for n, (a, b) in s.phase_bounds().items() if a < end or n == s.phases[0].name]
+        samples = followers["metrics"].samples if "metrics" in followers else []
+        samples = [x for x in (before, *samples, after) if x is not None]
+        tl = Timeline(period_s=s.period_s, threshold_ms=s.p99_threshold_ms, phases=phases,
+                      calls=traffic.snapshot(), events=followers["events"].events if "events" in followers else [],
+                      samples=samples, cpu=followers["cpu"].samples, faults=self.windows,
+                      replay_report=traffic.report, metric_names=vars(running.names),
+                      partial=interrupted is not None, alert_periods=s.alert_periods)
+        verdicts = evaluate_all(tl, s.expect)
+        notes = list(self.options.notes)
+        for name, f in followers.items():
+            if f.failures:
+                notes.append(f"{name} follower failed {f.failures} time(s): {f.last_error}")
+        return RunResult(s, tl, verdicts, log=self.log_lines, interrupted=interrupted, notes=notes)
+
+
+def live_snapshot(now: float, phase: str, scenario: Scenario, calls: list, events: Any, metrics: Any,
+                  faults: list[str]) -> Snapshot:
+    """What the live view shows, computed from the calls so far (last period) and the latest events."""
+    period = scenario.period_s
+    tl = Timeline(period_s=period, threshold_ms=scenario.p99_threshold_ms,
+                  phases=[("run", 0.0, max(period, now))], calls=calls)
+    done = tl.periods[:-1] if len(tl.periods) > 1 else tl.periods
+    last = done[-1] if done else None
+    snap = Snapshot(elapsed_s=max(0.0, now), total_s=scenario.duration_s, phase=phase,
+                    offered=last.offered_rate if last else 0.0, achieved=last.achieved_rate if last else 0.0,
+                    p50=[p.p50_ms for p in done], p95=[p.p95_ms for p in done], p99=[p.p99_ms for p in done],
+                    faults=faults, rejected=sum(1 for c in calls if c.outcome == "rejected"),
+                    errors=sum(1 for c in calls if c.outcome in ("error", "timeout")))
+    if events is not None:
+        for e in reversed(events.events):
+            if e.type == "limiter" and snap.limiter_rate is None:
+                snap.limiter_rate = float(e.data.get("new_rate", 0.0))
+            if e.type == "alert" and snap.alert == "inactive":
+                snap.alert = str(e.data.get("to"))
+        tiers = [e for e in events.events if e.type == "tier"]
+        snap.tier = str(tiers[-1].data.get("to")) if tiers else "full"
+    if snap.limiter_rate is None and metrics is not None and metrics.samples:
+        snap.limiter_rate = metrics.samples[-1].values.get(scenario_rate_name(scenario))
+    return snap
+
+
+def scenario_rate_name(scenario: Scenario) -> str:
+    names = getattr(scenario.target, "metrics", None)
+    return names.limiter_rate if names is not None else "agent_limiter_rate"
+
+
+@contextlib.contextmanager
+def _signals_to_exceptions() -> Iterator[None]:
+    """SIGTERM raises Interrupted in the main thread (SIGINT already raises KeyboardInterrupt)."""
+    def on_term(signum: int, frame: Any) -> None:
+        raise Interrupted("SIGTERM")
+    try:
+        previous: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:           # not the main thread: nothing to install, the caller handles stop
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]

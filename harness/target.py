@@ -1,0 +1,73 @@
+"""Start (or reach) what a scenario targets, and the fault proxy in front of it.
+
+    traffic --> proxy (127.0.0.1:0, toxics) --> target gRPC address
+                                               target metrics URL: /metrics and /events
+
+`open_target` enters everything into the caller's ExitStack, so the agent and the proxy are always
+stopped, whatever happens to the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from harness.errors import RunError
+from harness.scenario import AgentTarget, ExternalTarget, MetricNames, Scenario
+
+
+@dataclass
+class Running:
+    """What the runner talks to."""
+
+    grpc_address: str                  # the service itself
+    traffic_address: str               # where traffic goes (the proxy when there is one)
+    metrics_url: str | None            # full URL of /metrics
+    events_url: str | None             # full URL of /events
+    pid: int | None                    # the target process when we started it
+    names: MetricNames
+    proxy: object | None = None        # harness.faultrun.NetworkProxy when traffic goes through one
+    log_tail: object | None = None     # callable returning the agent's last log lines
+
+
+def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout_s: float = 120.0) -> Running:
+    """Start the agent (or use the external service) and, unless `proxy: false`, a proxy in front.
+
+    Raises RunError when the agent cannot start or the proxy cannot be created.
+    """
+    target = scenario.target
+    if isinstance(target, AgentTarget):
+        running = _start_agent(target, stack, startup_timeout_s)
+    else:
+        running = _external(target)
+    if scenario.proxy:
+        from harness.faultrun import NetworkProxy
+
+        proxy = stack.enter_context(NetworkProxy(running.grpc_address, name=f"st-{scenario.name}"[:40],
+                                                 seed=scenario.seed))
+        running.proxy = proxy
+        running.traffic_address = proxy.listen
+    return running
+
+
+def _start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float) -> Running:
+    from agent_under_test.errors import AgentError
+    from agent_under_test.launch import AgentProcess
+
+    options = {"device": "cpu", **target.options}
+    try:
+        agent = stack.enter_context(AgentProcess(startup_timeout_s=startup_timeout_s, **options))
+    except AgentError as exc:
+        raise RunError(f"the agent did not start: {exc}") from exc
+    base = agent.metrics_url
+    return Running(agent.grpc_address, agent.grpc_address, f"{base}/metrics" if base else None,
+                   f"{base}/events" if base else None, agent.pid, MetricNames(), log_tail=agent.log_tail)
+
+
+def _external(target: ExternalTarget) -> Running:
+    metrics = target.metrics_url
+    events = target.events_url
+    if metrics and not metrics.rstrip("/").endswith("/metrics") and not events:
+        base = metrics.rstrip("/")
+        metrics, events = base + "/metrics", base + "/events"
+    return Running(target.address, target.address, metrics, events, None, target.metrics)

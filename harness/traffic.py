@@ -1,0 +1,129 @@
+"""Traffic for a run: a recording replayed, or the built-in generator, both through the open-loop replayer.
+
+The generator is turned into a replay plan (seeded arrivals + realistic snapshots from the agent's
+market model), so both kinds give the same per-call results, the client-side truth the checks use:
+
+    RecordingTraffic --plan_from_recording--+
+                                             +--> replay.engine.ReplayRun --on_result--> TrafficRun.calls
+    GeneratorTraffic --generator_plan-------+          (own thread; stop() at the end of the run)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from harness.errors import RunError
+from harness.scenario import GeneratorTraffic, RecordingTraffic, Traffic
+from harness.timeline import CallResult
+
+log = logging.getLogger(__name__)
+DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
+DECIDE_STREAM = "/shadowtest.agent.v1.TradingAgent/DecideStream"
+_CONNECTIONS = 4          # the generator spreads calls over a few connections, as several clients would
+_STREAM_MESSAGES = 3
+_STREAM_GAP_NS = 20_000_000
+
+
+def generator_plan(traffic: GeneratorTraffic, duration_s: float, seed: int) -> Iterator[Any]:
+    """PlannedCalls for `duration_s` of open-loop traffic; every random draw from one seeded Random."""
+    from agent_under_test import arrivals
+    from agent_under_test.market import MarketSim
+    from replay.schedule import PlannedCall, PlannedMessage
+
+    rng = random.Random(traffic.seed if traffic.seed is not None else seed)
+    sim = MarketSim(random.Random(rng.random()))
+    pattern = arrivals.bursty if traffic.pattern == "bursty" else arrivals.poisson
+    times = _constant(traffic.rate, duration_s) if traffic.pattern == "constant" else \
+        pattern(traffic.rate, duration_s, rng)
+    for index, offset in enumerate(times):
+        stream = rng.random() < traffic.stream_share
+        count = _STREAM_MESSAGES if stream else 1
+        messages = [PlannedMessage(i * _STREAM_GAP_NS, sim.next(index * 8 + i).SerializeToString())
+                    for i in range(count)]
+        yield PlannedCall(index=index, due_ns=int(offset * 1e9), connection=f"gen-{index % _CONNECTIONS}",
+                          protocol="grpc", method=DECIDE_STREAM if stream else DECIDE,
+                          kind="bidi" if stream else "unary", messages=messages)
+
+
+def _constant(rate: float, duration_s: float) -> Iterator[float]:
+    for i in itertools.count():
+        t = i / rate
+        if t >= duration_s:
+            return
+        yield t
+
+
+class TrafficRun:
+    """Plays the scenario's traffic to `target` in a background thread, keeping every call's result.
+
+    Args:
+        traffic: what to play. duration_s: the run's length (the generator plans exactly that).
+        target: "host:port" (usually the fault proxy). t0_ns: the run's start on CLOCK_MONOTONIC;
+        the replayer schedules from it and results are converted to seconds from it.
+
+    Raises RunError (on start) when the replayer cannot be built, e.g. the recording is unreadable.
+    """
+
+    def __init__(self, traffic: Traffic, duration_s: float, target: str, t0_ns: int, seed: int,
+                 timeout_s: float = 5.0) -> None:
+        from replay.engine import ReplayOptions, ReplayRun
+        from replay.errors import ReplayError
+        from replay.schedule import ScheduleOptions
+
+        self.t0_ns = t0_ns
+        self.calls: list[CallResult] = []
+        self.report: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        try:
+            if isinstance(traffic, RecordingTraffic):
+                schedule = ScheduleOptions(speed=traffic.speed, window=traffic.window, loop=traffic.loop,
+                                           methods=frozenset(traffic.methods), seed=seed)
+                source: Any = traffic.path
+            else:
+                schedule = ScheduleOptions(seed=seed)
+                source = generator_plan(traffic, duration_s, seed)
+            options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s)
+            self._run = ReplayRun(source, target, options, on_result=self._on_result)
+        except ReplayError as exc:
+            raise RunError(f"cannot set up the traffic: {exc}") from exc
+        self._thread = threading.Thread(target=self._main, name="shadowtest-traffic", daemon=True)
+
+    def _on_result(self, r: Any) -> None:
+        def rel(ns: int) -> float | None:
+            return (ns - self.t0_ns) / 1e9 if ns else None
+        outcome = "error" if r.outcome == "connection_error" else r.outcome
+        call = CallResult(intended_s=(r.intended_ns - self.t0_ns) / 1e9, sent_s=rel(r.sent_ns),
+                          done_s=rel(r.done_ns) if r.sent_ns else None, method=r.method or "?",
+                          outcome=outcome, code=r.code)
+        with self._lock:
+            self.calls.append(call)
+
+    def _main(self) -> None:
+        try:
+            report = self._run.run()
+            self.report = report.to_json() if hasattr(report, "to_json") else dict(vars(report))
+        except BaseException as exc:  # noqa: BLE001 -- reported by the runner, never lost in a thread
+            self.error = exc
+            log.exception("traffic failed")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End early: unsent calls are counted not_sent (stopped), in-flight ones get a grace period."""
+        self._run.stop()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the replayer to finish; True when it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def snapshot(self) -> list[CallResult]:
+        with self._lock:
+            return list(self.calls)
