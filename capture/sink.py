@@ -32,6 +32,7 @@ class SinkStats:
     lost_events: int = 0
     truncated_events: int = 0
     unknown_method_calls: int = 0
+    gaps: int = 0
     methods: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -112,6 +113,20 @@ class FlowSink:
             self.stats.unknown_method_calls += int(call.method_unknown)
             name = call.method or "<unknown>"
             self.stats.methods[name] = self.stats.methods.get(name, 0) + 1
+
+    def gap(self, key: Hashable, direction: Direction, nbytes: int) -> None:
+        """Bytes of one direction never arrived (pcap holes): decoders resynchronise after it."""
+        with self._lock:
+            st = self._flows.get(key)
+            if st is None:
+                return
+            self.stats.gaps += 1
+            masker = st.maskers.pop(direction, None)
+            if masker is not None:
+                for ts, chunk in masker.flush():
+                    self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
+                st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
+            st.decoder.gap(direction)
 
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
         with self._lock:

@@ -87,6 +87,15 @@ class FlowDecoder:
         self._held.clear()
         return done
 
+    def gap(self, direction: Direction) -> None:
+        """Bytes are missing before the next ones: resynchronise (or wait to detect afresh)."""
+        if self.inner is None:
+            self._held = [h for h in self._held if h[0] != direction]
+            self._first[direction].clear()
+            self.joined = True
+        elif hasattr(self.inner, "gap"):
+            self.inner.gap(direction)
+
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         if self.inner is None:
             self.inner = DECODERS["tcp"](self.flow_id, self.joined)

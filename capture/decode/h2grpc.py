@@ -239,6 +239,15 @@ class H2Decoder:
             self.unknown_method_calls += 1
         return call
 
+    def gap(self, direction: Direction) -> None:
+        """Bytes went missing: drop partial frames and messages, wait for a frame boundary."""
+        side = self.sides[direction]
+        side.buf.clear()
+        side.block = None
+        side.synced = False
+        for st in self.streams.values():
+            st.buf[direction].clear()
+
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         """Calls still open when the flow ended or capture stopped (status None)."""
         return [self._close(st) for st in list(self.streams.values())]

@@ -124,6 +124,10 @@ class Http1Decoder:
         return len(head) > 1 and head[1].isdigit() and (int(head[1]) in _BODYLESS_STATUS
                                                         or 100 <= int(head[1]) < 200)
 
+    def gap(self, direction: Direction) -> None:
+        """Bytes went missing: what is buffered for that direction cannot be trusted."""
+        (self.req if direction == "c2s" else self.resp).buf.clear()
+
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         done = self._drain(ts_ns or 0, at_eof=True)
         done += list(self.pending)       # requests never answered: status None

@@ -1,0 +1,116 @@
+"""`shadowtest import`: a tcpdump/Wireshark capture (pcap or pcapng) -> a recording.
+
+    RawPcapReader / RawPcapNgReader (scapy: framing only, no dissection)
+        --> packets.parse (own header parsing) --> Reassembler (own TCP reassembly)
+        --> FlowSink (chunks, decoded calls, redaction) --> RecordingWriter
+
+Timestamps are the capture's own (wall clock, nanoseconds): meta.clock = "capture-wall".
+A file cut short or damaged mid-way is imported up to the damage; `problems` says where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from capture.errors import PcapError
+from capture.packets import parse
+from capture.reassembly import Reassembler, ReassemblyStats
+from capture.recording import RecordingWriter
+from capture.redact import Redactor
+from capture.sink import FlowSink, SinkStats
+
+_SNAP = 1 << 18
+
+
+@dataclass
+class ImportResult:
+    packets: int = 0
+    reassembly: ReassemblyStats = field(default_factory=ReassemblyStats)
+    sink: SinkStats = field(default_factory=SinkStats)
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"packets": self.packets, **asdict(self.reassembly), **self.sink.as_dict(),
+                "problems": self.problems + self.reassembly.problems[:20]}
+
+
+def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, bytes]]:
+    """(linktype, timestamp ns, frame bytes) for each packet; stops at damage, noting it in `problems`.
+
+    Raises PcapError when the file is missing or not a pcap/pcapng at all."""
+    from scapy.utils import RawPcapReader   # heavy: imported when used
+    try:
+        reader = RawPcapReader(path)
+    except FileNotFoundError as exc:
+        raise PcapError(f"{path}: no such capture file") from exc
+    except Exception as exc:  # noqa: BLE001 - scapy raises Scapy_Exception for a bad magic
+        raise PcapError(f"{path} is not a pcap or pcapng file ({exc}); export it from Wireshark as pcapng") from exc
+    count = 0
+    try:
+        while True:
+            try:
+                data, meta = reader._read_packet(size=_SNAP)   # the public one caps frames at 1500 bytes
+            except EOFError:
+                break
+            count += 1
+            yield _stamp(reader, meta, data)
+    except Exception as exc:  # noqa: BLE001 - damaged blocks surface as assorted scapy/struct errors
+        problems.append(f"stopped at packet {count + 1}: damaged data ({exc}); imported what came before")
+    finally:
+        reader.close()
+    if _truncated_tail(path, reader):
+        problems.append(f"the file ends inside a packet after {count} whole packets (truncated capture)")
+
+
+def _stamp(reader: object, meta: object, data: bytes) -> tuple[int, int, bytes]:
+    if hasattr(meta, "tshigh"):
+        units = (meta.tshigh << 32) | meta.tslow   # type: ignore[attr-defined]
+        return meta.linktype, units * 1_000_000_000 // meta.tsresol, data   # type: ignore[attr-defined]
+    scale = 1 if getattr(reader, "nano", False) else 1000
+    return reader.linktype, meta.sec * 1_000_000_000 + meta.usec * scale, data   # type: ignore[attr-defined]
+
+
+def _truncated_tail(path: str, reader: object) -> bool:
+    """scapy reports a cut-off last record as a clean EOF; compare positions to tell them apart."""
+    try:
+        pos = reader.f.tell()   # type: ignore[attr-defined]
+    except (ValueError, OSError, AttributeError):
+        return False
+    return 0 < pos < os.path.getsize(path)
+
+
+def import_capture(path: str, output: str, *, port: int | None = None, redactor: Redactor | None = None,
+                   overwrite: bool = False) -> ImportResult:
+    """Import `path` into a new recording `output`.
+
+    Args:
+        port: keep only connections with this port (and treat it as the service side).
+        redactor: rules applied to the imported calls and chunks (default: none).
+
+    Raises PcapError (unreadable file) or RecordingError (output). A damaged capture is imported up
+    to the damage and the result's `problems` say so (the recording's meta too).
+    """
+    result = ImportResult()
+    accept = (lambda s: port in (s.src[1], s.dst[1])) if port else None
+    writer = RecordingWriter(output, overwrite=overwrite,
+                             meta={"clock": "capture-wall", "source": os.path.basename(path), "backend": "import"})
+    sink = FlowSink(writer, redactor)
+    reasm = Reassembler(sink, {port} if port else None, accept)
+    first_ts = None
+    try:
+        for linktype, ts, frame in read_packets(path, result.problems):
+            result.packets += 1
+            first_ts = ts if first_ts is None else first_ts
+            seg = parse(linktype, frame)
+            if seg is not None:
+                reasm.feed(seg, ts)
+    finally:
+        result.reassembly = reasm.finish()
+        result.sink = sink.close(meta={"started_wall_ns": first_ts, "started_mono_ns": first_ts,
+                                       "import_problems": result.problems,
+                                       "gaps": result.reassembly.gaps, "gap_bytes": result.reassembly.gap_bytes,
+                                       "retransmitted_segments": result.reassembly.retransmitted})
+        writer.close()
+    return result
