@@ -198,9 +198,7 @@ class ReplayRun:
         except Exception as exc:  # an unknown protocol is this call's problem, not the run's
             self._not_sent(planned, f"no_sender:{type(exc).__name__}")
             return
-        intended = self.t0_ns + planned.due_ns
-        live = _Live(planned, intended, self.clock.now_ns(), asyncio.Queue())
-        self.stats.on_sent(intended, live.sent_ns)
+        live = _Live(planned, self.t0_ns + planned.due_ns, 0, asyncio.Queue())
         self._by_conn[planned.connection] += 1
         self._live.add(live)
         for msg in planned.messages:
@@ -227,6 +225,9 @@ class ReplayRun:
     async def _call(self, sender: Sender, live: _Live) -> None:
         p = live.planned
         limit = self.options.timeout_s + p.last_offset_ns / 1e9 + 1.0
+        # The send time is taken here, when the call really starts, so lag includes the loop hop.
+        live.sent_ns = self.clock.now_ns()
+        self.stats.on_sent(live.intended_ns, live.sent_ns)
         try:
             out = await asyncio.wait_for(sender.call(p, _drain_queue(live.queue), self.options.timeout_s), limit)
         except (asyncio.TimeoutError, TimeoutError):

@@ -178,3 +178,19 @@ class EchoServer:
     async def _decide_stream(self, requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
         async for request in requests:
             yield self._answer("DecideStream", request)
+
+
+def main() -> None:
+    """`python -m replay.testing [PORT] [--reflection]`: run an echo server until killed (benchmarks, docs)."""
+    import sys
+    port = int(next((a for a in sys.argv[1:] if a.isdigit()), "0"))
+    with EchoServer(port=port, reflection="--reflection" in sys.argv) as server:
+        print(server.address, flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""`shadowtest replay`: replay a recording open-loop with its original timing (see replay/)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    try:
+        a, b = value.split(":")
+        return float(a or 0), float(b)
+    except ValueError:
+        raise click.BadParameter("use START:END in seconds from the first call, e.g. 10:70") from None
+
+
+@click.command("replay")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", required=True, metavar="HOST:PORT", help="where to send (loopback unless allowed)")
+@click.option("--speed", type=float, default=1.0, show_default=True, help="time multiplier, 0.1-100")
+@click.option("--loop", type=int, default=1, show_default=True, help="play the recording N times")
+@click.option("--workers", type=int, default=1, show_default=True, help="processes, each a shard of connections")
+@click.option("--window", callback=_window, metavar="A:B", help="only seconds A to B of the recording")
+@click.option("--method", "methods", multiple=True, help="only this method (full or bare name; repeatable)")
+@click.option("--flow", "flows", type=int, multiple=True, help="only this recorded flow id (repeatable)")
+@click.option("--rate", type=float, default=1.0, show_default=True, help="flow multiplier (2 doubles, 0.5 thins)")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed for rate scaling")
+@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
+@click.option("--max-in-flight", type=int, default=256, show_default=True,
+              help="per connection; beyond it calls are not sent (counted)")
+@click.option("--sender", default="auto", show_default=True, help="auto (by protocol), grpc, http1 or tcp")
+@click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
+@click.option("--descriptors", default="reflection", show_default=True,
+              help="for --compare: reflection, bytes, FILE.protoset or module names")
+@click.option("--ignore-field", "ignore", multiple=True, help="for --compare: field glob to ignore")
+@click.option("--allow-target", "allow", multiple=True, help="allow this non-loopback host/CIDR")
+@click.option("--dry-run", is_flag=True, help="print the plan and send nothing")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the report as JSON to this file ('-' for stdout)")
+def command(file: Path, target: str, speed: float, loop: int, workers: int, window: tuple[float, float] | None,
+            methods: tuple[str, ...], flows: tuple[int, ...], rate: float, seed: int, timeout_s: float,
+            max_in_flight: int, sender: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
+            allow: tuple[str, ...], dry_run: bool, json_out: Path | None) -> None:
+    """Replay FILE to --target with its original timing (open loop), then summarise.
+
+    Exit 0 when every scheduled call is accounted for (ok + rejected + errors + timeouts +
+    not sent), 1 when that invariant breaks or the run fails, 2 on a usage error.
+
+    \b
+    Examples:
+      shadowtest replay prod.rec --target 127.0.0.1:50051
+      shadowtest replay prod.rec --target 127.0.0.1:50051 --speed 2 --loop 3 --json out.json
+      shadowtest replay prod.rec --target 127.0.0.1:50051 --window 10:70 --method Decide --compare
+      shadowtest replay prod.rec --target shadow.internal:50051 --allow-target shadow.internal --workers 2
+      shadowtest replay prod.rec --target 127.0.0.1:50051 --dry-run
+    """
+    from replay.compare import CompareSpec
+    from replay.engine import ReplayOptions
+    from replay.errors import PlanError, TargetNotAllowedError
+    from replay.schedule import ScheduleOptions
+    from replay.target import check_target
+
+    if workers < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--workers")
+    sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
+                            loop=loop, rate=rate, seed=seed)
+    opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight,
+                         allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None)
+    try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
+        sched.validate()
+        check_target(target, allow)
+    except (PlanError, TargetNotAllowedError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    if dry_run:
+        _dry_run(file, sched, json_out)
+        return
+    report = _run(file, target, opts, workers)
+    _emit(report, json_out)
+    sys.exit(0 if report.invariant_ok else 1)
+
+
+def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
+    from rich.console import Console
+
+    from replay.plan import plan_from_recording
+    from replay.view import plan_table
+
+    rec, plan = plan_from_recording(file, sched)
+    head, total, conns, last = [], 0, set(), 0
+    for p in plan:
+        head += [p] if len(head) < 20 else []
+        total, last = total + 1, p.due_ns
+        conns.add(p.connection)
+    rec.close()
+    if json_out:
+        data = {"dry_run": True, "scheduled": total, "connections": len(conns), "span_s": last / 1e9,
+                "first": [{"index": p.index, "due_ms": p.due_ns / 1e6, "connection": p.connection,
+                           "method": p.method, "kind": p.kind, "messages": len(p.messages)} for p in head]}
+        _write_json(data, json_out)
+    if str(json_out) != "-":
+        Console().print(plan_table(head, total, len(conns), last / 1e9))
+
+
+def _run(file: Path, target: str, opts: Any, workers: int) -> Any:
+    from rich.console import Console
+
+    from replay.plan import estimate_total
+    from replay.stats import RunStats
+
+    console = Console(stderr=True)
+    total = estimate_total(file, opts.schedule)
+    holder: dict[str, Any] = {"stats": RunStats()}
+    if workers > 1:
+        from replay.workers import WorkerPool
+        runner: Any = WorkerPool(file, target, opts, workers,
+                                 on_progress=lambda s: holder.__setitem__("stats", s))
+    else:
+        from replay.engine import ReplayRun
+        runner = ReplayRun(file, target, opts)
+        holder["stats"] = runner.stats
+    thread = threading.Thread(target=lambda: holder.__setitem__("report", _guarded(runner, holder)))
+    started = time.monotonic()
+    thread.start()
+    try:
+        _watch(console, thread, holder, total, started)
+    except KeyboardInterrupt:
+        runner.stop()  # Ctrl-C: a clean early stop; the rest is counted as not sent
+        thread.join()
+    if "error" in holder:
+        raise holder["error"]
+    return holder["report"]
+
+
+def _guarded(runner: Any, holder: dict[str, Any]) -> Any:
+    try:
+        return runner.run()
+    except Exception as exc:  # re-raised in the main thread so the CLI prints one red line
+        holder["error"] = exc
+        return None
+
+
+def _watch(console: Any, thread: threading.Thread, holder: dict[str, Any], total: int, started: float) -> None:
+    from replay.view import live_panel
+
+    if not console.is_terminal:
+        while thread.is_alive():
+            thread.join(1.0)
+            s = holder["stats"]
+            if thread.is_alive():
+                print(f"replay: {sum(s.outcomes.values())}/{total} done, {s.sent} sent", file=sys.stderr)
+        return
+    from rich.live import Live
+    with Live(console=console, refresh_per_second=4, transient=True) as live:
+        while thread.is_alive():
+            live.update(live_panel(holder["stats"], total, time.monotonic() - started))
+            thread.join(0.25)
+
+
+def _emit(report: Any, json_out: Path | None) -> None:
+    from rich.console import Console
+
+    from replay.view import mismatch_table, summary_rows, summary_table
+
+    if json_out:
+        _write_json(report.to_json(), json_out)
+    if str(json_out) == "-":
+        return
+    console = Console()
+    if console.is_terminal:
+        console.print(summary_table(report))
+        if report.mismatches:
+            console.print(mismatch_table(report.mismatches))
+    else:
+        for label, value in summary_rows(report):
+            print(f"{label}: {value}")
+
+
+def _write_json(data: dict[str, Any], json_out: Path) -> None:
+    text = json.dumps(data, indent=2)
+    if str(json_out) == "-":
+        click.echo(text)
+    else:
+        json_out.write_text(text + "\n")

@@ -1,0 +1,79 @@
+"""What a person sees: a live panel while replaying and a summary table after (rich), or plain lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from replay.report import ReplayReport
+from replay.stats import RunStats, percentiles_ms, percentiles_us
+
+
+def live_panel(stats: RunStats, total: int, elapsed_s: float) -> Group:
+    """Progress bar, rate, p50/p99, lag and errors for the run so far."""
+    done = sum(stats.outcomes.values())
+    lat, lag = percentiles_ms(stats.latency), percentiles_us(stats.lag)
+    rate = stats.sent / elapsed_s if elapsed_s > 0 else 0.0
+    errs = sum(stats.errors.values()) + stats.outcomes["timeout"]
+    line = Text.assemble(
+        (f"{done}/{total} ", "bold"), f"rate {rate:,.0f}/s  ", f"p50 {lat['p50']:.2f} ms  ",
+        f"p99 {lat['p99']:.2f} ms  ", f"lag p99 {lag['p99']:.0f} us  ",
+        (f"rejected {stats.outcomes['rejected']}  ", "yellow"),
+        (f"errors {errs}  ", "red" if errs else "green"), f"not sent {stats.outcomes['not_sent']}")
+    return Group(ProgressBar(total=max(total, 1), completed=min(done, total), width=60), line)
+
+
+def _fmt(d: dict[str, float], unit: str) -> str:
+    return "  ".join(f"{k} {v:,.2f}{unit}" for k, v in d.items())
+
+
+def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
+    """(label, value) pairs, shared by the table and the plain output."""
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(rep.errors.items())) or "0"
+    not_sent = ", ".join(f"{k} {v}" for k, v in sorted(rep.not_sent_reasons.items())) or "0"
+    rows = [("scheduled", str(rep.scheduled)), ("sent", str(rep.sent)), ("ok", str(rep.ok)),
+            ("rejected", str(rep.rejected)), ("errors", errors), ("timeouts", str(rep.timeouts)),
+            ("not sent", not_sent), ("duration", f"{rep.duration_s:.2f} s"),
+            ("achieved rate", f"{rep.achieved_rate:,.1f} calls/s"),
+            ("latency (from intended)", _fmt(rep.latency_ms, " ms")),
+            ("latency (from send)", _fmt(rep.latency_from_send_ms, " ms")),
+            ("send lag", _fmt(rep.lag_us, " us")), ("drift", f"{rep.drift_pct:+.4f} %"),
+            ("invariant", "ok" if rep.invariant_ok else "BROKEN: scheduled != accounted")]
+    if rep.mismatches:
+        rows.append(("mismatches", str(rep.mismatches.get("total", 0))))
+    rows += [("problem", p) for p in rep.problems]
+    return rows
+
+
+def summary_table(rep: ReplayReport) -> Table:
+    table = Table(title=f"replay to {rep.target} at {rep.speed:g}x ({rep.workers} worker(s), seed {rep.seed})")
+    table.add_column("metric")
+    table.add_column("value", overflow="fold")
+    for label, value in summary_rows(rep):
+        style = "red" if (label == "invariant" and not rep.invariant_ok) or label == "problem" else None
+        table.add_row(label, value, style=style)
+    return table
+
+
+def mismatch_table(mismatches: dict[str, Any]) -> Table:
+    table = Table(title="responses compared with the recording")
+    for col in ("method", "compared", "mismatched", "top fields"):
+        table.add_column(col)
+    for method, e in mismatches.get("by_method", {}).items():
+        top = ", ".join(f"{f} {n}" for f, n in list(e["fields"].items())[:4])
+        table.add_row(method, str(e["compared"]), str(e["mismatched"]), top)
+    return table
+
+
+def plan_table(rows: list[Any], total: int, connections: int, span_s: float) -> Table:
+    table = Table(title=f"dry run: {total} calls on {connections} connections over {span_s:.3f} s (nothing sent)")
+    for col in ("#", "due ms", "connection", "method", "kind", "messages"):
+        table.add_column(col)
+    for p in rows:
+        table.add_row(str(p.index), f"{p.due_ns / 1e6:.3f}", p.connection, p.method or p.protocol, p.kind,
+                      str(len(p.messages)))
+    return table
