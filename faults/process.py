@@ -1,0 +1,204 @@
+"""Process faults: pause (SIGSTOP, SIGCONT after a duration), and kill/restart of a process we own.
+
+Every signal goes through `signal_if_same`, which checks PID *and* start time, so a PID that the
+kernel reused for an unrelated process is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from faults.errors import ProcessFaultError
+from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
+
+
+def signal_if_same(pid: int, start: int | None, sig: int) -> bool:
+    """Send `sig` only if `pid` is still the process that started at `start`; True when sent."""
+    if not same_process(pid, start):
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def group_members(pgid: int, comm_prefix: str, not_before: int) -> list[tuple[int, int]]:
+    """(pid, start) of live processes in group `pgid` named `comm_prefix`*, started at/after `not_before`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != b"Z" and int(fields[19]) >= not_before \
+                and _comm(int(entry)).startswith(comm_prefix):
+            found.append((int(entry), int(fields[19])))
+    return found
+
+
+def kill_recorded(procs: Sequence[dict[str, Any]], sig: int = signal.SIGKILL) -> int:
+    """Kill recorded processes (and, for group leaders, their group's same-named members)."""
+    killed = 0
+    for p in procs:
+        pid, start = int(p["pid"]), p.get("start")
+        targets = [(pid, start)]
+        if p.get("group") and start is not None:
+            targets += group_members(pid, str(p.get("comm", ""))[:15], int(start))
+        for tpid, tstart in dict(targets).items():
+            killed += signal_if_same(tpid, tstart, sig)
+    return killed
+
+
+def undo_processes(entry: dict[str, Any]) -> None:
+    """Undo a "process" entry: kill what it started (verified by start time)."""
+    kill_recorded(entry.get("procs", []))
+
+
+def undo_pause(entry: dict[str, Any]) -> None:
+    """Undo a "paused" entry: SIGCONT the process if it is still the same one."""
+    signal_if_same(int(entry["pid"]), entry.get("start"), signal.SIGCONT)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """preexec_fn: PR_SET_PDEATHSIG, so a helper never outlives the thread that spawned it."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+
+
+@dataclass
+class Pause:
+    """A pause in effect: `paused_at`/`resumed_at` are time.monotonic() values."""
+
+    pid: int
+    paused_at: float
+    resumed_at: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@contextlib.contextmanager
+def paused(pid: int, duration_s: float | None = None, registry: FaultRegistry | None = None) -> Iterator[Pause]:
+    """SIGSTOP `pid`; SIGCONT after `duration_s` (if given) or on exit, whichever is first.
+
+    Raises ProcessFaultError if the process does not exist or cannot be signalled.
+    """
+    reg = registry or default_registry()
+    start = proc_start_time(pid)
+    if start is None:
+        raise ProcessFaultError(f"cannot pause PID {pid}: no such process")
+    info = Pause(pid, 0.0)
+
+    def resume(_entry: dict[str, Any] | None = None) -> None:
+        with info._lock:
+            if info.resumed_at is None:
+                signal_if_same(pid, start, signal.SIGCONT)
+                info.resumed_at = time.monotonic()
+
+    with reg.hold("paused", resume, pid=pid, start=start):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except OSError as exc:
+            raise ProcessFaultError(f"cannot pause PID {pid}: {exc} (run as its owner or root)") from exc
+        info.paused_at = time.monotonic()
+        timer = threading.Timer(duration_s, resume) if duration_s is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            yield info
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def pause_for(pid: int, seconds: float, registry: FaultRegistry | None = None) -> Pause:
+    """Pause `pid` for `seconds` and return once it runs again."""
+    with paused(pid, registry=registry) as info:
+        time.sleep(seconds)
+    return info
+
+
+class OwnedProcess:
+    """A process the harness starts and may kill and restart; recorded so a crash never leaks it.
+
+    >>> with OwnedProcess(["sleep", "60"]) as p:
+    ...     p.restart(downtime_s=0.5)
+    """
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
+                 registry: FaultRegistry | None = None, stdout: Any = subprocess.DEVNULL) -> None:
+        self.argv, self.env, self.cwd, self.stdout = list(argv), env, cwd, stdout
+        self.registry = registry or default_registry()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._entry: str | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> OwnedProcess:
+        """Start the process (in its own session); raises ProcessFaultError if it cannot run."""
+        if self._entry is None:
+            self._entry = self.registry.register("process", argv=self.argv[:8], procs=[])
+        try:
+            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self.stdout,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise ProcessFaultError(f"cannot start {self.argv[0]}: {exc}") from exc
+        rec = {"pid": self.proc.pid, "start": proc_start_time(self.proc.pid), "group": True,
+               "comm": _comm(self.proc.pid)}
+        self.registry.update(self._entry, procs=[rec])
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 5.0) -> int | None:
+        """Signal the process group and wait for the process; returns its exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+    def restart(self, downtime_s: float = 0.0, sig: int = signal.SIGKILL) -> None:
+        """Kill (default SIGKILL), stay down `downtime_s`, start again."""
+        self.kill(sig)
+        time.sleep(downtime_s)
+        self.start()
+        self.restarts += 1
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; forget the record."""
+        self.kill(signal.SIGTERM)
+        if self._entry is not None:
+            self.registry.release(self._entry)
+            self._entry = None
+
+    def __enter__(self) -> OwnedProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
