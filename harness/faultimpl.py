@@ -41,35 +41,50 @@ def clear_leftovers() -> list[str]:
 class NetworkProxy:
     """An embedded Toxiproxy-compatible proxy listening on 127.0.0.1:0 in front of `upstream`.
 
-    `toxic(dict)` is a context manager that adds one toxic and removes it on exit.
+    In-process on purpose: its toxics die with the run, so even a SIGKILLed run leaves none behind.
+    `toxic(dict)` is a context manager that adds one toxic and removes it on exit; it yields the
+    toxic's name and when it took effect on every live connection (time.monotonic()).
     Raises RunError when the proxy cannot start.
     """
 
     def __init__(self, upstream: str, name: str, seed: int) -> None:
         self.upstream, self.name, self.seed = upstream, name, seed
         self.listen = ""
-        self._stack = contextlib.ExitStack()
         self._count = 0
+        self._proxy: Any = None
 
     def __enter__(self) -> NetworkProxy:
+        from faults.proxy import EmbeddedToxiproxy
+
         try:
-            from faults.network import NetworkFaults
-            self._net = self._stack.enter_context(NetworkFaults.embedded(seed=self.seed))
-            self.listen = self._net.create_proxy(self.name, listen="127.0.0.1:0", upstream=self.upstream)
-        except _faults_error() as exc:
-            self._stack.close()
-            raise RunError(f"cannot start the fault proxy: {exc}") from exc
+            self._proxy = EmbeddedToxiproxy(seed=self.seed).start()
+            made = self._proxy.create_proxy(self.name, upstream=self.upstream, listen="127.0.0.1:0")
+        except (_faults_error(), OSError) as exc:
+            self.__exit__()
+            raise RunError(f"cannot start the fault proxy in front of {self.upstream}: {exc}") from exc
+        self.listen = str(made["listen"])
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        if self._proxy is not None:
+            self._proxy.stop()
+            self._proxy = None
+
+    @property
+    def api_url(self) -> str:
+        return str(self._proxy.url) if self._proxy is not None else ""
 
     @contextlib.contextmanager
-    def toxic(self, toxic: dict[str, Any]) -> Iterator[str]:
+    def toxic(self, toxic: dict[str, Any]) -> Iterator[tuple[str, float]]:
         self._count += 1
         name = f"{toxic['type']}_{self._count}"
-        with self._net.toxic(self.name, name=name, **toxic):
-            yield name
+        applied = self._proxy.add_toxic(self.name, toxic["type"], toxic["attributes"], stream=toxic["stream"],
+                                        toxicity=toxic["toxicity"], name=name)
+        try:
+            yield name, applied.applied_at
+        finally:
+            if self._proxy is not None:
+                self._proxy.remove_toxic(self.name, name)
 
 
 @register("cpu", "contention")

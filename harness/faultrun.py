@@ -23,6 +23,7 @@ from harness.scenario import FaultSpec
 class FaultContext:
     running: Any            # harness.target.Running
     rng: random.Random
+    applied_at: float | None = None   # set by an applier that knows exactly when its fault took effect
 
 
 class Applier(Protocol):
@@ -49,19 +50,21 @@ class FaultSession:
         self.log = log
         self._held: dict[int, tuple[str, contextlib.ExitStack]] = {}
 
-    def apply(self, spec: FaultSpec, key: int) -> str:
-        """Start a fault; returns what took effect. Raises RunError (or the faults error) when it cannot."""
+    def apply(self, spec: FaultSpec, key: int) -> tuple[str, float | None]:
+        """Start a fault; returns what took effect and when (time.monotonic(), None if the applier
+        cannot tell: then it is when this returns). Raises RunError (or the faults error) when it cannot."""
         applier = APPLIERS.get((spec.family, spec.kind))
         if applier is None:
             raise RunError(f"no applier for fault {spec.family}: {spec.kind}")
         stack = contextlib.ExitStack()
+        self.ctx.applied_at = None
         try:
             detail = stack.enter_context(applier(spec, self.ctx))
         except BaseException:
             stack.close()
             raise
         self._held[key] = (spec.label, stack)
-        return detail or ""
+        return detail or "", self.ctx.applied_at
 
     def remove(self, key: int) -> None:
         label, stack = self._held.pop(key, ("", None))  # type: ignore[assignment]
@@ -103,7 +106,8 @@ def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     if proxy is None:
         raise RunError("a network fault needs the proxy: remove `proxy: false` from the scenario")
     toxic = toxic_of(spec)
-    with proxy.toxic(toxic) as name:
+    with proxy.toxic(toxic) as (name, applied_at):
+        ctx.applied_at = applied_at
         yield f"toxic {name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}"
 
 

@@ -102,7 +102,7 @@ class Runner:
         before = self._scrape(running)
         self.t0 = self.clock.monotonic() + _START_DELAY_S
         followers = self._followers(running, stack)
-        traffic = TrafficRun(s.traffic, s.duration_s, running.traffic_address, int(self.t0 * 1e9), s.seed,
+        traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
                              timeout_s=max(2.0, s.period_s * 4))
         traffic.start()
         stack.callback(traffic.stop)
@@ -181,8 +181,8 @@ class Runner:
         w = action.window
         if action.apply:
             try:
-                w.detail = faults.apply(action.spec, key=id(w))
-                w.applied_s = self.clock.monotonic() - self.t0
+                w.detail, applied_at = faults.apply(action.spec, key=id(w))
+                w.applied_s = (applied_at if applied_at is not None else self.clock.monotonic()) - self.t0
                 self.log(f"fault {w.label} took effect ({(w.applied_s - w.requested_s) * 1000:+.0f} ms "
                          f"after schedule) {w.detail}")
             except Exception as exc:  # noqa: BLE001 -- a fault that fails is evidence, the run goes on

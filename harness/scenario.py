@@ -113,6 +113,7 @@ class Phase:
     name: str
     duration_s: float
     faults: tuple[FaultSpec, ...] = ()
+    load: float = 1.0                # traffic speed in this phase (2.0: twice the calls per second)
     line: int | None = None
 
 
@@ -168,6 +169,10 @@ class Scenario:
             out[p.name] = (t, t + p.duration_s)
             t += p.duration_s
         return out
+
+    def load_profile(self) -> list[tuple[float, float, float]]:
+        """(start_s, end_s, load) per phase, for the traffic's time warp."""
+        return [(start, end, p.load) for p, (start, end) in zip(self.phases, self.phase_bounds().values())]
 
     def scaled(self, factor: float) -> Scenario:
         """The same scenario with every phase (and fault offset) `factor` times as long (for CI runs)."""

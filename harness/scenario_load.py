@@ -161,7 +161,7 @@ def _phases(node: Node) -> tuple[Phase, ...]:
     for i, item in enumerate(items):
         what = f"phases[{i}]"
         entries = item.mapping(what)
-        _unknown(entries, {"name", "duration", "faults"}, what)
+        _unknown(entries, {"name", "duration", "faults", "load"}, what)
         for key in ("name", "duration"):
             if key not in entries:
                 item.fail(f"{what}: missing {key!r}")
@@ -175,7 +175,8 @@ def _phases(node: Node) -> tuple[Phase, ...]:
         faults = tuple(_fault(f, f"{what}.faults[{j}]")
                        for j, f in enumerate(entries["faults"].sequence(f"{what}.faults"))) \
             if "faults" in entries and entries["faults"].value() else ()
-        phases.append(Phase(name, duration, faults, line=item.line))
+        load = entries["load"].number(f"{what}.load", minimum=0.01, maximum=100) if "load" in entries else 1.0
+        phases.append(Phase(name, duration, faults, load=load, line=item.line))
     return tuple(phases)
 
 

@@ -11,6 +11,7 @@ market model), so both kinds give the same per-call results, the client-side tru
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import logging
 import random
 import threading
@@ -50,6 +51,36 @@ def generator_plan(traffic: GeneratorTraffic, duration_s: float, seed: int) -> I
                           kind="bidi" if stream else "unary", messages=messages)
 
 
+def base_duration(profile: list[tuple[float, float, float]]) -> float:
+    """How much traffic (in seconds at load 1) the phases consume: each phase's duration times its load."""
+    return sum((end - start) * load for start, end, load in profile)
+
+
+def warp(plan: Iterator[Any], profile: list[tuple[float, float, float]]) -> Iterator[Any]:
+    """Replay time-warped per phase: inside a phase with load L, base time runs L times as fast.
+
+    A call due at base time u in phase i (base start b_i) is sent at start_i + (u - b_i) / L_i; its
+    stream messages' offsets shrink by L_i too. Calls beyond the last phase are not planned.
+    """
+    bounds, b = [], 0.0
+    for start, end, load in profile:
+        bounds.append((b, b + (end - start) * load, start, load))
+        b += (end - start) * load
+    i = 0
+    for call in plan:
+        u = call.due_ns / 1e9
+        while i < len(bounds) and u >= bounds[i][1]:
+            i += 1
+        if i >= len(bounds):
+            return
+        base, _, start, load = bounds[i]
+        if load == 1.0 and base == start:
+            yield call
+            continue
+        msgs = [replace(m, offset_ns=int(m.offset_ns / load)) for m in call.messages]
+        yield replace(call, due_ns=int((start + (u - base) / load) * 1e9), messages=msgs)
+
+
 def _constant(rate: float, duration_s: float) -> Iterator[float]:
     for i in itertools.count():
         t = i / rate
@@ -62,15 +93,16 @@ class TrafficRun:
     """Plays the scenario's traffic to `target` in a background thread, keeping every call's result.
 
     Args:
-        traffic: what to play. duration_s: the run's length (the generator plans exactly that).
+        traffic: what to play. profile: (start_s, end_s, load) per phase; the plan is warped to it.
         target: "host:port" (usually the fault proxy). t0_ns: the run's start on CLOCK_MONOTONIC;
         the replayer schedules from it and results are converted to seconds from it.
 
     Raises RunError (on start) when the replayer cannot be built, e.g. the recording is unreadable.
     """
 
-    def __init__(self, traffic: Traffic, duration_s: float, target: str, t0_ns: int, seed: int,
-                 timeout_s: float = 5.0) -> None:
+    def __init__(self, traffic: Traffic, profile: list[tuple[float, float, float]], target: str, t0_ns: int,
+                 seed: int, timeout_s: float = 5.0) -> None:
+        from capture.errors import CaptureError
         from replay.engine import ReplayOptions, ReplayRun
         from replay.errors import ReplayError
         from replay.schedule import ScheduleOptions
@@ -82,15 +114,18 @@ class TrafficRun:
         self._lock = threading.Lock()
         try:
             if isinstance(traffic, RecordingTraffic):
+                from replay.plan import plan_from_recording
+
                 schedule = ScheduleOptions(speed=traffic.speed, window=traffic.window, loop=traffic.loop,
                                            methods=frozenset(traffic.methods), seed=seed)
-                source: Any = traffic.path
+                self._recording, plan = plan_from_recording(traffic.path, schedule)
             else:
                 schedule = ScheduleOptions(seed=seed)
-                source = generator_plan(traffic, duration_s, seed)
+                self._recording, plan = None, generator_plan(traffic, base_duration(profile), seed)
+            source: Any = warp(plan, profile)
             options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s)
             self._run = ReplayRun(source, target, options, on_result=self._on_result)
-        except ReplayError as exc:
+        except (ReplayError, CaptureError) as exc:
             raise RunError(f"cannot set up the traffic: {exc}") from exc
         self._thread = threading.Thread(target=self._main, name="shadowtest-traffic", daemon=True)
 
@@ -111,6 +146,9 @@ class TrafficRun:
         except BaseException as exc:  # noqa: BLE001 -- reported by the runner, never lost in a thread
             self.error = exc
             log.exception("traffic failed")
+        finally:
+            if self._recording is not None:
+                self._recording.close()
 
     def start(self) -> None:
         self._thread.start()

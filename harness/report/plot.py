@@ -41,6 +41,7 @@ def plot_timeline(result: RunResult, path: Path) -> None:
     verdict = "PASSED" if result.passed else "FAILED"
     ax_lat.set_title(f"{result.scenario.name} (seed {result.scenario.seed}): {verdict}")
     ax_tier.set_xlabel("seconds into the run")
+    ax_tier.set_xlim(0, tl.duration_s + tl.period_s)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -57,7 +58,9 @@ def _rates(ax, tl, mids) -> None:  # type: ignore[no-untyped-def]
         ys = [r for _, r in limiter] + [limiter[-1][1]]
         ax.step(xs, ys, where="post", color="purple", label="limiter rate")
         peak = max(max(p.offered_rate for p in tl.periods), 1.0)
-        ax.set_ylim(0, max(peak * 2.5, 10))   # a ceiling of 20,000/s would flatten everything else
+        top = max(r for _, r in limiter)
+        # Show the limiter, but a ceiling of 20,000/s would flatten the traffic: cap the axis at 4x it.
+        ax.set_ylim(0, max(10.0, min(top * 1.1, peak * 4), peak * 1.3))
     ax.set_ylabel("calls/s")
 
 
