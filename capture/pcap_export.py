@@ -1,0 +1,156 @@
+"""`shadowtest export`: a recording -> pcapng that Wireshark/tshark dissect as the same calls.
+
+Each chunk becomes TCP segments with synthesized IPv4/IPv6 + TCP headers (LINKTYPE_RAW), sequence
+numbers continuous per direction, a three-way handshake before a flow's first chunk and FINs at its
+close, all stamped with the original times at nanosecond resolution (if_tsresol = 9).
+
+    chunks (time order) --> seq state per flow/direction --> IP/TCP frames --> EPB blocks (pcapng)
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+import os
+import struct
+from typing import BinaryIO
+
+from capture.errors import PcapError
+from capture.recording import Flow, Recording
+
+_LINKTYPE_RAW = 101
+_SEG = 16000          # payload bytes per synthesized segment (well under the IPv4 64 KiB limit)
+_SYN, _ACK, _PSH, _FIN = 0x02, 0x10, 0x08, 0x01
+
+
+def _block(btype: int, body: bytes) -> bytes:
+    body += b"\0" * (-len(body) % 4)
+    n = len(body) + 12
+    return struct.pack("<II", btype, n) + body + struct.pack("<I", n)
+
+
+def _headers() -> bytes:
+    shb = _block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1))
+    opt_tsresol = struct.pack("<HHB3x", 9, 1, 9)     # if_tsresol: 10^-9 s
+    idb = _block(1, struct.pack("<HHI", _LINKTYPE_RAW, 0, 0) + opt_tsresol + struct.pack("<HH", 0, 0))
+    return shb + idb
+
+
+def _epb(ts_ns: int, frame: bytes) -> bytes:
+    body = struct.pack("<IIIII", 0, ts_ns >> 32, ts_ns & 0xFFFFFFFF, len(frame), len(frame)) + frame
+    return _block(6, body)
+
+
+def _ip_tcp(src: tuple[str, int], dst: tuple[str, int], seq: int, ack: int, flags: int, payload: bytes) -> bytes:
+    tcp = struct.pack(">HHIIBBHHH", src[1], dst[1], seq & 0xFFFFFFFF, ack & 0xFFFFFFFF, 5 << 4, flags,
+                      65535, 0, 0)
+    s, d = ipaddress.ip_address(src[0]), ipaddress.ip_address(dst[0])
+    if s.version == 4 and d.version == 4:
+        total = 20 + len(tcp) + len(payload)
+        ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, total, 0, 0x4000, 64, 6, 0, s.packed, d.packed)
+        ip = ip[:10] + struct.pack(">H", _checksum(ip)) + ip[12:]
+    else:
+        s6 = s if s.version == 6 else ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + s.packed)
+        d6 = d if d.version == 6 else ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + d.packed)
+        ip = struct.pack(">IHBB16s16s", 6 << 28, len(tcp) + len(payload), 6, 64, s6.packed, d6.packed)
+    return ip + tcp + payload
+
+
+def _checksum(data: bytes) -> int:
+    total = sum(struct.unpack(f">{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+class _FlowState:
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow
+        # A client address we could not learn (client-side eBPF) still needs a plausible one.
+        src = flow.src if flow.src[1] else ("127.0.0.2", 40000 + (flow.id or 0) % 20000)
+        self.ends = {"c2s": (src, flow.dst), "s2c": (flow.dst, src)}
+        self.seq = {"c2s": 1000, "s2c": 5000}
+        self.started = False
+
+
+def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
+    """Write `recording` as pcapng to `out`; returns counts (flows, chunks, packets)."""
+    offset = _wall_offset(recording.meta)
+    flows = {f.id: _FlowState(f) for f in recording.flows()}
+    fins: list[tuple[int, int]] = [(f.closed_ns, fid) for fid, f in
+                                   ((fid, s.flow) for fid, s in flows.items()) if f.closed_ns]
+    heapq.heapify(fins)
+    out.write(_headers())
+    counts = {"flows": len(flows), "chunks": 0, "packets": 0}
+    for chunk in recording.chunks():
+        while fins and fins[0][0] <= chunk.ts_ns:
+            ts, fid = heapq.heappop(fins)
+            counts["packets"] += _fin(out, flows[fid], ts + offset)
+        st = flows.get(chunk.flow_id)
+        if st is None:
+            continue
+        if not st.started:
+            counts["packets"] += _handshake(out, st, chunk.ts_ns + offset)
+        counts["packets"] += _data(out, st, chunk.direction, chunk.ts_ns + offset, chunk.data)
+        counts["chunks"] += 1
+    while fins:
+        ts, fid = heapq.heappop(fins)
+        counts["packets"] += _fin(out, flows[fid], ts + offset)
+    return counts
+
+
+def _wall_offset(meta: dict[str, object]) -> int:
+    """What to add to recorded ts_ns to get wall-clock ns (0 for captures already in wall time)."""
+    if meta.get("clock") == "capture-wall":
+        return 0
+    wall, mono = meta.get("started_wall_ns"), meta.get("started_mono_ns")
+    return int(wall) - int(mono) if isinstance(wall, int) and isinstance(mono, int) else 0
+
+
+def _handshake(out: BinaryIO, st: _FlowState, ts: int) -> int:
+    st.started = True
+    (c, s), seq = st.ends["c2s"], st.seq
+    t0 = ts - 3000
+    out.write(_epb(t0, _ip_tcp(c, s, seq["c2s"] - 1, 0, _SYN, b"")))
+    out.write(_epb(t0 + 1000, _ip_tcp(s, c, seq["s2c"] - 1, seq["c2s"], _SYN | _ACK, b"")))
+    out.write(_epb(t0 + 2000, _ip_tcp(c, s, seq["c2s"], seq["s2c"], _ACK, b"")))
+    return 3
+
+
+def _data(out: BinaryIO, st: _FlowState, direction: str, ts: int, data: bytes) -> int:
+    src, dst = st.ends[direction]
+    other = "s2c" if direction == "c2s" else "c2s"
+    n = 0
+    for i in range(0, len(data), _SEG):
+        part = data[i:i + _SEG]
+        out.write(_epb(ts, _ip_tcp(src, dst, st.seq[direction], st.seq[other], _ACK | _PSH, part)))
+        st.seq[direction] += len(part)
+        n += 1
+    return n
+
+
+def _fin(out: BinaryIO, st: _FlowState, ts: int) -> int:
+    if not st.started:
+        return 0
+    (c, s) = st.ends["c2s"]
+    out.write(_epb(ts, _ip_tcp(c, s, st.seq["c2s"], st.seq["s2c"], _FIN | _ACK, b"")))
+    out.write(_epb(ts + 1000, _ip_tcp(s, c, st.seq["s2c"], st.seq["c2s"] + 1, _FIN | _ACK, b"")))
+    return 2
+
+
+def export_file(recording_path: str, output: str, *, overwrite: bool = False) -> dict[str, int]:
+    """Export the recording at `recording_path` to the pcapng file `output` (mode 0600).
+
+    Raises RecordingError for an unreadable recording, PcapError when `output` cannot be written.
+    A damaged recording is exported up to the damage; the returned dict's `problems` says so."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (0 if overwrite else os.O_EXCL)
+    with Recording(recording_path) as rec:
+        try:
+            fd = os.open(output, flags, 0o600)   # holds production data: owner-only
+        except FileExistsError as exc:
+            raise PcapError(f"{output} already exists (pass --force to replace it)") from exc
+        except OSError as exc:
+            raise PcapError(f"cannot write {output}: {exc.strerror}") from exc
+        with os.fdopen(fd, "wb") as out:
+            counts = export_pcapng(rec, out)
+        return counts | {"problems": list(rec.problems)}  # type: ignore[dict-item]

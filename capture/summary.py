@@ -1,0 +1,84 @@
+"""What a recording holds, computed in one streamed pass (for `shadowtest inspect`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from capture.recording import Recording
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[int]) -> str:
+    """Unicode bars scaled to the largest value."""
+    top = max(values, default=0)
+    if not top:
+        return _SPARK[0] * len(values)
+    return "".join(_SPARK[min(len(_SPARK) - 1, v * (len(_SPARK) - 1) // top)] for v in values)
+
+
+def _percentile(sorted_vals: list[int], q: float) -> int:
+    if not sorted_vals:
+        return 0
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
+
+
+def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
+    """Counts, methods, statuses, rate over time, payload sizes, loss and mid-stream joins.
+
+    Payload sizes are kept as one int per message: fine for recordings of millions of calls."""
+    methods: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
+    times: list[int] = []
+    req_sizes: list[int] = []
+    resp_sizes: list[int] = []
+    unknown = 0
+    for call in rec.calls():
+        methods[call.method or "<unknown>"] += 1
+        statuses[str(call.status)] += 1
+        unknown += int(call.method_unknown)
+        times.append(call.request_ts_ns)
+        req_sizes += [len(m.data) for m in call.requests]
+        resp_sizes += [len(m.data) for m in call.responses]
+    flows = list(rec.flows())
+    span = _span(rec, times)
+    meta = rec.meta
+    out: dict[str, Any] = {
+        "file": str(rec.path), "backend": meta.get("backend"), "host": meta.get("host"),
+        "flows": len(flows), "joined_flows": sum(f.joined_midstream for f in flows),
+        "protocols": dict(Counter(f.protocol for f in flows)), "calls": len(times),
+        "methods": dict(methods.most_common()), "statuses": dict(statuses.most_common()),
+        "chunks": rec.count("chunks"), "lost_events": int(meta.get("lost_events", 0) or 0),
+        "truncated_events": int(meta.get("truncated_events", 0) or 0), "unknown_method_calls": unknown,
+        "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
+        "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
+        "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
+        "problems": list(rec.problems) + list(meta.get("import_problems", []) or []),
+    }
+    return out
+
+
+def _span(rec: Recording, times: list[int]) -> int:
+    dur = rec.meta.get("capture_duration_s")
+    if isinstance(dur, (int, float)) and dur > 0:
+        return int(dur * 1e9)
+    return (max(times) - min(times)) if times else 0
+
+
+def _sizes(vals: list[int]) -> dict[str, int]:
+    vals.sort()
+    return {"count": len(vals), "p50": _percentile(vals, 0.5), "p99": _percentile(vals, 0.99),
+            "max": vals[-1] if vals else 0, "total": sum(vals)}
+
+
+def _rate(times: list[int], buckets: int) -> list[float]:
+    """Calls per second in `buckets` equal slices of the recording."""
+    if not times:
+        return []
+    lo, hi = min(times), max(times)
+    width = max(1, (hi - lo) // buckets + 1)
+    counts = [0] * buckets
+    for t in times:
+        counts[min(buckets - 1, (t - lo) // width)] += 1
+    return [c / (width / 1e9) for c in counts]

@@ -1,0 +1,36 @@
+"""`shadowtest export`: a recording -> pcapng for Wireshark/tshark."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("export")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="pcapng file to write")
+@click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@click.option("--json", "as_json", is_flag=True)
+def command(file: str, output: str, force: bool, as_json: bool) -> None:
+    """Export a recording as pcapng with synthesized TCP/IP framing and the original timestamps.
+
+    Wireshark decodes gRPC on a non-standard port once told it is HTTP/2 ("Decode As").
+
+    \b
+    Examples:
+      shadowtest export prod.rec -o prod.pcapng
+      tshark -r prod.pcapng -d tcp.port==50051,http2 -Y grpc
+    """
+    from capture.pcap_export import export_file
+
+    counts = export_file(file, output, overwrite=force)
+    if as_json:
+        click.echo(json.dumps(counts, indent=2))
+    else:
+        click.echo(f"exported {counts['flows']} flows, {counts['chunks']} chunks as {counts['packets']} packets "
+                   f"-> {output}")
+        for p in counts["problems"]:  # type: ignore[attr-defined]
+            click.echo(f"problem: {p}", err=True)
+    sys.exit(1 if counts["problems"] else 0)

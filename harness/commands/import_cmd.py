@@ -1,0 +1,45 @@
+"""`shadowtest import`: a pcap/pcapng capture -> a recording."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("import")
+@click.argument("capture_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="recording to create")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="keep only connections on this service port (also says which side is the server)")
+@click.option("--redact", "redact", multiple=True, metavar="RULE", help="header:..., body-regex:..., json-field:...")
+@click.option("--default-redaction/--no-default-redaction", default=True, show_default=True)
+@click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@click.option("--json", "as_json", is_flag=True)
+def command(capture_file: str, output: str, port: int | None, redact: tuple[str, ...], default_redaction: bool,
+            force: bool, as_json: bool) -> None:
+    """Import a tcpdump/Wireshark capture (pcap or pcapng) with TCP reassembly.
+
+    Out-of-order segments and retransmissions are handled; holes are reported as gaps. A truncated or
+    damaged capture is imported up to the damage (exit 1, saying where it stopped).
+
+    \b
+    Examples:
+      tcpdump -i lo -w prod.pcap 'tcp port 50051' ; shadowtest import prod.pcap -o prod.rec
+      shadowtest import trace.pcapng --port 8080 -o web.rec --json
+    """
+    from capture.pcap_import import import_capture
+    from capture.record import build_redactor
+
+    result = import_capture(capture_file, output, port=port, overwrite=force,
+                            redactor=build_redactor(default_redaction, list(redact))).as_dict()
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"imported {result['packets']} packets: {result['flows']} flows, {result['calls']} calls, "
+                   f"{result['retransmitted']} retransmitted, {result['out_of_order']} out of order, "
+                   f"{result['gaps']} gaps ({result['gap_bytes']} bytes) -> {output}")
+        for p in result["problems"]:  # type: ignore[attr-defined]
+            click.echo(f"problem: {p}", err=True)
+    sys.exit(1 if result["problems"] else 0)

@@ -1,0 +1,95 @@
+"""`shadowtest inspect`: what a recording holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
+@click.option("--calls", "show_calls", type=int, default=0, help="also list the first N calls")
+def command(file: str, as_json: bool, show_calls: int) -> None:
+    """Summarise a recording: flows, calls per method, rate over time, payload sizes, loss, joins.
+
+    Exit 0 for a sound recording, 1 when it is damaged (what was readable is still shown).
+    JSON keys include flows, calls, methods, lost_events, truncated_events, unknown_method_calls,
+    duration_s, joined_flows, rate_per_s, request_bytes, response_bytes, problems.
+
+    \b
+    Examples:
+      shadowtest inspect prod.rec
+      shadowtest inspect prod.rec --json | jq .methods
+      shadowtest inspect prod.rec --calls 5
+    """
+    from capture.recording import Recording
+    from capture.summary import summarize
+
+    with Recording(file) as rec:
+        report = summarize(rec)
+        calls = [_call_row(c) for _, c in zip(range(show_calls), rec.calls(), strict=False)]
+        report["problems"] = list(dict.fromkeys(report["problems"] + rec.problems))
+    if calls:
+        report["first_calls"] = calls
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    elif sys.stdout.isatty():
+        _rich(report)
+    else:
+        _plain(report)
+    sys.exit(1 if report["problems"] else 0)
+
+
+def _call_row(c: object) -> dict[str, object]:
+    return {k: getattr(c, k) for k in ("method", "kind", "status", "stream_id", "request_ts_ns", "method_unknown")} | {
+        "requests": len(c.requests), "responses": len(c.responses)}  # type: ignore[attr-defined]
+
+
+def _plain(r: dict[str, object]) -> None:
+    from capture.summary import sparkline
+
+    for key in ("file", "backend", "flows", "joined_flows", "calls", "duration_s", "lost_events",
+                "truncated_events", "unknown_method_calls", "protocols", "statuses", "request_bytes",
+                "response_bytes", "redaction_rules"):
+        click.echo(f"{key}: {r[key]}")
+    for name, n in r["methods"].items():  # type: ignore[attr-defined]
+        click.echo(f"method {name}: {n}")
+    click.echo(f"rate: {sparkline([int(x) for x in r['rate_per_s']])}")  # type: ignore[union-attr]
+    for p in r["problems"]:  # type: ignore[attr-defined]
+        click.echo(f"problem: {p}")
+    for c in r.get("first_calls", []):  # type: ignore[attr-defined]
+        click.echo(f"call: {c}")
+
+
+def _rich(r: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from capture.summary import sparkline
+
+    con = Console()
+    rate = r["rate_per_s"]
+    head = Table.grid(padding=(0, 2))
+    loss_style = "red" if r["lost_events"] or r["truncated_events"] else "green"
+    for k, v in (("file", r["file"]), ("backend", r["backend"]), ("duration", f"{r['duration_s']:.2f} s"),
+                 ("flows", f"{r['flows']} ({r['joined_flows']} joined mid-stream)"), ("calls", r["calls"]),
+                 ("loss", f"[{loss_style}]lost {r['lost_events']}, truncated {r['truncated_events']}[/]"),
+                 ("unknown method", r["unknown_method_calls"]), ("protocols", r["protocols"]),
+                 ("rate", f"{sparkline([int(x) for x in rate])}  peak {max(rate, default=0):.0f}/s"),  # type: ignore[arg-type]
+                 ("request bytes", r["request_bytes"]), ("response bytes", r["response_bytes"]),
+                 ("redaction", ", ".join(r["redaction_rules"]) or "none")):  # type: ignore[arg-type]
+        head.add_row(f"[bold]{k}[/]", str(v))
+    con.print(head)
+    table = Table(title="calls per method")
+    table.add_column("method")
+    table.add_column("calls", justify="right")
+    for name, n in r["methods"].items():  # type: ignore[attr-defined]
+        table.add_row(name, str(n))
+    con.print(table)
+    for p in r["problems"]:  # type: ignore[attr-defined]
+        con.print(f"[red]problem:[/] {p}")
+    for c in r.get("first_calls", []):  # type: ignore[attr-defined]
+        con.print(c)

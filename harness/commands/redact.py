@@ -1,0 +1,44 @@
+"""`shadowtest redact`: apply redaction rules to an existing recording."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("redact")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write a redacted copy here")
+@click.option("--in-place", is_flag=True, help="replace FILE with its redacted copy")
+@click.option("--rule", "rules", multiple=True, metavar="RULE",
+              help="header:NAME[,NAME] (globs ok), body-regex:PATTERN, json-field:PATH")
+@click.option("--defaults", is_flag=True, help="also apply the default credential rules")
+@click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@click.option("--json", "as_json", is_flag=True)
+def command(file: str, output: str | None, in_place: bool, rules: tuple[str, ...], defaults: bool, force: bool,
+            as_json: bool) -> None:
+    """Redact headers, body patterns or JSON fields in a recording (calls and raw chunks).
+
+    The recording's meta lists every rule applied (at record time and here).
+
+    \b
+    Examples:
+      shadowtest redact prod.rec -o safe.rec --rule header:x-session,x-user
+      shadowtest redact prod.rec --in-place --rule 'body-regex:\\d{16}' --rule json-field:user.ssn
+    """
+    from capture.record import build_redactor
+    from capture.redact_file import redact_in_place, redact_recording
+
+    if bool(output) == in_place:
+        raise click.UsageError("give exactly one of -o OUTPUT or --in-place")
+    if not rules and not defaults:
+        raise click.UsageError("no rules: add --rule ... and/or --defaults")
+    redactor = build_redactor(defaults, list(rules))
+    counts = redact_in_place(file, redactor) if in_place else redact_recording(file, output or "", redactor,
+                                                                               overwrite=force)
+    if as_json:
+        click.echo(json.dumps(counts | {"rules": redactor.specs}, indent=2))
+    else:
+        click.echo(f"redacted {counts['calls_changed']} of {counts['calls']} calls, {counts['chunks']} chunks "
+                   f"with {', '.join(redactor.specs)} -> {output or file}")
