@@ -51,7 +51,8 @@ class AgentServer:
         """
         opts = self.options
         if self.engine is None:
-            self.engine = await asyncio.to_thread(load_engine, opts.device, opts.weights, opts.seed, opts.torch_threads)
+            self.engine = await asyncio.to_thread(load_engine, opts.device, opts.weights, opts.seed,
+                                                opts.torch_threads, opts.jit)
             await asyncio.to_thread(self.engine.warm_up, opts.max_batch)
         if self.guard is None:
             self.guard = protection.build_guard(opts.guard_config())

@@ -22,7 +22,7 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--host", default=_D.host, help="address to listen on")
 @_opt("--port", type=int, default=_D.port, help="gRPC port; 0 picks a free one (see the ready line)")
 @_opt("--metrics-host", default=_D.metrics_host, help="address of the guard's /metrics endpoint")
-@_opt("--metrics-port", type=int, default=_D.metrics_port, help="/metrics port (0: any free port)")
+@_opt("--metrics-port", type=int, default=_D.metrics_port, help="/metrics port (0: any free port, -1: none)")
 @_opt("--device", type=click.Choice(DEVICES), default=_D.device, help="where the model runs")
 @_opt("--tier", type=click.Choice(TIERS), default=_D.tier, help="model tier served when healthy")
 @_opt("--weights", type=click.Path(dir_okay=False), default=None, help="weights file (default: seeded)")
@@ -30,6 +30,7 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window")
 @_opt("--max-batch", type=click.IntRange(1, 1024), default=_D.max_batch, help="largest forward pass")
 @_opt("--workers", type=click.IntRange(1, 64), default=_D.workers, help="forward-pass workers (CUDA stream each)")
+@_opt("--jit/--no-jit", default=_D.jit, help="TorchScript-trace the model on CPU")
 @_opt("--torch-threads", type=click.IntRange(0, 256), default=_D.torch_threads,
       help="torch intra-op threads on CPU (0: torch's default)")
 @_opt("--limiter", type=click.Choice(LIMITERS), default=_D.limiter, help="adaptive concurrency limiter")
@@ -59,6 +60,8 @@ def serve_command(**kwargs: object) -> None:
     """
     from agent_under_test import app
 
+    if kwargs["metrics_port"] is not None and int(kwargs["metrics_port"]) < 0:  # type: ignore[call-overload]
+        kwargs["metrics_port"] = None
     sys.exit(app.run(ServeOptions(**kwargs)))  # type: ignore[arg-type]
 
 

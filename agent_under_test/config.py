@@ -26,6 +26,7 @@ class ServeOptions:
     batch_window_ms: float = 2.0
     max_batch: int = 32
     workers: int = 1                     # forward-pass workers (one CUDA stream each)
+    jit: bool = True                     # TorchScript-trace the model on CPU
     torch_threads: int = 1               # intra-op threads on CPU; 1 leaves a core for the client
     limiter: str = "off"
     p99_threshold_ms: float = 20.0

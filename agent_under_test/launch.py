@@ -25,13 +25,22 @@ _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def serve_args(options: dict[str, Any]) -> list[str]:
-    """CLI flags for `serve` from keyword options (port=0 -> --port 0; None is left out; True -> flag)."""
+    """CLI flags for `serve` from keyword options.
+
+    port=0 -> --port 0; True/False -> --flag/--no-flag; None is left out, except metrics_port=None
+    -> --metrics-port -1 (no metrics endpoint).
+    """
     args: list[str] = []
     for key, value in options.items():
-        if value is None or value is False:
+        name = key.replace("_", "-")
+        if key == "metrics_port" and value is None:
+            value = -1
+        if value is None:
             continue
-        flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
+        if isinstance(value, bool):
+            args.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            args += [f"--{name}", str(value)]
     return args
 
 

@@ -1,0 +1,150 @@
+"""Benchmark: the agent's Decide throughput and latency on CPU, against a trivial echo peer.
+
+For each of: an echo grpc.aio server of the same proto (the peer: gRPC + client cost alone), the agent
+with the full tier and the agent with the light tier, it measures
+  - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
+  - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
+and prints the agent/echo ratios. Servers run in their own processes (one core each on a 2-core box).
+
+    .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
+    .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent_under_test.launch import AgentProcess  # noqa: E402
+from agent_under_test.market import MarketSim  # noqa: E402
+from agent_under_test.traffic import run_traffic  # noqa: E402
+
+
+async def _echo_main(port_file: str) -> None:
+    from grpc import aio
+
+    from agent_under_test.proto import agent_pb2, agent_pb2_grpc
+
+    class Echo(agent_pb2_grpc.TradingAgentServicer):
+        async def Decide(self, request, context):  # noqa: N802
+            return agent_pb2.Decision(sequence_id=request.sequence_id, symbol=request.symbol, tier="echo")
+
+    server = aio.server()
+    agent_pb2_grpc.add_TradingAgentServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    Path(port_file).write_text(str(port))
+    await server.wait_for_termination()
+
+
+class EchoProcess:
+    """The peer: a grpc.aio server of the same proto that answers without any work."""
+
+    def __enter__(self) -> EchoProcess:
+        self._port_file = f"/tmp/shadowtest-echo-{os.getpid()}.port"
+        self.proc = subprocess.Popen([sys.executable, __file__, "--echo-server", self._port_file])
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self._port_file) or not Path(self._port_file).read_text():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("echo server did not start")
+            time.sleep(0.05)
+        self.grpc_address = f"127.0.0.1:{Path(self._port_file).read_text()}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        os.unlink(self._port_file)
+
+
+def batch_one(address: str, n: int) -> dict[str, float]:
+    """Sequential calls: each waits for the previous answer, so every forward pass has batch 1."""
+    import grpc
+    import numpy as np
+
+    from agent_under_test.proto import agent_pb2_grpc
+
+    sim = MarketSim(random.Random(3))
+    msgs = [sim.next(i) for i in range(n)]
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.TradingAgentStub(channel)
+        for m in msgs[:50]:
+            stub.Decide(m)
+        lat = []
+        start = time.perf_counter()
+        for m in msgs:
+            t = time.perf_counter()
+            stub.Decide(m)
+            lat.append((time.perf_counter() - t) * 1e3)
+        elapsed = time.perf_counter() - start
+    return {"calls_s": round(n / elapsed, 1), "p50_ms": round(float(np.percentile(lat, 50)), 3),
+            "p99_ms": round(float(np.percentile(lat, 99)), 3)}
+
+
+def open_loop(address: str, rate: float, duration: float) -> dict[str, object]:
+    r = run_traffic(address, rate, duration, "poisson", seed=11, stream_share=0.0, call_timeout_s=10.0)
+    return {"rate": rate, "achieved": r.achieved_rate, "ok": r.ok, "sent": r.sent, "p50_ms": r.p50_ms,
+            "p99_ms": r.p99_ms, "errors": r.errors, "send_lag_p99_ms": r.send_lag_p99_ms}
+
+
+def measure(name: str, address: str, rates: list[float], duration: float, n_seq: int) -> dict[str, object]:
+    out: dict[str, object] = {"batch1": batch_one(address, n_seq), "open_loop": []}
+    print(f"{name:6s} batch1 {out['batch1']}", flush=True)
+    for rate in rates:
+        row = open_loop(address, rate, duration)
+        out["open_loop"].append(row)  # type: ignore[union-attr]
+        print(f"{name:6s} open-loop {row}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000])
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--seq-calls", type=int, default=500)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.echo_server:
+        asyncio.run(_echo_main(args.echo_server))
+        return
+    results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
+    with EchoProcess() as echo:
+        results["echo"] = measure("echo", echo.grpc_address, args.rates, args.duration, args.seq_calls)
+    for tier in ("full", "light"):
+        with AgentProcess(tier=tier, device="cpu", metrics_port=None) as agent:
+            results[tier] = measure(tier, agent.grpc_address, args.rates, args.duration, args.seq_calls)
+    _print_ratios(results, args.rates)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _best_rate(res: dict, p99_limit_ms: float = 20.0) -> float:
+    """Highest achieved rate whose p99 stayed within the limit with no errors."""
+    ok = [r["achieved"] for r in res["open_loop"] if r["p99_ms"] is not None and r["p99_ms"] <= p99_limit_ms
+          and not r["errors"]]
+    return max(ok, default=0.0)
+
+
+def _print_ratios(results: dict, rates: list[float]) -> None:
+    echo, full, light = results["echo"], results["full"], results["light"]
+    print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors)")
+    for name in ("echo", "full", "light"):
+        print(f"{name:6s} batch1 {results[name]['batch1']['calls_s']:8.1f} calls/s   sustained {_best_rate(results[name]):8.1f} calls/s")
+    print(f"ratio full/echo   batch1 {full['batch1']['calls_s'] / echo['batch1']['calls_s']:.2f}   "
+          f"sustained {_best_rate(full) / max(_best_rate(echo), 1):.2f}")
+    print(f"ratio light/full  batch1 {light['batch1']['calls_s'] / full['batch1']['calls_s']:.2f}   "
+          f"sustained {_best_rate(light) / max(_best_rate(full), 1):.2f}")
+
+
+if __name__ == "__main__":
+    main()
