@@ -1,6 +1,8 @@
 """The bindings from the harness's fault appliers to the `faults` package (proxy, CPU, process, registry).
 
-Kept in one module so that when `faults` changes a name, one file changes.
+Kept in one module so that when `faults` changes a name, one file changes. Every fault here is a
+`faults` context manager: recorded in the crash-safe state file before it takes effect, undone on
+exit, and found by `check_leftovers()` if a run was killed before it could undo it.
 """
 
 from __future__ import annotations
@@ -14,89 +16,95 @@ from harness.faultrun import FaultContext, register
 from harness.scenario import FaultSpec
 
 
-def _faults_error() -> type[BaseException]:
-    try:
-        from faults.errors import FaultsError
-        return FaultsError
-    except ImportError:  # pragma: no cover - the package is part of this distribution
-        return RuntimeError
-
-
 def check_leftovers() -> list[str]:
-    """Faults a crashed run left behind (empty when none), as one line each."""
+    """Faults a crashed run left behind (empty when none), one line each.
+
+    Raises RunError when the fault state cannot be read (it says which file)."""
+    from faults.cleanup import check_leftovers as check
+    from faults.errors import FaultsError
+
     try:
-        from faults import registry
-    except ImportError:
-        return []
-    return [str(x) for x in registry.check_leftovers()]
+        return [left.describe() for left in check()]
+    except FaultsError as exc:
+        raise RunError(f"cannot check for leftover faults: {exc}") from exc
 
 
 def clear_leftovers() -> list[str]:
-    """Undo what a crashed run left behind; returns what was undone."""
-    from faults import registry
+    """Undo what a crashed run left behind; returns what was undone. Raises RunError if some failed."""
+    from faults.cleanup import clear_leftovers as clear
 
-    return [str(x) for x in registry.clear_leftovers()]
+    result = clear()
+    if result.failed:
+        raise RunError("could not undo leftover faults: " + "; ".join(f"{left.describe()}: {why}"
+                                                                    for left, why in result.failed))
+    return [left.describe() for left in result.cleared]
 
 
 class NetworkProxy:
-    """An embedded Toxiproxy-compatible proxy listening on 127.0.0.1:0 in front of `upstream`.
+    """A Toxiproxy in front of `upstream` (a toxiproxy-server on PATH, else the embedded one), with a
+    proxy listening on 127.0.0.1:0. `toxic(dict)` holds one toxic while entered and yields its name and
+    when it took effect on every live connection (time.monotonic(); None when the server cannot say).
 
-    In-process on purpose: its toxics die with the run, so even a SIGKILLed run leaves none behind.
-    `toxic(dict)` is a context manager that adds one toxic and removes it on exit; it yields the
-    toxic's name and when it took effect on every live connection (time.monotonic()).
     Raises RunError when the proxy cannot start.
     """
 
     def __init__(self, upstream: str, name: str, seed: int) -> None:
         self.upstream, self.name, self.seed = upstream, name, seed
         self.listen = ""
+        self.kind = ""
         self._count = 0
-        self._proxy: Any = None
+        self._net: Any = None
 
     def __enter__(self) -> NetworkProxy:
-        from faults.proxy import EmbeddedToxiproxy
+        from faults.errors import FaultsError
+        from faults.network import NetworkFaults
 
         try:
-            self._proxy = EmbeddedToxiproxy(seed=self.seed).start()
-            made = self._proxy.create_proxy(self.name, upstream=self.upstream, listen="127.0.0.1:0")
-        except (_faults_error(), OSError) as exc:
+            self._net = NetworkFaults(seed=self.seed).start()
+            made = self._net.proxy(self.name, upstream=self.upstream, listen="127.0.0.1:0")
+        except (FaultsError, OSError) as exc:
             self.__exit__()
             raise RunError(f"cannot start the fault proxy in front of {self.upstream}: {exc}") from exc
-        self.listen = str(made["listen"])
+        self.listen, self.kind = str(made.listen), self._net.kind
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._proxy is not None:
-            self._proxy.stop()
-            self._proxy = None
+        if self._net is not None:
+            self._net.stop()
+            self._net = None
 
     @property
     def api_url(self) -> str:
-        return str(self._proxy.url) if self._proxy is not None else ""
+        return str(self._net.url) if self._net is not None else ""
 
     @contextlib.contextmanager
-    def toxic(self, toxic: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    def toxic(self, toxic: dict[str, Any]) -> Iterator[tuple[str, float | None]]:
         self._count += 1
         name = f"{toxic['type']}_{self._count}"
-        applied = self._proxy.add_toxic(self.name, toxic["type"], toxic["attributes"], stream=toxic["stream"],
-                                        toxicity=toxic["toxicity"], name=name)
-        try:
-            yield name, applied.applied_at
-        finally:
-            if self._proxy is not None:
-                self._proxy.remove_toxic(self.name, name)
+        with self._net.toxic(self.name, toxic["type"], toxic["attributes"], stream=toxic["stream"],
+                             toxicity=toxic["toxicity"], name=name):
+            embedded = self._net.embedded
+            # The embedded proxy stamps when a toxic reached every live connection; a real one cannot.
+            yield name, (embedded.collection.applied_at if embedded is not None else None)
+
+
+def _pid(ctx: FaultContext, what: str) -> int:
+    if ctx.running.pid is None:
+        raise RunError(f"{what} needs a target process the harness started (target: agent)")
+    return int(ctx.running.pid)
 
 
 @register("cpu", "contention")
 @contextlib.contextmanager
 def _contention(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
-    from faults.cpu import contention
+    from faults.cpu import cpu_contention
 
-    pid = ctx.running.pid
-    kwargs = {"workers": spec.params.get("workers"), "load_pct": spec.params.get("load_pct", 100.0),
-              "pin_to_pid": pid if spec.params.get("pin", True) else None}
-    with contention(**kwargs) as held:
-        yield f"{getattr(held, 'describe', lambda: 'cpu contention')()}"
+    pin = spec.params.get("pin", True)
+    with cpu_contention(target_pid=ctx.running.pid if pin else None, workers=spec.params.get("workers"),
+                        load_pct=int(spec.params.get("load_pct", 100))) as held:
+        ctx.applied_at = held.started_at
+        yield (f"{held.workers} {held.method} worker(s) at {held.load_pct}% on CPUs {held.cpus} "
+               f"(PIDs {held.pids})")
 
 
 @register("cpu", "quota")
@@ -104,18 +112,17 @@ def _contention(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
 def _quota(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     from faults.cpu import cpu_quota
 
-    if ctx.running.pid is None:
-        raise RunError("a CPU quota needs a target process the harness started (target: agent)")
-    with cpu_quota(ctx.running.pid, pct=spec.params["pct"]) as held:
-        yield f"{getattr(held, 'describe', lambda: 'quota')()}"
+    pid = _pid(ctx, "a CPU quota")
+    with cpu_quota(pid, cpus=spec.params["pct"] / 100.0) as held:
+        yield f"PID {pid} limited to {held.quota_us}us per {held.period_us}us (cgroup v{held.version} {held.path})"
 
 
 @register("process", "pause")
 @contextlib.contextmanager
 def _pause(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
-    from faults.process import pause
+    from faults.process import paused
 
-    if ctx.running.pid is None:
-        raise RunError("pausing needs a target process the harness started (target: agent)")
-    with pause(ctx.running.pid, duration_s=spec.params["duration"]):
-        yield f"pid {ctx.running.pid} stopped for {spec.params['duration']:g}s"
+    pid = _pid(ctx, "pausing")
+    with paused(pid, duration_s=spec.params["duration"]) as held:
+        ctx.applied_at = held.paused_at
+        yield f"PID {pid} stopped (SIGSTOP) for {spec.params['duration']:g}s"

@@ -37,7 +37,7 @@ class CallResult:
 
 @dataclass(frozen=True)
 class PeriodStats:
-    """Client-side statistics of one period: offered by intended time, the rest by completion time."""
+    """Client-side statistics of the calls due in one period (`completed`: finished in it)."""
 
     index: int
     start_s: float
@@ -136,28 +136,40 @@ class Timeline:
 
     @cached_property
     def periods(self) -> list[PeriodStats]:
-        """Client-side stats per period, computed only from the per-call results."""
+        """Client-side stats per period, computed only from the per-call results.
+
+        Calls belong to the period they were due in (their fate and latency, from the intended send
+        time), so a period whose calls got stuck shows their full latency even if they completed
+        much later; only `completed` (achieved rate) counts by completion time. Calls due after the
+        end (never sent because the run stopped) are left out.
+        """
         count = max(1, math.ceil(self.duration_s / self.period_s - 1e-9))
         offered = [0] * count
+        completed = [0] * count
         by_outcome = [dict.fromkeys(OUTCOMES, 0) for _ in range(count)]
         lat: list[list[float]] = [[] for _ in range(count)]
         for c in self.calls:
-            offered[self._index(c.intended_s, count)] += 1
-            i = self._index(c.done_s if c.done_s is not None else c.intended_s, count)
+            if c.intended_s >= self.duration_s and c.outcome == "not_sent":
+                continue
+            i = self._index(c.intended_s, count)
+            offered[i] += 1
             by_outcome[i][c.outcome if c.outcome in OUTCOMES else "error"] += 1
-            if c.outcome == "ok" and c.latency_ms is not None:
-                lat[i].append(c.latency_ms)
-        return [self._period(i, offered[i], by_outcome[i], sorted(lat[i])) for i in range(count)]
+            if c.outcome in ("ok", "timeout") and c.latency_ms is not None:
+                lat[i].append(c.latency_ms)   # a timeout is an admitted call that took at least that long
+            if c.done_s is not None and c.outcome != "not_sent":
+                completed[self._index(c.done_s, count)] += 1
+        return [self._period(i, offered[i], completed[i], by_outcome[i], sorted(lat[i])) for i in range(count)]
 
     def _index(self, t: float, count: int) -> int:
         return min(count - 1, max(0, int(t // self.period_s)))
 
-    def _period(self, i: int, offered: int, outcomes: dict[str, int], lat: list[float]) -> PeriodStats:
+    def _period(self, i: int, offered: int, completed: int, outcomes: dict[str, int],
+                lat: list[float]) -> PeriodStats:
         start = i * self.period_s
         enough = len(lat) >= self.min_samples
         q = (lambda p: round(percentile(lat, p), 3) if enough else None)  # noqa: E731
         return PeriodStats(i, start, start + self.period_s, self.phase_at(start + self.period_s / 2), offered,
-                           sum(outcomes[o] for o in OUTCOMES if o != "not_sent"), outcomes["ok"],
+                           completed, outcomes["ok"],
                            outcomes["rejected"], outcomes["error"], outcomes["timeout"], outcomes["not_sent"],
                            q(0.50), q(0.95), q(0.99))
 

@@ -150,8 +150,12 @@ class Restores:
             when = full[0] if full else since
             return verdict(spec, True, f"tier full again at {when:.1f}s (alert resolved at "
                            f"{resolved[-1] if resolved else since:.1f}s)", **evidence)
-        return verdict(spec, False, f"tier still light at {min(deadline, end):.1f}s, {within:g}s after "
-                       f"the alert resolved at {since:.1f}s", **evidence)
+        if deadline > end:
+            return verdict(spec, False, f"tier still light when the phase ended at {end:.1f}s, "
+                           f"{end - since:.1f}s after the alert resolved at {since:.1f}s (allowed {within:g}s): "
+                           "lengthen the phase to judge", **evidence)
+        return verdict(spec, False, f"tier still light at {deadline:.1f}s, {within:g}s after the alert "
+                       f"resolved at {since:.1f}s", **evidence)
 
 
 for _check in (AlertFires(), AlertSilent(), Degrades(), Restores()):
