@@ -60,8 +60,8 @@ class Reassembler:
         key = (seg.src, seg.dst) if (seg.src, seg.dst) in self._flows else (seg.dst, seg.src)
         if key in self._flows:
             return key, ("c2s" if seg.src == key[0] else "s2c")
-        if seg.flags & RST or (seg.flags & FIN and not seg.payload):
-            return None                               # the tail of a connection we never saw
+        if not seg.payload and not seg.flags & SYN:
+            return None                               # ACK/FIN/RST tail of a connection we never saw
         syn_only = seg.flags & SYN and not seg.flags & 0x10
         if syn_only or (seg.flags & SYN) == 0 and self._client_is_src(seg):
             key = (seg.src, seg.dst)
