@@ -18,14 +18,17 @@ and uses only the pure parts of replay (schedule, plan, metadata filter) -- neve
 
 from __future__ import annotations
 
-import time
-from typing import Any
+# ruff: noqa: I001  -- order matters: locust monkey-patches for gevent on import, before grpc loads
+from locust import User, events, task
+from locust.exception import StopUser
 
 import gevent
+import gevent.pool
 import grpc
 import grpc.experimental.gevent as grpc_gevent
-from locust import User, events, task  # noqa: I001  (locust first: it monkey-patches for gevent)
-from locust.exception import StopUser
+
+import time
+from typing import Any
 
 from replay.plan import plan_from_recording
 from replay.schedule import PlannedCall, ScheduleOptions
