@@ -187,7 +187,7 @@ class ReplayRun:
             self._not_sent(item, "stopped")
 
     def _start(self, planned: PlannedCall, heap: list) -> None:
-        if not planned.messages:  # e.g. a damaged recording lost this call's request bytes
+        if not planned.messages and planned.protocol != "http1":  # a damaged recording lost the request
             self._not_sent(planned, "no_request_in_recording")
             return
         if self._by_conn[planned.connection] >= self.options.max_in_flight:
@@ -206,6 +206,8 @@ class ReplayRun:
                 self._release(live, msg, heap)
             else:
                 heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
+        if not planned.messages:
+            live.queue.put_nowait(None)  # an HTTP request without a body
         live.task = asyncio.create_task(self._call(sender, live))
 
     def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:

@@ -1,0 +1,108 @@
+"""HTTP/1.1 sender: the recorded request line, headers and body on one keep-alive connection per
+recorded connection. Requests on a connection go one at a time (no pipelining, as clients do).
+
+Outcome: 2xx/3xx ok, 429 rejected (the HTTP face of RESOURCE_EXHAUSTED), other statuses error
+with code "HTTP_<status>", refused/reset connections connection_error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from replay.schedule import PlannedCall, PlannedMessage
+from replay.senders.base import CONNECTION_ERROR, ERROR, OK, REJECTED, SendOutcome, replayable_metadata
+from replay.target import split_target
+
+_MAX_BODY = 64 << 20
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+
+class Http1Sender:
+    """Replays HTTP/1.1 requests to `target` ("host:port")."""
+
+    def __init__(self, target: str, **_: object) -> None:
+        self.target = target
+        self.host, self.port = split_target(target)
+        self._conns: dict[str, _Conn] = {}
+
+    async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
+        body = b"".join([m.data async for m in requests])
+        conn = self._conns.setdefault(planned.connection, _Conn())
+        async with conn.lock:
+            try:
+                return await asyncio.wait_for(self._exchange(conn, planned, body), timeout_s)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+                await self._drop(conn)
+                return SendOutcome(CONNECTION_ERROR, "CONNECTION", detail=str(exc))
+            except (asyncio.TimeoutError, TimeoutError):
+                await self._drop(conn)  # a half-read response poisons the connection
+                return SendOutcome("timeout", "TIMEOUT")
+            except ValueError as exc:
+                await self._drop(conn)
+                return SendOutcome(ERROR, "BAD_RESPONSE", detail=str(exc))
+
+    def _request(self, planned: PlannedCall, body: bytes) -> bytes:
+        line = planned.method or "GET /"
+        headers = [(k, v) for k, v in replayable_metadata(planned.metadata)]
+        head = [f"{line} HTTP/1.1", f"Host: {self.target}", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in headers]
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    async def _exchange(self, conn: _Conn, planned: PlannedCall, body: bytes) -> SendOutcome:
+        if conn.writer is None or conn.writer.is_closing():
+            conn.reader, conn.writer = await asyncio.open_connection(self.host, self.port)
+        assert conn.reader is not None
+        conn.writer.write(self._request(planned, body))
+        await conn.writer.drain()
+        status, headers = await _read_head(conn.reader)
+        data = await _read_body(conn.reader, headers, head_only=(planned.method or "").startswith("HEAD "))
+        if headers.get("connection", "").lower() == "close":
+            await self._drop(conn)
+        kind = OK if status < 400 else REJECTED if status == 429 else ERROR
+        return SendOutcome(kind, "OK" if kind == OK else f"HTTP_{status}", status, [data])
+
+    async def _drop(self, conn: _Conn) -> None:
+        if conn.writer is not None:
+            conn.writer.close()
+        conn.reader = conn.writer = None
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            await self._drop(conn)
+        self._conns = {}
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    while True:
+        parts = (await reader.readuntil(b"\r\n")).decode("latin-1").split(" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise ValueError(f"not an HTTP status line: {' '.join(parts)[:60]!r}")
+        headers: dict[str, str] = {}
+        while (line := (await reader.readuntil(b"\r\n")).decode("latin-1").strip()):
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if not 100 <= int(parts[1]) < 200:  # skip interim responses
+            return int(parts[1]), headers
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str], head_only: bool) -> bytes:
+    if head_only:
+        return b""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        out = bytearray()
+        while (size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)) > 0:
+            out += await reader.readexactly(size)
+            await reader.readexactly(2)
+        while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
+            pass
+        return bytes(out)
+    if "content-length" in headers:
+        return await reader.readexactly(min(int(headers["content-length"]), _MAX_BODY))
+    return await reader.read(_MAX_BODY)  # no length: the body runs to the close
