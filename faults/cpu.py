@@ -6,6 +6,11 @@ Contention methods are registered by name behind one small protocol (`Contention
 into a child cgroup that we create (nested under its own, so existing limits still hold) and moved
 back afterwards; or, with `cgroup_dir=`, an existing cgroup's limit is changed in place and the
 original value written back. Either way the state file records what to undo before anything changes.
+
+Workers get their own process group (so they can be killed as one) but stay in the caller's
+session: with the kernel's autogroup scheduling (sched_autogroup_enabled=1), CFS shares CPU
+between *sessions* first, so workers in a new session would only take one session's share.
+Start the target from the same session (as `faults.process.OwnedProcess` does) for full effect.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def cpu_contention(target_pid: int | None = None, workers: int | None = None, lo
         for argv in METHODS[name].argv(n, load_pct, cpu_list, max_seconds):
             try:
                 p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509
+                                     process_group=0, preexec_fn=die_with_parent)  # noqa: PLW1509
             except OSError as exc:
                 raise CpuFaultError(f"cannot start {argv[0]}: {exc} (install stress-ng or use method='builtin')") from exc
             procs.append({"pid": p.pid, "start": proc_start_time(p.pid), "group": True, "comm": _comm(p.pid)})

@@ -163,7 +163,7 @@ class OwnedProcess:
             self._entry = self.registry.register("process", argv=self.argv[:8], procs=[])
         try:
             self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self.stdout,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
+                                         stderr=subprocess.DEVNULL, process_group=0)
         except OSError as exc:
             raise ProcessFaultError(f"cannot start {self.argv[0]}: {exc}") from exc
         rec = {"pid": self.proc.pid, "start": proc_start_time(self.proc.pid), "group": True,
