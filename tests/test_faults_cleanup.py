@@ -1,0 +1,194 @@
+"""Nothing left behind: faults undo themselves on exit and SIGTERM; after a SIGKILL,
+`shadowtest faults clear` removes every toxic, cgroup limit and stress process, and never signals a
+process whose PID was reused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from faults.cleanup import check_leftovers, clear_leftovers
+from faults.process import OwnedProcess, pause_for, paused
+from faults.proxy import ProxyProcess, spawn_proxy_server
+from faults.state import FaultRegistry, proc_start_time
+from faults.testing import EchoServer
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from faults.network import NetworkFaults
+    from faults.cpu import cpu_contention, cpu_quota
+    from faults.process import paused
+    from faults.state import handle_signals
+    api, quota_pid, pause_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    nf = NetworkFaults(url=api).start()
+    with handle_signals(), nf.toxic("p", "latency", {"latency": 100}), \\
+            cpu_contention(workers=1, load_pct=50, cpus=[0], max_seconds=60) as c, \\
+            cpu_quota(quota_pid, cpus=0.3) as q, paused(pause_pid):
+        print("ready", " ".join(map(str, c.pids)), q.path, flush=True)
+        time.sleep(60)
+""")
+
+
+def state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return state_of(pid) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def proxy_server() -> Iterator[ProxyProcess]:
+    with EchoServer() as echo, spawn_proxy_server() as server:
+        req = urllib.request.Request(server.url + "/proxies", method="POST",
+                                     data=json.dumps({"name": "p", "upstream": echo.addr}).encode())
+        urllib.request.urlopen(req, timeout=5).close()
+        yield server
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def toxics(server: ProxyProcess) -> list[dict]:
+    with urllib.request.urlopen(server.url + "/proxies/p/toxics", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def start_holder(tmp_path: Path, server: ProxyProcess, sleepers: list[subprocess.Popen[bytes]],
+                 state: Path) -> tuple[subprocess.Popen[str], list[int], str]:
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    env = dict(os.environ, SHADOWTEST_STATE_DIR=str(state), PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([PY, str(script), server.url, str(sleepers[0].pid), str(sleepers[1].pid)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout is not None
+    words = holder.stdout.readline().split()
+    assert words and words[0] == "ready", "holder failed to apply its faults"
+    return holder, [int(w) for w in words[1:-1]], words[-1]
+
+
+@pytest.mark.root
+def test_sigkill_then_faults_clear_leaves_nothing(tmp_path: Path, state: Path, proxy_server: ProxyProcess,
+                                                  sleepers: list[subprocess.Popen[bytes]]) -> None:
+    quota_pid, pause_pid = sleepers[0].pid, sleepers[1].pid
+    cgroup_before = Path(f"/proc/{quota_pid}/cgroup").read_text()
+    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state)
+    assert [t["name"] for t in toxics(proxy_server)] == ["latency_downstream"]
+    assert state_of(pause_pid) == "T" and Path(cg).is_dir()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+
+    left = check_leftovers(state)
+    assert sorted(x.entry["kind"] for x in left) == ["cgroup", "paused", "process", "toxic"]
+    out = subprocess.run([PY, "-m", "harness.cli", "faults", "clear", "--json"], capture_output=True, text=True,
+                         env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)), cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["cleared"]) == 4
+    assert toxics(proxy_server) == []  # toxic gone (through the API's reset)
+    assert Path(f"/proc/{quota_pid}/cgroup").read_text() == cgroup_before and not Path(cg).exists()
+    assert state_of(pause_pid) != "T"  # resumed
+    time.sleep(0.2)
+    assert not any(alive(p) for p in stress_pids)  # no stress process remains
+    assert check_leftovers(state) == [] and list(state.glob("holder-*.json")) == []
+
+
+@pytest.mark.root
+def test_sigterm_undoes_everything_without_clear(tmp_path: Path, state: Path, proxy_server: ProxyProcess,
+                                                 sleepers: list[subprocess.Popen[bytes]]) -> None:
+    cgroup_before = Path(f"/proc/{sleepers[0].pid}/cgroup").read_text()
+    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state)
+    holder.send_signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == 128 + signal.SIGTERM
+    assert toxics(proxy_server) == []
+    assert Path(f"/proc/{sleepers[0].pid}/cgroup").read_text() == cgroup_before and not Path(cg).exists()
+    assert state_of(sleepers[1].pid) != "T"
+    time.sleep(0.2)
+    assert not any(alive(p) for p in stress_pids)
+    assert list(state.glob("holder-*.json")) == []
+
+
+def test_reused_pid_is_never_killed(state: Path) -> None:
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        start = proc_start_time(victim.pid)
+        assert start is not None
+        state.mkdir(parents=True)
+        # A dead run recorded this PID with another start time: the PID now belongs to someone else.
+        (state / "holder-999999-1.json").write_text(json.dumps({
+            "holder": {"pid": 999999, "start": 1},
+            "entries": {"process-1": {"kind": "process", "procs": [{"pid": victim.pid, "start": start + 1,
+                                                                    "group": True, "comm": "sleep"}]}}}))
+        result = clear_leftovers(state)
+        assert result.ok and len(result.cleared) == 1
+        assert victim.poll() is None  # still running
+        assert list(state.glob("holder-*.json")) == []
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_live_runs_are_not_leftovers(state: Path) -> None:
+    reg = FaultRegistry(state)
+    with reg.hold("paused", lambda e: None, pid=1, start=0):
+        assert reg.path.exists() and oct(reg.path.stat().st_mode & 0o777) == "0o600"
+        assert check_leftovers(state) == []  # this process is alive: its faults are not leftovers
+    assert not reg.path.exists()
+
+
+def test_pause_resumes_after_duration_and_on_exit(state: Path) -> None:
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        with paused(p.pid, duration_s=0.3) as info:
+            assert state_of(p.pid) == "T"
+            time.sleep(0.6)
+            assert state_of(p.pid) != "T" and info.resumed_at is not None
+            assert 0.28 <= info.resumed_at - info.paused_at <= 0.5  # 0.3 s (timer tolerance)
+        info = pause_for(p.pid, 0.1)
+        assert state_of(p.pid) != "T" and info.resumed_at is not None
+        with pytest.raises(KeyboardInterrupt):
+            with paused(p.pid):
+                raise KeyboardInterrupt  # what SIGINT raises: the process must still be resumed
+        assert state_of(p.pid) != "T"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_owned_process_kill_and_restart(state: Path) -> None:
+    reg = FaultRegistry(state)
+    with OwnedProcess(["sleep", "30"], registry=reg) as proc:
+        first = proc.pid
+        proc.restart(downtime_s=0.1)
+        assert proc.pid != first and proc.restarts == 1 and alive(proc.pid or 0)
+        recorded = json.loads(reg.path.read_text())["entries"]
+        assert [p["pid"] for e in recorded.values() for p in e["procs"]] == [proc.pid]
+    assert not alive(proc.pid or 0) and not reg.path.exists()
