@@ -54,13 +54,17 @@ def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, byt
                 data, meta = reader._read_packet(size=_SNAP)   # the public one caps frames at 1500 bytes
             except EOFError:
                 break
+            if len(data) < getattr(meta, "caplen", 0):
+                problems.append(f"the file ends inside packet {count + 1} (truncated capture); "
+                                f"imported the {count} whole packets before it")
+                return
             count += 1
             yield _stamp(reader, meta, data)
     except Exception as exc:  # noqa: BLE001 - damaged blocks surface as assorted scapy/struct errors
         problems.append(f"stopped at packet {count + 1}: damaged data ({exc}); imported what came before")
     finally:
         reader.close()
-    if _truncated_tail(path, reader):
+    if _truncated_tail(path, reader) and not problems:
         problems.append(f"the file ends inside a packet after {count} whole packets (truncated capture)")
 
 
@@ -81,6 +85,23 @@ def _truncated_tail(path: str, reader: object) -> bool:
     return 0 < pos < os.path.getsize(path)
 
 
+_MAGICS = {b"\xd4\xc3\xb2\xa1", b"\xa1\xb2\xc3\xd4", b"\x4d\x3c\xb2\xa1", b"\xa1\xb2\x3c\x4d",
+           b"\x0a\x0d\x0d\x0a"}
+
+
+def _check_magic(path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError as exc:
+        raise PcapError(f"{path}: no such capture file") from exc
+    except OSError as exc:
+        raise PcapError(f"cannot read {path}: {exc.strerror}") from exc
+    if head not in _MAGICS:
+        raise PcapError(f"{path} is not a pcap or pcapng file (starts with {head!r}); "
+                        "write captures with tcpdump -w or save them from Wireshark as pcapng")
+
+
 def import_capture(path: str, output: str, *, port: int | None = None, redactor: Redactor | None = None,
                    overwrite: bool = False) -> ImportResult:
     """Import `path` into a new recording `output`.
@@ -92,6 +113,7 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
     Raises PcapError (unreadable file) or RecordingError (output). A damaged capture is imported up
     to the damage and the result's `problems` say so (the recording's meta too).
     """
+    _check_magic(path)   # before creating the output: a wrong input leaves nothing behind
     result = ImportResult()
     accept = (lambda s: port in (s.src[1], s.dst[1])) if port else None
     writer = RecordingWriter(output, overwrite=overwrite,
