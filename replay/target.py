@@ -42,7 +42,7 @@ def configured_allowlist(config_file: Path | None = None) -> list[str]:
 
 def _resolve(host: str) -> list[str]:
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
     except socket.gaierror as exc:
         raise TargetNotAllowedError(f"cannot resolve target host {host!r}: {exc.strerror}") from exc
 

@@ -56,7 +56,7 @@ def snapshot_bytes(seq: int, symbol: str = "ACME") -> bytes:
 
 def decision_bytes(seq: int, symbol: str = "ACME", latency_ns: int = 0) -> bytes:
     from agent_under_test.proto import agent_pb2
-    return agent_pb2.Decision(sequence_id=seq, symbol=symbol, side=1, price=100.0, size=1.0, tier="full",
+    return agent_pb2.Decision(sequence_id=seq, symbol=symbol, side=agent_pb2.BUY, price=100.0, size=1.0, tier="full",
                               server_latency_ns=latency_ns).SerializeToString()
 
 
@@ -133,7 +133,7 @@ class EchoServer:
             asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
 
     async def _stop(self) -> None:
-        await self._server.stop(None)  # type: ignore[union-attr]
+        await self._server.stop(None)  # type: ignore[attr-defined]
 
     def _main(self) -> None:
         self._loop = asyncio.new_event_loop()

@@ -55,7 +55,7 @@ def _worker_main(i: int, n: int, path: str, target: str, opts: ReplayOptions, ou
         done.set()
     cmp = run.options.compare
     out.put(("done", i, {"stats": run.stats.to_wire(), "results": list(pending), "end_ns": run.end_ns,
-                         "problems": run.problems, "mismatches": cmp.summary() if cmp is not None else None}))
+                         "problems": run.problems, "mismatches": cmp.summary() if cmp is not None else None}))  # type: ignore[attr-defined]
 
 
 class WorkerPool:

@@ -78,7 +78,7 @@ def test_raw_tcp_flow_chunks_keep_their_gaps(tmp_path: Path) -> None:
     try:
         with RecordingWriter(tmp_path / "t.rec") as w:
             fid = w.add_flow(Flow(("127.0.0.1", 40001), ("127.0.0.1", 7000), protocol="tcp"))
-            for i, (gap, data) in enumerate([(0, b"hello "), (150, b"raw "), (300, b"tcp")]):
+            for gap, data in [(0, b"hello "), (150, b"raw "), (300, b"tcp")]:
                 w.add_chunk(Chunk(fid, "c2s", BASE + gap * MS, data))
                 w.add_chunk(Chunk(fid, "s2c", BASE + gap * MS + 1000, data.upper()))
         rep = ReplayRun(tmp_path / "t.rec", f"127.0.0.1:{server.server_address[1]}").run()

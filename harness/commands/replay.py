@@ -94,7 +94,8 @@ def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
     from replay.view import plan_table
 
     rec, plan = plan_from_recording(file, sched)
-    head, total, conns, last = [], 0, set(), 0
+    head: list[Any] = []
+    total, last, conns = 0, 0, set()
     for p in plan:
         head += [p] if len(head) < 20 else []
         total, last = total + 1, p.due_ns
