@@ -91,12 +91,14 @@ def save_weights_command(path: str, seed: int) -> None:
               help="fraction of calls sent on DecideStream")
 @click.option("--symbols", type=click.IntRange(1, 1000), default=4, show_default=True)
 @click.option("--streams", type=click.IntRange(1, 64), default=4, show_default=True, help="stream lanes")
+@click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="seconds to wait for the target")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="write the report as JSON here ('-' for stdout)")
 @click.option("--log-sent", type=click.Path(dir_okay=False), default=None,
               help="write every request sent (time, method, bytes) as JSON lines, mode 0600")
 def traffic_command(target: str, rate: float, duration_s: float, pattern: str, seed: int, stream_share: float,
-                    symbols: int, streams: int, json_out: str | None, log_sent: str | None) -> None:
+                    symbols: int, streams: int, connect_timeout: float, json_out: str | None,
+                    log_sent: str | None) -> None:
     """Send production-like open-loop traffic to an agent and report rate, p50/p95/p99 and errors.
 
     Latency is measured from each call's intended send time. Exit 1 when no call succeeded.
@@ -112,7 +114,7 @@ def traffic_command(target: str, rate: float, duration_s: float, pattern: str, s
     from agent_under_test.traffic import run_traffic
 
     report = run_traffic(target, rate, duration_s, pattern, seed, stream_share, symbols=symbols,
-                         streams=streams, log_sent=log_sent)
+                         streams=streams, log_sent=log_sent, connect_timeout_s=connect_timeout)
     doc = json.dumps(report.to_dict(), indent=2)
     if json_out == "-":
         click.echo(doc)

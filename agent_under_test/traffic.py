@@ -47,6 +47,7 @@ class TrafficConfig:
     levels: int = 10
     ticks: int = 16
     call_timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
     max_calls: int | None = None
     log_sent: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -83,10 +84,10 @@ async def _wait_until(target_ns: int, stop: threading.Event) -> bool:
 async def _connect(cfg: TrafficConfig) -> aio.Channel:
     channel = aio.insecure_channel(cfg.target)
     try:
-        await asyncio.wait_for(channel.channel_ready(), timeout=10.0)
+        await asyncio.wait_for(channel.channel_ready(), timeout=cfg.connect_timeout_s)
     except (TimeoutError, asyncio.TimeoutError) as exc:
         await channel.close()
-        raise TrafficError(f"cannot connect to {cfg.target} within 10 s; is the agent running "
+        raise TrafficError(f"cannot connect to {cfg.target} within {cfg.connect_timeout_s:g} s; is the agent running "
                            "(`shadowtest agent serve`)?") from exc
     return channel
 
@@ -144,12 +145,13 @@ def run_traffic(target: str, rate: float, duration_s: float, pattern: str = "poi
         pattern: "poisson" or "bursty"; seed: fixes the schedule, symbols, prices and stream choice.
         stream_share: fraction of calls sent as DecideStream messages (over `streams` lanes).
         stop: set it (from any thread) to stop sending early; outstanding calls still complete.
-        **options: symbols, streams, levels, ticks, call_timeout_s, max_calls, log_sent (path).
+        **options: symbols, streams, levels, ticks, call_timeout_s, connect_timeout_s, max_calls,
+            log_sent (path).
 
     Runs its own event loop, so call it from any thread (not from inside a running loop).
 
     Raises:
-        TrafficError: bad options, or the target accepts no connection within 10 s.
+        TrafficError: bad options, or the target accepts no connection within connect_timeout_s.
     """
     cfg = TrafficConfig(target, rate, duration_s, pattern, seed, stream_share, **options)
     cfg.validate()

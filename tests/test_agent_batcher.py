@@ -1,0 +1,110 @@
+"""The micro-batcher in isolation: a fake forward pass, real asyncio, the Guard's view of batches."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from agent_under_test.batcher import Batcher
+from agent_under_test.features import Features
+from agent_under_test.hooks import NullGuard
+
+
+class Seen(NullGuard):
+    def __init__(self, tier: str = "full") -> None:
+        super().__init__(tier)
+        self.calls: list[tuple[str, int, int, str]] = []
+
+    def choose_tier(self, queue_depth: int) -> str:
+        self.calls.append(("choose", queue_depth, 0, ""))
+        return self.tier
+
+    def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
+        self.calls.append(("batch", size, queue_depth, tier))
+
+
+def feat(i: float) -> Features:
+    return Features(np.full((2, 8), i, np.float32), np.zeros(2, np.float32), np.ones(2, np.float32), 1.0, 1.0, 1.0)
+
+
+def run_fn(items, tier):
+    return np.array([[f.x[0, 0], len(items), 0, 0, 0] for f in items], dtype=np.float32)
+
+
+async def _submit_all(batcher: Batcher, n: int, gap_s: float = 0.0):
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(batcher.submit(feat(i))))
+        if gap_s:
+            await asyncio.sleep(gap_s)
+    return await asyncio.gather(*tasks)
+
+
+def _with_batcher(guard, coro_fn, **kw):
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = Batcher(run_fn, guard, pool, **kw)
+            b.start()
+            try:
+                return await coro_fn(b)
+            finally:
+                await b.close()
+    return asyncio.run(main())
+
+
+def test_simultaneous_requests_share_a_forward_pass_and_keep_their_rows() -> None:
+    guard = Seen()
+    results = _with_batcher(guard, lambda b: _submit_all(b, 10), window_s=0.05, max_batch=32)
+    assert [r.output[0] for r in results] == list(range(10))  # each caller gets its own row
+    assert {r.batch_size for r in results} == {10}
+    assert guard.calls == [("choose", 10, 0, ""), ("batch", 10, 0, "full")]
+    assert all(r.queue_s >= 0 and r.forward_s >= 0 for r in results)
+
+
+def test_max_batch_splits_and_tier_is_reported() -> None:
+    guard = Seen("light")
+    results = _with_batcher(guard, lambda b: _submit_all(b, 20), window_s=0.05, max_batch=8)
+    assert sorted({r.batch_size for r in results}) == [4, 8]
+    batches = [c for c in guard.calls if c[0] == "batch"]
+    assert [c[1] for c in batches] == [8, 8, 4] and {c[3] for c in batches} == {"light"}
+    assert [c[1] for c in guard.calls if c[0] == "choose"] == [20, 12, 4]  # depth before each pass
+    assert {r.tier for r in results} == {"light"}
+
+
+def test_a_lone_request_waits_at_most_about_the_window() -> None:
+    results = _with_batcher(Seen(), lambda b: _submit_all(b, 1), window_s=0.01, max_batch=32)
+    # Tolerance: the window is 10 ms; allow 200 ms for a loaded CI host.
+    assert results[0].batch_size == 1 and 0.009 <= results[0].queue_s < 0.2
+
+
+def test_forward_failure_reaches_every_caller() -> None:
+    def broken(items, tier):
+        raise RuntimeError("boom")
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = Batcher(broken, Seen(), pool, window_s=0.01)
+            b.start()
+            try:
+                return await asyncio.gather(*(b.submit(feat(i)) for i in range(3)), return_exceptions=True)
+            finally:
+                await b.close()
+    out = asyncio.run(main())
+    assert all(isinstance(e, RuntimeError) for e in out)
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_close_cancels_queued_requests(n: int) -> None:
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = Batcher(run_fn, Seen(), pool, window_s=10.0)
+            b.start()
+            tasks = [asyncio.create_task(b.submit(feat(i))) for i in range(n)]
+            await asyncio.sleep(0.01)
+            await b.close()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+    out = asyncio.run(main())
+    assert len(out) == n and all(isinstance(e, asyncio.CancelledError) for e in out)

@@ -1,0 +1,80 @@
+"""The agent as a real subprocess: ready line, SIGTERM drains in-flight calls, launch errors, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (pip install 'shadowtest[agent]')")
+
+from agent_under_test.errors import LaunchError  # noqa: E402
+from agent_under_test.launch import AgentProcess, serve_args  # noqa: E402
+from agent_under_test.market import MarketSim  # noqa: E402
+from agent_under_test.proto import agent_pb2_grpc  # noqa: E402
+
+
+def test_serve_args_maps_options_to_flags() -> None:
+    args = serve_args({"port": 0, "tier": "light", "jit": False, "weights": None, "metrics_port": None,
+                       "batch_window_ms": 2.5})
+    assert args == ["--port", "0", "--tier", "light", "--no-jit", "--metrics-port", "-1", "--batch-window-ms", "2.5"]
+
+
+def test_sigterm_drains_in_flight_calls() -> None:
+    # A 1.5 s batching window keeps every call in flight when SIGTERM arrives.
+    with AgentProcess(tier="light", batch_window_ms=1500, max_batch=64, metrics_port=None) as agent:
+        assert agent.ready["event"] == "ready" and agent.ready["pid"] == agent.pid
+        assert agent.ready["device"] == "cpu" and agent.ready["metrics"] is None
+        sim = MarketSim(random.Random(0))
+        with grpc.insecure_channel(agent.grpc_address) as channel:
+            stub = agent_pb2_grpc.TradingAgentStub(channel)
+            stub.Decide(sim.next(1), timeout=20)  # connected and served
+            futures = [stub.Decide.future(sim.next(i), timeout=20) for i in range(2, 12)]
+            time.sleep(0.5)  # they reached the server and wait in the batcher
+            os.kill(agent.pid, signal.SIGTERM)
+            assert [f.result().sequence_id for f in futures] == list(range(2, 12))
+            assert agent.proc.wait(15) == 0
+        assert "stopping" in agent.log_tail()
+
+
+def test_launch_error_carries_the_childs_stderr() -> None:
+    with pytest.raises(LaunchError) as info:
+        AgentProcess(weights="/nonexistent/weights.pt", metrics_port=None).start()
+    msg = str(info.value)
+    assert "exited with status 1" in msg and "/nonexistent/weights.pt" in msg
+
+
+def test_cli_serve_writes_ready_file_and_exits_zero_on_sigint(tmp_path) -> None:
+    ready = tmp_path / "ready.json"
+    cmd = [sys.executable, "-m", "harness.cli", "agent", "serve", "--port", "0", "--metrics-port", "-1",
+           "--tier", "light", "--ready-file", str(ready), "--hpack-table-size", "0", "--max-connection-age-s", "30"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        doc = json.loads(line)
+        assert doc == json.loads(ready.read_text())
+        assert doc["event"] == "ready" and doc["tier"] == "light" and doc["grpc"].startswith("127.0.0.1:")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_reports_missing_cuda_in_one_line() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the no-CUDA error path cannot be shown")
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "agent", "serve", "--port", "0", "--device", "cuda",
+                          "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "--device cuda: no CUDA device" in out.stderr and "Traceback" not in out.stderr
