@@ -116,7 +116,7 @@ class Runner:
                 interrupted = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
                 self.log(f"interrupted by {interrupted}: removing faults, stopping traffic")
             end = min(self.clock.monotonic() - self.t0, s.duration_s)
-            faults.close()
+            self._remove_all(faults)
             self._finish(traffic, interrupted)
         after = self._scrape(running)
         for f in followers.values():
@@ -192,6 +192,13 @@ class Runner:
             faults.remove(key=id(w))
             w.removed_s = self.clock.monotonic() - self.t0
             self.log(f"fault {w.label} removed")
+
+    def _remove_all(self, faults: FaultSession) -> None:
+        """Undo every fault still in effect (end of run or interruption), logging each."""
+        for w in self.windows:
+            if w.applied_s is not None and w.removed_s is None:
+                self._do(_Action(0.0, False, w, None), faults)
+        faults.close()
 
     def _finish(self, traffic: TrafficRun, interrupted: str | None) -> None:
         if interrupted:

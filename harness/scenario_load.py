@@ -49,7 +49,9 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None) -
         return node.strings(what)
     if kind.startswith("choice:"):
         choices = kind.split(":", 1)[1].split(",")
-        value = node.string(what)
+        raw = node.scalar(what)
+        # YAML 1.1 reads a bare `off` as false: take it as the word the user wrote.
+        value = {False: "off", True: "on"}.get(raw, raw) if isinstance(raw, bool) else node.string(what)
         if value not in choices:
             node.fail(f"{what}: expected one of {', '.join(choices)}, got {value!r}")
         return value

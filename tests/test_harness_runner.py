@@ -1,0 +1,159 @@
+"""The runner end to end: real agent, real proxy, real faults, short scenarios (period 0.5 s).
+
+Tolerances: thresholds are generous (50 ms P99 against a 10% CPU quota that pushes the agent's P99
+into the hundreds of ms) because this machine is shared; verdict timing is in agent periods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.report import write_reports
+from harness.runner import RunOptions, Runner
+from harness.scenario_load import load_scenario_text
+from harness.live import LiveView
+
+ROOT = Path(__file__).resolve().parent.parent
+
+QUOTA = """\
+name: quota-short
+seed: 11
+target: {agent: {limiter: %(limiter)s, p99_threshold_ms: %(threshold)s, alert_periods: 2, resolve_periods: 2,
+                 period_s: 0.5, initial_rate: 300, max_rate: 400}}
+traffic: {generator: {rate: 100}}
+phases:
+  - {name: warmup, duration: 1.5s}
+  - {name: baseline, duration: 2.5s}
+  - {name: fault, duration: 4s, faults: [{cpu: quota, pct: 10}]}
+  - {name: recovery, duration: 2s}
+expect:
+  - {alert_silent: {phase: baseline}}
+  - {fault_effective: {phase: fault, baseline: baseline}}
+  - {alert_fires: {phase: fault, within_periods: 2, threshold_ms: 50}}
+  - {limiter_reduces: {phase: fault, at_least_pct: 10}}
+  - {degrades: {phase: fault, within_periods: 3}}
+  - {no_loss: {}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
+    return d
+
+
+def _run(text: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    scenario = load_scenario_text(text, "inline.yaml")
+    log = tmp_path / "live.txt"
+    with log.open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False))).run()
+    return result, write_reports(result, tmp_path / "report")
+
+
+def _verdicts(result) -> dict[str, bool]:  # type: ignore[no-untyped-def]
+    return {v.id: v.passed for v in result.verdicts}
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_protected_agent_passes_and_reports_everything(tmp_path: Path) -> None:
+    result, paths = _run(QUOTA % {"limiter": "seed", "threshold": 50}, tmp_path)
+    failed = {v.id: v.summary for v in result.verdicts if not v.passed}
+    assert not failed, failed
+    assert result.passed
+    quota = result.timeline.faults[0]
+    assert quota.applied_s is not None and quota.removed_s is not None and quota.error is None
+    assert abs(quota.applied_s - 4.0) < 1.0 and abs(quota.removed_s - 8.0) < 1.0   # on schedule, 1 s slack
+    data = json.loads(Path(paths["json"]).read_text())
+    assert data["passed"] and len(data["verdicts"]) == 6 and data["timeline"]["periods"]
+    junit = Path(paths["junit"]).read_text()
+    assert junit.count("<testcase") == 6 and "<failure" not in junit
+    assert Path(paths["png"]).stat().st_size > 10_000
+    assert "PASSED" in Path(paths["markdown"]).read_text()
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_broken_agent_fails_exactly_the_protection_checks(tmp_path: Path) -> None:
+    # Limiter off and the alert disabled (an unreachable threshold): the fault still bites, nothing
+    # is lost, but the alert, the limiter and the degradation that should follow it never come.
+    result, paths = _run(QUOTA % {"limiter": "off", "threshold": 100000}, tmp_path)
+    assert _verdicts(result) == {"alert_silent[baseline]": True, "fault_effective[fault]": True,
+                                 "alert_fires[fault]": False, "limiter_reduces[fault]": False,
+                                 "degrades[fault]": False, "no_loss": True}, \
+        {v.id: v.summary for v in result.verdicts}
+    junit = Path(paths["junit"]).read_text()
+    assert junit.count("<failure") == 3 and 'name="alert_fires[fault]"' in junit
+
+
+INTERRUPT = """\
+name: interrupted
+seed: 5
+target: {agent: {limiter: seed, period_s: 0.5}}
+traffic: {generator: {rate: 50}}
+phases:
+  - {name: baseline, duration: 2s}
+  - {name: fault, duration: 30s, faults: [{network: latency, latency_ms: 5, jitter_ms: 5},
+                                           {cpu: contention, workers: 1, load_pct: 50}]}
+expect:
+  - {no_loss: {}}
+"""
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_sigint_removes_every_fault_and_still_writes_the_report(tmp_path: Path, state_dir: Path) -> None:
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(INTERRUPT)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "chaos", "run", str(scenario),
+                             "--report-dir", str(out), "--no-png"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    for line in proc.stdout:            # wait until both faults really took effect
+        lines.append(line)
+        if sum("took effect" in x for x in lines) == 2 or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    text = "".join(lines) + rest
+    assert proc.returncode == 1, text
+    assert "interrupted by SIGINT" in text and text.count("removed") >= 2
+    data = json.loads((out / "results.json").read_text())
+    assert data["interrupted"] == "SIGINT" and data["partial"] and data["duration_s"] < 30
+    assert all(f["removed_s"] is not None for f in data["timeline"]["faults"])
+    from faults.cleanup import check_leftovers
+    assert check_leftovers(state_dir) == []
+    pids = [int(p) for f in data["timeline"]["faults"] if f["family"] == "cpu"
+            for p in f["detail"].split("PIDs [")[1].rstrip(")]").split(", ")]
+    assert pids and _gone(pids, within_s=5.0), f"stress workers still running: {pids}"
+    assert (out / "junit.xml").read_text().count("<testcase") == 2   # no_loss + the interrupted run
+
+
+def _alive(pid: int) -> bool:
+    """A running (not zombie) process with that PID."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _gone(pids: list[int], within_s: float) -> bool:
+    # SIGKILL is delivered asynchronously: give the kernel a moment (tolerance stated: 5 s).
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
