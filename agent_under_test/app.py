@@ -73,6 +73,7 @@ class AgentServer:
         return self.ready
 
     def _build_server(self) -> aio.Server:
+        assert self.batcher is not None and self.guard is not None, "start() builds these first"
         server = aio.server(options=self.options.grpc_options())
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
             TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),

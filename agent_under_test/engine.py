@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class Engine:
                 self.run([feats] * size, tier)
 
 
-def trace_model(model: object, levels: int = 10) -> object:
+def trace_model(model: Any, levels: int = 10) -> Any:
     """TorchScript-trace and freeze a model for CPU serving: same outputs, about half the per-op
     Python overhead (which dominates at these tensor sizes). Batch size and length stay dynamic."""
     import warnings
@@ -136,9 +137,10 @@ def load_engine(device: str, weights: str | None, seed: int, torch_threads: int,
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ServeError(f"--weights {weights}: cannot load ({exc}); write one with "
                          "`python -m agent_under_test save-weights PATH`") from exc
+    served: dict[str, object] = {tier: m.to(dev) for tier, m in models.items()}
     if dev == "cpu" and jit:
-        models = {tier: trace_model(m) for tier, m in models.items()}
-    engine = Engine(dev, {tier: m.to(dev) for tier, m in models.items()})
+        served = {tier: trace_model(m) for tier, m in served.items()}
+    engine = Engine(dev, served)
     if dev == "cuda":
         engine.autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return engine

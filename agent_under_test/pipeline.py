@@ -47,8 +47,8 @@ class Pipeline:
         stages = [("parse", t1 - t0), ("features", t2 - t1), ("queue", result.queue_s),
                   ("strategy", result.forward_s), ("risk", t4 - t3)]
         decision = agent_pb2.Decision(
-            sequence_id=snap.sequence_id, symbol=snap.symbol, side=order.side, price=order.price,
-            size=order.size, confidence=order.confidence, tier=result.tier, reason=order.reason,
+            sequence_id=snap.sequence_id, symbol=snap.symbol, side=order.side,  # type: ignore[arg-type]
+            price=order.price, size=order.size, confidence=order.confidence, tier=result.tier, reason=order.reason,
             batch_size=result.batch_size)
         t5 = time.perf_counter()
         stages.append(("order", t5 - t4))

@@ -19,7 +19,7 @@ from agent_under_test.errors import TrafficError
 from agent_under_test.market import MarketSim, make_snapshot
 from agent_under_test.proto import agent_pb2
 from agent_under_test.snapshot import parse_snapshot
-from agent_under_test.traffic import DECIDE, DECIDE_STREAM, run_traffic
+from agent_under_test.traffic import DECIDE, run_traffic
 
 
 def test_poisson_schedule_is_seeded_and_exact() -> None:
