@@ -41,6 +41,7 @@ class ReplayOptions:
     sender: a registered sender name for every call, or "auto" (by each call's protocol).
     timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
     lookahead_s: how far ahead of now the plan is read (bounds memory).
+    spin_us: the real clock spins this long before each send (accuracy vs client CPU; 0: never spin).
     start_at_ns: t0 on the clock (workers pass a shared one); None: now.
     compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
         against recorded ones, or None.
@@ -54,6 +55,7 @@ class ReplayOptions:
     lookahead_s: float = 0.2
     start_at_ns: int | None = None
     stop_grace_s: float = 1.0
+    spin_us: int = 300
     allow_targets: tuple[str, ...] = ()
     compare: object | None = None
 
@@ -63,7 +65,7 @@ class _Live:
     planned: PlannedCall
     intended_ns: int
     sent_ns: int
-    queue: asyncio.Queue[PlannedMessage | None]
+    queue: asyncio.Queue[PlannedMessage | None] | None
     task: asyncio.Task[None] | None = None
 
 
@@ -87,7 +89,7 @@ class ReplayRun:
         self.target = check_target(target, self.options.allow_targets)
         self.source = source
         self.on_result = on_result
-        self.clock = clock or MonotonicClock()
+        self.clock = clock or MonotonicClock(spin_ns=self.options.spin_us * 1000)
         self.stats = RunStats()
         self.problems: list[str] = []
         self._stop = threading.Event()
@@ -180,7 +182,7 @@ class ReplayRun:
         for _, _, item, msg in heap:
             if isinstance(item, PlannedCall):
                 self._not_sent(item, "stopped")
-            elif msg is item.planned.messages[-1]:
+            elif msg is item.planned.messages[-1] and item.queue is not None:
                 item.queue.put_nowait(None)  # end the stream so the call can finish
         for item in itertools.chain([pending] if pending else [], plan):
             self.stats.scheduled += 1
@@ -198,19 +200,23 @@ class ReplayRun:
         except Exception as exc:  # an unknown protocol is this call's problem, not the run's
             self._not_sent(planned, f"no_sender:{type(exc).__name__}")
             return
-        live = _Live(planned, self.t0_ns + planned.due_ns, 0, asyncio.Queue())
+        live = _Live(planned, self.t0_ns + planned.due_ns, 0, None)
         self._by_conn[planned.connection] += 1
         self._live.add(live)
-        for msg in planned.messages:
-            if msg.offset_ns == 0:
-                self._release(live, msg, heap)
-            else:
-                heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
-        if not planned.messages:
-            live.queue.put_nowait(None)  # an HTTP request without a body
-        live.task = asyncio.create_task(self._call(sender, live))
+        if planned.last_offset_ns == 0:
+            requests: AsyncIterator[PlannedMessage] = _Ready(planned.messages)  # fast path: no queue
+        else:
+            live.queue = asyncio.Queue()
+            requests = _drain_queue(live.queue)
+            for msg in planned.messages:
+                if msg.offset_ns == 0:
+                    self._release(live, msg, heap)
+                else:
+                    heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
+        live.task = asyncio.create_task(self._call(sender, live, requests))
 
     def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:
+        assert live.queue is not None
         live.queue.put_nowait(msg)
         if msg is live.planned.messages[-1]:
             live.queue.put_nowait(None)
@@ -224,14 +230,15 @@ class ReplayRun:
         return self._senders[name]
 
     # ---- one call ---------------------------------------------------------------------------
-    async def _call(self, sender: Sender, live: _Live) -> None:
+    async def _call(self, sender: Sender, live: _Live, requests: AsyncIterator[PlannedMessage]) -> None:
         p = live.planned
         limit = self.options.timeout_s + p.last_offset_ns / 1e9 + 1.0
         # The send time is taken here, when the call really starts, so lag includes the loop hop.
         live.sent_ns = self.clock.now_ns()
         self.stats.on_sent(live.intended_ns, live.sent_ns)
         try:
-            out = await asyncio.wait_for(sender.call(p, _drain_queue(live.queue), self.options.timeout_s), limit)
+            async with asyncio.timeout(limit):  # a backstop; senders enforce timeout_s themselves
+                out = await sender.call(p, requests, self.options.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             out = SendOutcome("timeout", "CLIENT_TIMEOUT")
         except asyncio.CancelledError:
@@ -283,3 +290,21 @@ class ReplayRun:
 async def _drain_queue(queue: asyncio.Queue[PlannedMessage | None]) -> AsyncIterator[PlannedMessage]:
     while (msg := await queue.get()) is not None:
         yield msg
+
+
+class _Ready:
+    """The requests of a call whose messages are all due at its start: no queue, no generator."""
+
+    __slots__ = ("_it",)
+
+    def __init__(self, messages: list[PlannedMessage]) -> None:
+        self._it = iter(messages)
+
+    def __aiter__(self) -> _Ready:
+        return self
+
+    async def __anext__(self) -> PlannedMessage:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None

@@ -72,20 +72,22 @@ class GrpcSender:
         md = tuple(replayable_metadata(planned.metadata)) or None
         timeout = timeout_s + planned.last_offset_ns / 1e9
         try:
-            responses = await self._invoke(ch, planned.kind, method, _wire(requests), md, timeout)
+            responses = await self._invoke(ch, planned.kind, method, requests, md, timeout)
         except grpc.aio.AioRpcError as exc:
             return outcome_for_code(exc.code(), exc.details() or "")
         except StopAsyncIteration:
             return SendOutcome(ERROR, "NO_REQUEST", detail="the recorded call has no request message")
         return SendOutcome(OK, "OK", 0, responses)
 
-    async def _invoke(self, ch: grpc.aio.Channel, kind: str, method: str, requests: AsyncIterator[bytes],
-                      md: tuple[tuple[str, str], ...] | None, timeout: float) -> list[bytes]:
+    async def _invoke(self, ch: grpc.aio.Channel, kind: str, method: str,
+                      requests: AsyncIterator[PlannedMessage], md: tuple[tuple[str, str], ...] | None,
+                      timeout: float) -> list[bytes]:
         if kind in ("client_stream", "bidi"):
             if kind == "client_stream":
-                return [await ch.stream_unary(method)(requests, timeout=timeout, metadata=md)]
-            return [r async for r in ch.stream_stream(method)(requests, timeout=timeout, metadata=md)]
-        first = await anext(requests)
+                return [await ch.stream_unary(method)(_wire(requests), timeout=timeout, metadata=md)]
+            return [r async for r in ch.stream_stream(method)(_wire(requests), timeout=timeout, metadata=md)]
+        msg = await anext(requests)
+        first = _raw(msg.data, msg.compressed)
         if kind == "server_stream":
             return [r async for r in ch.unary_stream(method)(first, timeout=timeout, metadata=md)]
         return [await ch.unary_unary(method)(first, timeout=timeout, metadata=md)]
