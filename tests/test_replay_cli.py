@@ -1,0 +1,55 @@
+"""`shadowtest replay`: exit codes, --json fields, --dry-run sends nothing, the allowlist refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from harness.cli import cli
+from replay.testing import EchoServer, write_unary_recording
+
+MS = 1_000_000
+FIELDS = {"scheduled", "sent", "ok", "rejected", "errors", "timeouts", "not_sent", "duration_s", "achieved_rate",
+          "latency_ms", "latency_from_send_ms", "lag_us", "mismatches"}
+
+
+def test_json_report_has_every_field_and_exit_0(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 4 * MS for i in range(50)], flows=2)
+    with EchoServer(reject_every=10) as server:
+        res = CliRunner().invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", server.address, "--speed",
+                                       "2", "--json", str(tmp_path / "out.json")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert FIELDS <= set(data)
+    assert data["scheduled"] == n and data["ok"] == n - n // 10 and data["rejected"] == n // 10
+    assert set(data["latency_ms"]) == {"p50", "p95", "p99", "max"} and set(data["lag_us"]) == {"p50", "p99", "max"}
+    assert "invariant: ok" in res.output
+
+
+def test_dry_run_sends_nothing(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * MS for i in range(30)], flows=3)
+    with EchoServer() as server:
+        res = CliRunner().invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", server.address,
+                                       "--dry-run", "--loop", "2", "--json", "-"])
+        assert not server.received
+    assert res.exit_code == 0
+    data = json.loads(res.output)
+    assert data["dry_run"] and data["scheduled"] == 2 * n and data["connections"] == 3
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    write_unary_recording(tmp_path / "r.rec", [0])
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", "192.0.2.1:50051"])
+    assert refused.exit_code == 2 and "--allow-target" in refused.output
+    assert runner.invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", "127.0.0.1:1",
+                               "--speed", "500"]).exit_code == 2
+    assert runner.invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", "127.0.0.1:1",
+                               "--window", "oops"]).exit_code == 2
+
+
+def test_missing_recording_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["replay", str(tmp_path / "nope.rec"), "--target", "127.0.0.1:1"])
+    assert res.exit_code == 1 and "no such recording" in res.output and "Traceback" not in res.output
