@@ -3,14 +3,16 @@
 Token i pairs book level i (best first) with the i-th most recent tick, so the model's sequence runs
 from the best, newest state outwards. Each token carries:
 
-    x[i]  8 features: bid/ask offset from mid (bps/100), log sizes, spread (bps/100),
-          the aligned tick's return vs mid (bps/100), its log size, the position (tanh-scaled)
+    x[i]  8 features, in book column order: bid offset from mid (bps/100), log1p(bid size)/10,
+          ask offset, log1p(ask size)/10; then spread (bps/100), the aligned tick's price vs mid
+          (bps/100), log1p(its size)/10, tanh(position/1000)
     t[i]  seconds since the newest tick (the attention decay uses |t[i] - t[j]|)
     w[i]  key weight: 1, or OUTLIER_WEIGHT when the level's spread is an outlier
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,20 +67,18 @@ def build_features(snap: ParsedSnapshot) -> Features:
     """Turn a validated snapshot into model inputs (see the module docstring)."""
     book = snap.book
     n = len(book)
-    bid, bsz, ask, asz = book[:, 0], book[:, 1], book[:, 2], book[:, 3]
-    mid = 0.5 * (bid[0] + ask[0])
-    x = np.zeros((n, N_FEATURES), dtype=np.float64)
-    x[:, 0] = (bid - mid) / mid * 100.0
-    x[:, 1] = (ask - mid) / mid * 100.0
-    x[:, 2] = np.log1p(bsz) / 10.0
-    x[:, 3] = np.log1p(asz) / 10.0
-    spreads = ask - bid
-    x[:, 4] = spreads / mid * 100.0
+    mid = 0.5 * (book[0, 0] + book[0, 2])
+    x = np.zeros((n, N_FEATURES), dtype=np.float32)
+    # Columns 0..3 in two vector ops: price offsets in bps/100, log sizes / 10.
+    x[:, 0:4:2] = (book[:, 0::2] - mid) * (100.0 / mid)
+    x[:, 1:4:2] = np.log1p(book[:, 1::2]) * 0.1
+    spreads = book[:, 2] - book[:, 0]
+    x[:, 4] = spreads * (100.0 / mid)
     if len(snap.ticks):
         recent = snap.ticks[::-1][:n]
         k = len(recent)
-        x[:k, 5] = (recent[:, 1] - mid) / mid * 100.0
-        x[:k, 6] = np.log1p(recent[:, 2]) / 10.0
-    x[:, 7] = np.tanh(snap.position / 1000.0)
-    return Features(x.astype(np.float32), token_times(snap.ticks, n), spread_outlier_weights(spreads),
-                    float(mid), float(bid[0]), float(ask[0]))
+        x[:k, 5] = (recent[:, 1] - mid) * (100.0 / mid)
+        x[:k, 6] = np.log1p(recent[:, 2]) * 0.1
+    x[:, 7] = math.tanh(snap.position / 1000.0)
+    return Features(x, token_times(snap.ticks, n), spread_outlier_weights(spreads),
+                    float(mid), float(book[0, 0]), float(book[0, 2]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from agent_under_test.proto import agent_pb2
@@ -60,25 +61,47 @@ def make_snapshot(rng: random.Random, sequence_id: int, symbol: str, *, mid: flo
 
 
 @dataclass
+class _Symbol:
+    mid: float
+    position: float = 0.0
+    ticks: deque[agent_pb2.Tick] = field(default_factory=deque)
+
+
+@dataclass
 class MarketSim:
-    """Per-symbol random walks of mid price and position; `next()` returns the symbol's next snapshot."""
+    """Per-symbol random walks of mid price and position, and a rolling window of recent trades;
+    `next()` returns the symbol's next snapshot (a few new trades each time, like a live feed)."""
 
     rng: random.Random
     symbols: list[str] = field(default_factory=lambda: ["AAPL", "MSFT", "NVDA", "TSLA"])
     volatility: float = 5e-4     # per-snapshot log-return std
     levels: int = DEFAULT_LEVELS
     ticks: int = DEFAULT_TICKS
-    _mid: dict[str, float] = field(default_factory=dict)
-    _pos: dict[str, float] = field(default_factory=dict)
+    _state: dict[str, _Symbol] = field(default_factory=dict)
 
     def next(self, sequence_id: int, symbol: str | None = None, ts_ns: int | None = None) -> agent_pb2.MarketSnapshot:
-        sym = symbol or self.rng.choice(self.symbols)
-        mid = self._mid.get(sym) or 50.0 + 450.0 * self.rng.random()
-        mid *= math.exp(self.rng.gauss(0.0, self.volatility))
-        pos = max(-900.0, min(900.0, self._pos.get(sym, 0.0) + self.rng.choice((-10.0, 0.0, 10.0))))
-        self._mid[sym], self._pos[sym] = mid, pos
-        return make_snapshot(self.rng, sequence_id, sym, mid=mid, levels=self.levels, ticks=self.ticks,
-                             ts_ns=ts_ns, position=pos)
+        rng = self.rng
+        sym = symbol or rng.choice(self.symbols)
+        ts = time.time_ns() if ts_ns is None else ts_ns
+        st = self._state.get(sym)
+        if st is None:
+            st = self._state[sym] = _Symbol(50.0 + 450.0 * rng.random())
+            st.ticks.extend(_ticks(rng, st.mid, self.ticks, ts, 20_000_000))
+        st.mid *= math.exp(rng.gauss(0.0, self.volatility))
+        st.position = max(-900.0, min(900.0, st.position + rng.choice((-10.0, 0.0, 10.0))))
+        self._trade(st, ts)
+        return agent_pb2.MarketSnapshot(sequence_id=sequence_id, symbol=sym, levels=_book(rng, st.mid, self.levels, 2.0),
+                                        ticks=st.ticks, ts_ns=ts, position=st.position)
+
+    def _trade(self, st: _Symbol, ts: int) -> None:
+        """One or two new trades near the mid; the oldest fall out of the window."""
+        last = st.ticks[-1].ts_ns if st.ticks else 0
+        for _ in range(1 if self.rng.random() < 0.7 else 2):
+            last = max(ts, last + 1)  # trades stay in time order even if the caller's clock steps back
+            st.ticks.append(agent_pb2.Tick(ts_ns=last, price=round(st.mid * math.exp(self.rng.gauss(0.0, 2e-4)), 4),
+                                           size=float(1 + int(self.rng.random() * 500))))
+        while len(st.ticks) > self.ticks:
+            st.ticks.popleft()
 
 
 def symbol_names(n: int) -> list[str]:

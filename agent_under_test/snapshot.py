@@ -42,7 +42,17 @@ def _first_bad(bad: np.ndarray) -> tuple[int, int]:
     return int(row), int(col)
 
 
+def _book_ok(book: np.ndarray) -> bool:
+    """Fast path for the common, valid book: two reductions (NaN fails every comparison)."""
+    lo, hi = book.min(axis=0), book.max(axis=0)
+    return bool(lo[0] > 0 and lo[2] > 0 and lo[1] >= 0 and lo[3] >= 0 and hi[0] < MAX_PRICE
+                and hi[2] < MAX_PRICE and hi[1] <= MAX_SIZE and hi[3] <= MAX_SIZE
+                and (book[:, 2] >= book[:, 0]).all())
+
+
 def _check_book(book: np.ndarray) -> None:
+    if _book_ok(book):
+        return
     prices, sizes = book[:, [0, 2]], book[:, [1, 3]]
     for arr, cols, rule, ok in (
         (prices, (0, 2), "must be a finite positive price", lambda a: np.isfinite(a) & (a > 0) & (a < MAX_PRICE)),
@@ -64,6 +74,9 @@ def _check_book(book: np.ndarray) -> None:
 def _check_ticks(ticks: np.ndarray) -> None:
     if len(ticks) == 0:
         return
+    lo, hi = ticks.min(axis=0), ticks.max(axis=0)
+    if lo[0] > 0 and lo[1] > 0 and lo[2] >= 0 and hi[1] < MAX_PRICE and hi[2] <= MAX_SIZE:
+        return  # the common, valid case; the rules below find and name the first bad value
     rules = (
         (0, "must be a positive timestamp in ns", lambda a: a > 0),
         (1, "must be a finite positive price", lambda a: np.isfinite(a) & (a > 0) & (a < MAX_PRICE)),

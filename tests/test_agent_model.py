@@ -68,6 +68,19 @@ def test_token_times_align_newest_tick_with_best_level() -> None:
     assert token_times(np.zeros((0, 3)), 2).tolist() == [0.0, 0.0]
 
 
+def test_build_features_exact_values() -> None:
+    from agent_under_test.snapshot import ParsedSnapshot
+
+    book = np.array([[99.0, math.e - 1, 101.0, 0.0], [98.0, 0.0, 102.0, 0.0]])
+    ticks = np.array([[1.0e9, 100.0, 0.0], [2.0e9, 101.0, math.e - 1]])  # oldest first
+    f = build_features(ParsedSnapshot(1, "X", book, ticks, 0, 500.0))
+    assert f.mid == 100.0 and f.best_bid == 99.0 and f.best_ask == 101.0
+    expected = [[-1.0, 0.1, 1.0, 0.0, 2.0, 1.0, 0.1, math.tanh(0.5)],
+                [-2.0, 0.0, 2.0, 0.0, 4.0, 0.0, 0.0, math.tanh(0.5)]]
+    assert np.allclose(f.x, np.array(expected), atol=1e-6)
+    assert f.t.tolist() == pytest.approx([0.0, 1.0])
+
+
 def _features(n: int, seed: int = 1, levels: int = 10) -> list:
     rng = random.Random(seed)
     return [build_features(parse_snapshot(make_snapshot(rng, i, "AAPL", levels=levels, ts_ns=10**18)))
