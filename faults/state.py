@@ -118,7 +118,7 @@ class FaultRegistry:
             self._save()
 
     @contextlib.contextmanager
-    def hold(self, kind: str, undo: Callable[[dict[str, Any]], None], **data: Any) -> Iterator[str]:
+    def hold(self, kind: str, undo: Callable[[dict[str, Any]], object], **data: Any) -> Iterator[str]:
         """Register, yield the id (apply the fault inside), then undo with the final entry and release."""
         entry_id = self.register(kind, **data)
         try:

@@ -105,7 +105,7 @@ def wait_closed(s: socket.socket, timeout: float) -> bool:
         while time.monotonic() < deadline:
             if not s.recv(65536):
                 return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except OSError:
         return True

@@ -46,13 +46,14 @@ def test_contention_cuts_cpu_share(busy: int, registry: FaultRegistry, method: s
     if method == "stress-ng" and pick_method() != "stress-ng":
         pytest.skip("stress-ng is not installed (apt-get install stress-ng)")
     alone = share(busy)
-    with cpu_contention(target_pid=busy, workers=2, load_pct=100, method=method, registry=registry) as c:
-        assert c.cpus == [0] and c.workers == 2  # pinned to the target's CPU
+    with cpu_contention(target_pid=busy, workers=3, load_pct=100, method=method, registry=registry) as c:
+        assert c.cpus == [0] and c.workers == 3  # pinned to the target's CPU
         time.sleep(0.3)
         contended = share(busy)
         assert registry.path.exists()
-    # Tolerance: 2 competing workers on its only CPU leave the target about 1/3; the host is shared,
-    # so only require a clear cut (below 70 % of what it had alone).
+    alone = max(alone, share(busy, 0.5))  # the shared host drifts: compare with the better baseline
+    # Tolerance: 3 competing workers on its only CPU leave the target about 1/4; other builds share
+    # this host, so only require a clear cut (below 70 % of what it had alone).
     assert contended < 0.7 * alone, f"alone {alone:.2f}, contended {contended:.2f}"
     assert not registry.path.exists()
     time.sleep(0.2)

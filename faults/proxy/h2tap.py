@@ -185,7 +185,7 @@ class H2Tap:
             self._max_stream = sid
             self._new_call(sid, headers, bool(first_flags & _END_STREAM), out)
 
-    def _new_call(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool, out: list[bytes]) -> None:
+    def _new_call(self, sid: int, headers: Any, ended: bool, out: list[bytes]) -> None:
         self.calls_seen += 1
         path = next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
         fate = _Fate()

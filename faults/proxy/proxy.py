@@ -15,7 +15,8 @@ from faults.proxy.link import Link
 from faults.proxy.model import ApiError, ToxicSpec
 
 log = logging.getLogger(__name__)
-_EARLY_LIMIT = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
+_EARLY_LIMIT = 1 << 20
+_WRITE_HIGH = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -88,6 +89,8 @@ class Connection:
             log.warning("proxy %s: upstream %s unreachable: %s", self.proxy.name, self.proxy.upstream, exc)
             return self.close()
         up_t, cl_t = self.upstream, self.client
+        for t in (up_t, cl_t):  # fewer pause/resume round trips on bulk transfers
+            t.set_write_buffer_limits(high=_WRITE_HIGH)
         self.up = Link(up_t.write, lambda k: self._end("upstream", k), lambda p: self._pause(cl_t, p), self.close)
         self.down = Link(cl_t.write, lambda k: self._end("downstream", k), lambda p: self._pause(up_t, p),
                          self.close)

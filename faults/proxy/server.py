@@ -13,6 +13,7 @@ client) can drive it too.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -137,7 +138,8 @@ class EmbeddedToxiproxy:
         if self.loop is None or self.collection is None:
             raise ProxyUnavailableError("the embedded proxy is not running (call start() first)")
         collection = self.collection
-        future = asyncio.run_coroutine_threadsafe(fn(collection), self.loop)  # type: ignore[arg-type]
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
+            fn(collection), self.loop)  # type: ignore[arg-type]
         try:
             return future.result(timeout)
         except ApiError as exc:

@@ -93,7 +93,8 @@ def _json_kind(value: Any) -> str:
         return "bool"
     if isinstance(value, (int, float)):
         return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "null")
+    kinds: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return kinds.get(type(value), "null")
 
 
 def _coerce(cls: type[Toxic], key: str, value: Any) -> Any:
@@ -134,6 +135,8 @@ class LatencyToxic(Toxic):
     """Each chunk leaves `latency +/- jitter` ms after it ARRIVED (delay - age): no backlog, no reordering."""
 
     ATTRS = {"latency": 0, "jitter": 0}
+    latency: int
+    jitter: int
     GO_NAME = "LatencyToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -152,6 +155,7 @@ class BandwidthToxic(Toxic):
     """Limits the rate to `rate` KB/s (1 KB = 1000 bytes, as Toxiproxy); big chunks go in 100 ms slices."""
 
     ATTRS = {"rate": 0}
+    rate: int
     GO_NAME = "BandwidthToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -181,6 +185,7 @@ class SlowCloseToxic(Toxic):
     """Passes data; delays the close (EOF) by `delay` ms."""
 
     ATTRS = {"delay": 0}
+    delay: int
     GO_NAME = "SlowCloseToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -197,6 +202,7 @@ class TimeoutToxic(Toxic):
     """Stops all data; closes the connection after `timeout` ms (never, when 0)."""
 
     ATTRS = {"timeout": 0}
+    timeout: int
     GO_NAME = "TimeoutToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -217,6 +223,7 @@ class ResetPeerToxic(Toxic):
     """On the first chunk, waits `timeout` ms and then resets the connection (TCP RST)."""
 
     ATTRS = {"timeout": 0}
+    timeout: int
     GO_NAME = "ResetToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -250,6 +257,9 @@ class SlicerToxic(Toxic):
     """Slices each chunk into pieces of about `average_size` +/- `size_variation` bytes, `delay` us apart."""
 
     ATTRS = {"average_size": 0, "size_variation": 0, "delay": 0}
+    average_size: int
+    size_variation: int
+    delay: int
     GO_NAME = "SlicerToxic"
 
     async def pipe(self, stub: Stub) -> None:
@@ -277,6 +287,7 @@ class LimitDataToxic(Toxic):
     """Closes the connection once `bytes` bytes have passed (counted per connection, across updates)."""
 
     ATTRS = {"bytes": 0}
+    bytes: int
     GO_NAME = "LimitDataToxic"
 
     def new_state(self) -> Any:
