@@ -41,7 +41,8 @@ class AgentServer:
         self.ready: dict[str, object] = {}
         self._server: aio.Server | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        self._executor = ThreadPoolExecutor(max(1, options.workers), thread_name_prefix="agent-forward")
+        self._executor = (ThreadPoolExecutor(options.workers, thread_name_prefix="agent-forward")
+                          if options.workers > 0 else None)
 
     async def start(self) -> dict[str, object]:
         """Load and warm up the model, then open the port. Returns the ready dict.
@@ -103,7 +104,8 @@ class AgentServer:
             self.batcher = None
         if self.guard is not None:
             self.guard.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _announce(ready: dict[str, object], ready_file: str | None) -> None:

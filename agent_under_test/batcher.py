@@ -44,14 +44,15 @@ class _Item:
 
 
 class Batcher:
-    """Collects submitted features into batches and runs them on `executor` (one slot per worker)."""
+    """Collects submitted features into batches and runs them on `executor` (one slot per worker),
+    or inline on the event loop when `executor` is None."""
 
-    def __init__(self, run: RunFn, guard: Guard, executor: Executor, *, window_s: float = 0.002,
+    def __init__(self, run: RunFn, guard: Guard, executor: Executor | None, *, window_s: float = 0.002,
                  max_batch: int = 32, workers: int = 1) -> None:
         self._run, self._guard, self._executor = run, guard, executor
         self.window_s, self.max_batch = window_s, max_batch
         self._queue: deque[_Item] = deque()
-        self._slots = asyncio.Semaphore(workers)
+        self._slots = asyncio.Semaphore(max(1, workers))
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -118,7 +119,11 @@ class Batcher:
             start = time.perf_counter()
             loop = asyncio.get_running_loop()
             try:
-                out = await loop.run_in_executor(self._executor, self._run, [i.features for i in batch], tier)
+                feats = [i.features for i in batch]
+                if self._executor is None:  # inline: no thread hand-off, but the loop waits for the pass
+                    out = self._run(feats, tier)
+                else:
+                    out = await loop.run_in_executor(self._executor, self._run, feats, tier)
             except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the failure
                 for item in batch:
                     if not item.future.done():

@@ -29,7 +29,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--seed", type=int, default=_D.seed, help="seed of the default weights")
 @_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window")
 @_opt("--max-batch", type=click.IntRange(1, 1024), default=_D.max_batch, help="largest forward pass")
-@_opt("--workers", type=click.IntRange(1, 64), default=_D.workers, help="forward-pass workers (CUDA stream each)")
+@_opt("--workers", type=click.IntRange(0, 64), default=_D.workers,
+      help="forward-pass threads, one CUDA stream each (0: run inline on the event loop)")
 @_opt("--jit/--no-jit", default=_D.jit, help="TorchScript-trace the model on CPU")
 @_opt("--torch-threads", type=click.IntRange(0, 256), default=_D.torch_threads,
       help="torch intra-op threads on CPU (0: torch's default)")

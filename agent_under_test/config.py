@@ -25,7 +25,7 @@ class ServeOptions:
     seed: int = 0                        # seeds the model weights when --weights is not given
     batch_window_ms: float = 2.0
     max_batch: int = 32
-    workers: int = 1                     # forward-pass workers (one CUDA stream each)
+    workers: int = 1                     # forward-pass threads (one CUDA stream each); 0: inline on the loop
     jit: bool = True                     # TorchScript-trace the model on CPU
     torch_threads: int = 1               # intra-op threads on CPU; 1 leaves a core for the client
     limiter: str = "off"
