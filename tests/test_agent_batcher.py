@@ -108,3 +108,17 @@ def test_close_cancels_queued_requests(n: int) -> None:
             return await asyncio.gather(*tasks, return_exceptions=True)
     out = asyncio.run(main())
     assert len(out) == n and all(isinstance(e, asyncio.CancelledError) for e in out)
+
+
+def test_inline_mode_batches_without_an_executor() -> None:
+    async def main():
+        guard = Seen()
+        b = Batcher(run_fn, guard, None, window_s=0.02, max_batch=32)
+        b.start()
+        try:
+            return guard, await _submit_all(b, 6)
+        finally:
+            await b.close()
+    guard, results = asyncio.run(main())
+    assert [r.output[0] for r in results] == list(range(6)) and {r.batch_size for r in results} == {6}
+    assert guard.calls[-1] == ("batch", 6, 0, "full")
