@@ -32,7 +32,7 @@ from replay.testing import write_unary_recording  # noqa: E402
 
 
 def start_echo() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "replay.testing"], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "replay.testing", "--fast"], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
@@ -75,8 +75,8 @@ def _timing(stats: RunStats) -> dict[str, float]:
 def ours(path: Path, target: str) -> dict[str, float]:
     run = ReplayRun(path, target, ReplayOptions())
     rep = run.run()
-    assert rep.invariant_ok and rep.ok == rep.scheduled, rep
-    return _timing(run.stats) | {"achieved_rate": rep.achieved_rate}
+    assert rep.invariant_ok, rep
+    return _timing(run.stats) | {"achieved_rate": rep.achieved_rate, "not_ok": rep.scheduled - rep.ok}
 
 
 def main() -> None:
@@ -98,8 +98,8 @@ def main() -> None:
                     print(f"{rate:>6} {who:<11} {r['lag_p50_us']:>8.0f} {r['lag_p99_us']:>8.0f} "
                           f"{r['lag_max_us']:>9.0f} {r['drift_pct']:>9.4f} {r['end_lag_us']:>9.0f}")
                 ratio = abs(b["drift_pct"]) / max(abs(a["drift_pct"]), 1e-4)
-                print(f"{rate:>6} ratio: peer drift / shadowtest drift = {ratio:.1f}x; "
-                      f"achieved {a['achieved_rate']:.0f}/s of {rate}")
+                print(f"{rate:>6} ratio: peer drift / shadowtest drift = {ratio:.1f}x; achieved "
+                      f"{a['achieved_rate']:.0f}/s of {rate}; not ok (target overloaded): {a['not_ok']}")
     finally:
         proc.terminate()
         proc.wait(10)

@@ -9,6 +9,8 @@ responses keep being processed while we wait.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import time
 from typing import Protocol
 
@@ -79,3 +81,76 @@ class FakeClock:
             await asyncio.sleep(0)
         if deadline_ns > self._now:
             self._now = deadline_ns + self.lag_ns
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC, _TFD_TIMER_ABSTIME = 1, 0o4000, 0o2000000, 1
+
+
+class TimerfdClock(MonotonicClock):
+    """Linux: wake the event loop with a timerfd armed at the absolute deadline (ns precision).
+
+    asyncio's own timers round the epoll timeout up to whole milliseconds, which is why
+    MonotonicClock spins; a timerfd in the same epoll set wakes within the kernel's timer slack
+    (~50 us) with no spinning, so the client CPU goes to sending, not waiting. `spin_ns` (default
+    50 us) still covers the slack. Falls back to MonotonicClock when timerfd is unavailable.
+    """
+
+    def __init__(self, spin_ns: int = 50_000) -> None:
+        super().__init__(spin_ns)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = self._libc.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _arm(self, deadline_ns: int) -> None:
+        spec = _Itimerspec(_Timespec(0, 0), _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000))
+        if self._libc.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def _fired(self) -> None:
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            return
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def sleep_until(self, deadline_ns: int) -> None:
+        wake = deadline_ns - self.spin_ns
+        if wake > time.monotonic_ns():
+            loop = asyncio.get_running_loop()
+            if self._loop is not loop:  # one registration per loop, kept for the clock's life
+                loop.add_reader(self._fd, self._fired)
+                self._loop = loop
+            self._waiter = loop.create_future()
+            self._arm(wake)
+            await self._waiter
+        while time.monotonic_ns() < deadline_ns:
+            await asyncio.sleep(0)
+
+    def close(self) -> None:
+        """Unregister from the loop and close the timerfd (idempotent)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._loop = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def real_clock(spin_ns: int | None = None) -> MonotonicClock:
+    """The most precise real clock here: TimerfdClock on Linux, else MonotonicClock."""
+    try:
+        return TimerfdClock() if spin_ns is None else TimerfdClock(spin_ns)
+    except (OSError, AttributeError):
+        return MonotonicClock() if spin_ns is None else MonotonicClock(spin_ns)

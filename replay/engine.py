@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replay import report as report_mod
-from replay.clock import Clock, MonotonicClock
+from replay.clock import Clock, real_clock
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
 from replay.stats import CallResult, RunStats
@@ -41,7 +41,8 @@ class ReplayOptions:
     sender: a registered sender name for every call, or "auto" (by each call's protocol).
     timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
     lookahead_s: how far ahead of now the plan is read (bounds memory).
-    spin_us: the real clock spins this long before each send (accuracy vs client CPU; 0: never spin).
+    spin_us: the real clock spins this long before each send (accuracy vs client CPU; 0: never;
+        -1: the clock's default, 50 us with a timerfd, 300 us without).
     start_at_ns: t0 on the clock (workers pass a shared one); None: now.
     compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
         against recorded ones, or None.
@@ -55,7 +56,7 @@ class ReplayOptions:
     lookahead_s: float = 0.2
     start_at_ns: int | None = None
     stop_grace_s: float = 1.0
-    spin_us: int = 300
+    spin_us: int = -1
     allow_targets: tuple[str, ...] = ()
     compare: object | None = None
 
@@ -89,7 +90,8 @@ class ReplayRun:
         self.target = check_target(target, self.options.allow_targets)
         self.source = source
         self.on_result = on_result
-        self.clock = clock or MonotonicClock(spin_ns=self.options.spin_us * 1000)
+        self._own_clock = clock is None
+        self.clock = clock or real_clock(None if self.options.spin_us < 0 else self.options.spin_us * 1000)
         self.stats = RunStats()
         self.problems: list[str] = []
         self._stop = threading.Event()
@@ -132,6 +134,8 @@ class ReplayRun:
             self.end_ns = self.clock.now_ns()
             for sender in self._senders.values():
                 await sender.close()
+            if self._own_clock and hasattr(self.clock, "close"):
+                self.clock.close()  # type: ignore[attr-defined]
             self._close_source()
 
     # ---- plan -------------------------------------------------------------------------------
@@ -308,3 +312,13 @@ class _Ready:
             return next(self._it)
         except StopIteration:
             raise StopAsyncIteration from None
+
+
+def replay_to(source: str | Path | Iterable[PlannedCall], target: str, *, speed: float = 1.0,
+              on_result: Callable[[CallResult], None] | None = None, **options: object) -> report_mod.ReplayReport:
+    """Replay `source` straight to `target` (e.g. a fault proxy's listen address) and return the report.
+
+    `options` are ReplayOptions fields (timeout_s, max_in_flight, allow_targets, ...). Blocks; for an
+    early stop from another thread, build a ReplayRun and call its stop()."""
+    opts = ReplayOptions(schedule=ScheduleOptions(speed=speed), **options)  # type: ignore[arg-type]
+    return ReplayRun(source, target, opts, on_result=on_result).run()

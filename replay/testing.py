@@ -103,8 +103,9 @@ class EchoServer:
     """
 
     def __init__(self, delay_s: float = 0.0, reject_every: int = 0, port: int = 0,
-                 reflection: bool = False) -> None:
+                 reflection: bool = False, fast: bool = False) -> None:
         self.delay_s, self.reject_every, self.port = delay_s, reject_every, port
+        self.fast = fast  # echo the request bytes untouched, keep no records (benchmarks)
         self.reflection = reflection
         self.received: list[tuple[int, str, int]] = []
         self.metadata: list[dict[str, str]] = []
@@ -166,6 +167,8 @@ class EchoServer:
 
     async def _decide(self, request: bytes, context: object) -> bytes:
         import grpc
+        if self.fast:
+            return request
         n = len(self.received) + 1
         self.metadata.append(dict(context.invocation_metadata()))  # type: ignore[attr-defined]
         answer = self._answer("Decide", request)
@@ -181,10 +184,10 @@ class EchoServer:
 
 
 def main() -> None:
-    """`python -m replay.testing [PORT] [--reflection]`: run an echo server until killed (benchmarks, docs)."""
+    """`python -m replay.testing [PORT] [--reflection] [--fast]`: run an echo server until killed (benchmarks, docs)."""
     import sys
     port = int(next((a for a in sys.argv[1:] if a.isdigit()), "0"))
-    with EchoServer(port=port, reflection="--reflection" in sys.argv) as server:
+    with EchoServer(port=port, reflection="--reflection" in sys.argv, fast="--fast" in sys.argv) as server:
         print(server.address, flush=True)
         try:
             threading.Event().wait()
