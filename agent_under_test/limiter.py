@@ -134,23 +134,30 @@ class SeedLimiter(_BucketLimiter):
 class GradientParams:
     min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
     max_cut: float = 0.95       # mildest cut on a breach
+    draining: float = 0.8       # a breach with p99 below this x the last period's is a queue draining: hold
     max_growth: float = 0.10    # most growth per period (as seed's x1.1), scaled by latency headroom
-    probe: float = 0.01         # first probe step above the knee; doubles each healthy period
-    knee: float = 0.95          # approach knee x capacity estimate by halving the gap
+    probe: float = 0.01         # first probe step above the known-good rate; doubles each healthy period
+    knee: float = 0.95          # approach knee x good by halving the gap
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
-    smoothing: float = 0.5      # weight of the newest capacity sample
+    decay: float = 0.9          # the mild cut, and how fast a good rate that keeps breaching is forgotten
 
 
 class GradientLimiter(_BucketLimiter):
-    """Rate-based Gradient2/Vegas controller with a capacity estimate (formula in docs/protection.md).
+    """Rate-based Gradient2/Vegas controller with a known-good rate (formula in docs/protection.md).
 
-    T threshold, P period, done = completed calls/s, h = 1 - p99/T (latency headroom)
-    breach (p99 > T): cap = smooth(done); the queue beyond T holds done*(p99-T) calls (Little's law);
-        drain it in one period: rate = min(rate, done) * clamp(1 - (p99-T)/P, min_cut, max_cut)
-    healthy, limiting (calls were rejected): cap = max(cap, done)
-        rate < knee*cap:  rate = max(rate*(1 + max_growth*h), rate + (knee*cap - rate)/2)
-        else (probe):     rate = rate*(1 + min(max_growth, probe*2^k)*h), k = healthy probes so far
-    healthy, not limiting:  rate = min(rate*(1 + max_growth*h), headroom*offered)
+    T threshold, P period, done = completed calls/s, h = 1 - p99/T, good = highest rate seen healthy
+    breach (p99 > T):
+        p99 < draining x last p99:  hold (the queue from an earlier overload is draining; cutting more
+                                    would only lose goodput)
+        rate <= good, unless p99 grew over 2+ breaching periods:  rate = rate*decay
+                                    (not our queue building up: a hiccup or outside contention; cut like seed)
+        else:  base = min(rate, done, good);  g = clamp(1 - (p99-T)/P, min_cut, max_cut)
+               rate = base*g    (Little's law: done*(p99-T) calls wait beyond T; drain them in a period)
+               if the limit was at or below good (capacity fell): good = max(good*decay, rate)
+    healthy: good = max(good, done)
+        limiting, rate < knee*good:  rate = max(rate*(1 + max_growth*h), rate + (knee*good - rate)/2)
+        limiting, else (probe):      rate = rate*(1 + min(max_growth, probe*2^k)*h), k = probes so far
+        not limiting:                rate = min(rate*(1 + max_growth*h), headroom*offered)
     """
 
     policy = "gradient"
@@ -158,19 +165,28 @@ class GradientLimiter(_BucketLimiter):
     def __init__(self, settings: LimiterSettings, params: GradientParams | None = None) -> None:
         super().__init__(settings)
         self.p = params or GradientParams()
-        self.capacity: float | None = None
+        self.good: float | None = None
         self.probes = 0
+        self.last_p99: float | None = None
+        self.breaches = 0       # consecutive breaching periods
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
             return None
+        p99, last = summary.p99_ms, self.last_p99
+        self.last_p99 = p99
         done = summary.count / summary.seconds
-        if summary.p99_ms > self.s.threshold_ms:
+        if p99 > self.s.threshold_ms:
             self.probes = 0
-            return self._breach(summary.p99_ms, done, summary.seconds)
-        headroom = max(0.0, 1.0 - summary.p99_ms / self.s.threshold_ms)
+            self.breaches += 1
+            if last is not None and p99 < self.p.draining * last:
+                return None
+            return self._breach(p99, last, done, summary.seconds)
+        self.breaches = 0
+        self.good = done if self.good is None else max(self.good, done)
+        headroom = max(0.0, 1.0 - p99 / self.s.threshold_ms)
         if summary.rejected > 0:
-            return self._grow_limited(headroom, done)
+            return self._grow_limited(headroom)
         self.probes = 0
         offered = (summary.count + summary.rejected) / summary.seconds
         cap = self.p.headroom * offered
@@ -179,21 +195,26 @@ class GradientLimiter(_BucketLimiter):
             return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
         return self._move(grown, f"not limiting, headroom {headroom:.2f}: x{grown / self.rate:.3f}")
 
-    def _breach(self, p99: float, done: float, seconds: float) -> Adjustment | None:
-        # While P99 breaches, calls queue, so completions per second measure what the server can do.
-        a = self.p.smoothing
-        self.capacity = done if self.capacity is None else (1 - a) * self.capacity + a * done
+    def _breach(self, p99: float, last: float | None, done: float, seconds: float) -> Adjustment | None:
+        limit, good = self.rate, self.good
+        growing = self.breaches >= 2 and last is not None and p99 >= last
+        if good is not None and limit <= good and not growing:
+            # Admitting no more than a rate known to be healthy and no queue building up over periods:
+            # more likely a passing hiccup (or outside contention) than our queue. Cut like seed; a
+            # deep cut here loses goodput without fixing the latency.
+            return self._move(limit * self.p.decay, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms at or "
+                                                    f"below the good rate: x{self.p.decay:g}")
         excess_s = (p99 - self.s.threshold_ms) / 1000.0
         g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - excess_s / seconds))
-        base = min(self.rate, done)
-        return self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms: "
-                                    f"{base:.1f}/s x{g:.3f} (capacity ~{self.capacity:.1f}/s)")
+        base = min(limit, done, good if good is not None else limit)
+        adj = self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms: {base:.1f}/s x{g:.3f}")
+        if good is not None and limit <= good:
+            # Breaching for periods at a rate once good: capacity fell (e.g. CPU contention). Forget slowly.
+            self.good = max(good * self.p.decay, self.rate)
+        return adj
 
-    def _grow_limited(self, headroom: float, done: float) -> Adjustment | None:
-        if self.capacity is not None:
-            # Healthy at this rate: the server can do at least what it just did.
-            self.capacity = max(self.capacity, done)
-        knee = None if self.capacity is None else self.p.knee * self.capacity
+    def _grow_limited(self, headroom: float) -> Adjustment | None:
+        knee = None if self.good is None else self.p.knee * self.good
         if knee is not None and self.rate < knee:
             self.probes = 0
             new = max(self.rate * (1 + self.p.max_growth * headroom), self.rate + (knee - self.rate) / 2)
