@@ -173,3 +173,25 @@ def test_python_api_reports_when_applied(tp: EmbeddedToxiproxy, echo: EchoServer
         assert gone.applied_at >= applied.applied_at
     with pytest.raises(Exception, match="toxic not found"):
         tp.remove_toxic("e", applied.name)
+
+
+def test_recorded_toxic_context_and_async_api(tp: EmbeddedToxiproxy, echo: EchoServer, tmp_path: Any) -> None:
+    import asyncio
+
+    from faults.state import FaultRegistry
+
+    reg = FaultRegistry(tmp_path)
+    tp.create_proxy("ctx", echo.addr)
+    with tp.toxic("ctx", "latency", {"latency": 5}, registry=reg) as applied:
+        entries = json.loads(reg.path.read_text())["entries"]
+        assert [e["toxic"] for e in entries.values()] == [applied.name]
+        assert [t["name"] for t in tp.proxies()["ctx"]["toxics"]] == ["latency_downstream"]
+    assert tp.proxies()["ctx"]["toxics"] == [] and not reg.path.exists()
+
+    async def phases() -> tuple[float, float]:
+        added = await tp.aadd_toxic("ctx", "bandwidth", {"rate": 100})
+        removed = await tp.aremove_toxic("ctx", added.name)
+        return added.applied_at, removed.applied_at
+
+    added_at, removed_at = asyncio.run(phases())
+    assert added_at <= removed_at and tp.proxies()["ctx"]["toxics"] == []

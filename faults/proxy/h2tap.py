@@ -106,6 +106,7 @@ class H2Tap:
         self._d_left = 0
         self._d_in_block = False
         self._inject: list[bytes] = []
+        self._deferred_up: list[bytes] = []  # timer-released frames waiting for a header block to end
         self.broken = False
         self.calls_seen = 0
         self.calls_delayed = 0
@@ -175,6 +176,9 @@ class H2Tap:
             return
         sid, first_flags, block = self._block
         self._block = None
+        if self._deferred_up:  # HEADERS + CONTINUATION must be contiguous: released frames go after
+            out.extend(self._deferred_up)
+            self._deferred_up.clear()
         try:
             headers = self._decoder.decode(bytes(block), raw=True)
         except Exception as exc:  # noqa: BLE001 - never break the connection: stop tapping instead
@@ -219,9 +223,16 @@ class H2Tap:
             return self._fail(sid, fate, None)
         fate.released = True
         if fate.held:
-            self._push_up(b"".join(fate.held))
+            self._push_up_frames(b"".join(fate.held))
             fate.held.clear()
         del self._fates[sid]
+
+    def _push_up_frames(self, raw: bytes) -> None:
+        """Whole frames from a timer: never inside the client's open header block."""
+        if self._block is not None:
+            self._deferred_up.append(raw)
+        else:
+            self._push_up(raw)
 
     def _fail(self, sid: int, fate: _Fate, out: list[bytes] | None) -> None:
         fate.failed = True
@@ -230,7 +241,7 @@ class H2Tap:
         if out is not None:
             out.append(rst)
         else:
-            self._push_up(rst)
+            self._push_up_frames(rst)
         self._give_back_window(fate)
         status, message = fate.error or (14, "")
         self.inject_down(frame(_HEADERS, _END_STREAM | _END_HEADERS, sid, encode_trailers_only(status, message)))

@@ -88,6 +88,9 @@ class Connection:
         except OSError as exc:
             log.warning("proxy %s: upstream %s unreachable: %s", self.proxy.name, self.proxy.upstream, exc)
             return self.close()
+        if self.closed:  # the client went away (or the proxy was disabled) while we dialled
+            self.upstream.close()
+            return
         up_t, cl_t = self.upstream, self.client
         for t in (up_t, cl_t):  # fewer pause/resume round trips on bulk transfers
             t.set_write_buffer_limits(high=_WRITE_HIGH)
@@ -191,7 +194,10 @@ class Connection:
             except OSError:
                 pass
         self._ended.add(direction)
-        if len(self._ended) == 2:
+        source = "client" if direction == "upstream" else "upstream"
+        # Both directions done, or this direction's source socket is gone entirely (so nothing of the
+        # other direction can reach it any more): close everything, as Toxiproxy does.
+        if len(self._ended) == 2 or source in self._lost:
             self.close()
 
     def close(self) -> None:

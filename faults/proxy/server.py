@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from faults.errors import ProxyApiError, ProxyUnavailableError
 from faults.proxy.api import serve_connection
 from faults.proxy.collection import ProxyCollection
 from faults.proxy.model import ApiError
+from faults.state import FaultRegistry, default_registry
 
 T = TypeVar("T")
 
@@ -145,6 +146,17 @@ class EmbeddedToxiproxy:
         except ApiError as exc:
             raise ProxyApiError(exc.message, exc.status) from exc
 
+    async def acall(self, fn: Callable[[ProxyCollection], Awaitable[T]], timeout: float = 30) -> T:
+        """`call` for asyncio callers: awaits without blocking the caller's own event loop."""
+        if self.loop is None or self.collection is None:
+            raise ProxyUnavailableError("the embedded proxy is not running (call start() first)")
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
+            fn(self.collection), self.loop)  # type: ignore[arg-type]
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except ApiError as exc:
+            raise ProxyApiError(exc.message, exc.status) from exc
+
     def _applied(self) -> float:
         assert self.collection is not None
         return self.collection.applied_at
@@ -180,6 +192,38 @@ class EmbeddedToxiproxy:
                 "name": name or f"{type}_{stream}"}
         toxic = self.call(lambda c: c.add_toxic(proxy, body))
         return ToxicApplied(proxy, toxic["name"], toxic, self._applied())
+
+    async def aadd_toxic(self, proxy: str, type: str, attributes: dict[str, Any] | None = None,
+                         stream: str = "downstream", toxicity: float = 1.0, name: str | None = None) -> ToxicApplied:
+        """`add_toxic` for asyncio callers."""
+        body = {"type": type, "stream": stream, "toxicity": toxicity, "attributes": attributes or {},
+                "name": name or f"{type}_{stream}"}
+        toxic = await self.acall(lambda c: c.add_toxic(proxy, body))
+        return ToxicApplied(proxy, toxic["name"], toxic, self._applied())
+
+    async def aremove_toxic(self, proxy: str, name: str) -> ToxicApplied:
+        """`remove_toxic` for asyncio callers."""
+        await self.acall(lambda c: c.remove_toxic(proxy, name))
+        return ToxicApplied(proxy, name, None, self._applied())
+
+    @contextlib.contextmanager
+    def toxic(self, proxy: str, type: str, attributes: dict[str, Any] | None = None, stream: str = "downstream",
+              toxicity: float = 1.0, name: str | None = None,
+              registry: FaultRegistry | None = None) -> Iterator[ToxicApplied]:
+        """A toxic for the duration of the block, recorded in the fault state file before it is added."""
+        reg = registry or default_registry()
+        toxic_name = name or f"{type}_{stream}"
+
+        def undo(_entry: dict[str, Any]) -> None:
+            with contextlib.suppress(ProxyUnavailableError):
+                try:
+                    self.remove_toxic(proxy, toxic_name)
+                except ProxyApiError as exc:
+                    if exc.status != 404:
+                        raise
+
+        with reg.hold("toxic", undo, api=self.url, proxy=proxy, toxic=toxic_name):
+            yield self.add_toxic(proxy, type, attributes, stream=stream, toxicity=toxicity, name=toxic_name)
 
     def update_toxic(self, proxy: str, name: str, attributes: dict[str, Any] | None = None,
                      toxicity: float | None = None) -> ToxicApplied:
