@@ -91,15 +91,18 @@ class Engine:
         stream.synchronize()
         return out.numpy()
 
-    def warm_up(self, max_batch: int, levels: int = 10) -> None:
-        """Run every tier at batch 1 and `max_batch` so allocation and kernel selection happen now."""
+    def warm_up(self, max_batch: int, levels: int = 10, rounds: int = 3) -> None:
+        """Run every tier at batch sizes 1, 2, 4 .. `max_batch`, a few rounds each, so allocation,
+        kernel selection and the TorchScript profiling runs happen now, not on the first calls."""
         rng = np.random.default_rng(0)
         feats = Features(rng.normal(size=(levels, N_FEATURES)).astype(np.float32),
                          np.linspace(0, 0.5, levels, dtype=np.float32), np.ones(levels, np.float32),
                          100.0, 99.99, 100.01)
+        sizes = sorted({min(2 ** k, max_batch) for k in range(max_batch.bit_length() + 1)})
         for tier in self.models:
-            for size in (1, max_batch):
-                self.run([feats] * size, tier)
+            for _ in range(rounds):
+                for size in sizes:
+                    self.run([feats] * size, tier)
 
 
 def trace_model(model: Any, levels: int = 10) -> Any:
