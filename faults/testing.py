@@ -140,3 +140,41 @@ def check_toxic_conformance(tp: EmbeddedToxiproxy, upstream: str, toxic_type: st
             assert wait_closed(s, close_within), f"{toxic_type}/{stream}: stream did not close after the peer"
     finally:
         tp.delete_proxy(name)
+
+
+class VirtualStub:
+    """A toxic's stub in virtual time: `sleep` advances the clock, chunks arrive at their `t`.
+
+    `sent` records (virtual time, bytes, kind) for each chunk the toxic passes on, so a test can
+    assert a toxic's exact trajectory: `asyncio.run(toxic.pipe(stub))`.
+    """
+
+    def __init__(self, chunks: list[Any], seed: int = 0, state: Any = None) -> None:
+        import random
+        from collections import deque
+
+        self.t = 0.0
+        self.inbox = deque(chunks)
+        self.sent: list[tuple[float, bytes, int]] = []
+        self.rng = random.Random(seed)
+        self.state = state
+        self.pending: Any = None
+
+    async def recv(self) -> Any:
+        c = self.inbox.popleft()
+        self.t = max(self.t, c.t)  # waiting for a chunk lets time run to its arrival
+        self.pending = c
+        return c
+
+    async def send(self, chunk: Any, rest: Any = None) -> None:
+        self.sent.append((round(self.t, 9), chunk.data, chunk.kind))
+        self.pending = rest
+
+    def drop(self) -> None:
+        self.pending = None
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
