@@ -29,6 +29,7 @@ from harness.live import LiveView, Snapshot
 from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
 from harness.report import RunResult
 from harness.scenario import Scenario
+from harness.scenario_load import RUN_PHASE
 from harness.target import Running, open_target
 from harness.timeline import FaultWindow, MetricSample, Timeline
 from harness.traffic import TrafficRun
@@ -148,15 +149,18 @@ class Runner:
 
     def _actions(self) -> list[_Action]:
         out = []
-        for name, (start, end) in self.scenario.phase_bounds().items():
-            for spec in self.scenario.phase(name).faults:  # type: ignore[union-attr]
+        spans = [(RUN_PHASE, 0.0, self.scenario.duration_s, self.scenario.faults)]
+        spans += [(p.name, a, b, p.faults) for p, (a, b) in zip(self.scenario.phases,
+                                                                self.scenario.phase_bounds().values())]
+        for name, start, end, specs in spans:
+            for spec in specs:
                 on = start + spec.after_s
                 off = min(end, on + spec.for_s) if spec.for_s is not None else end
                 window = FaultWindow(spec.label, name, spec.family, spec.kind, on)
                 self.windows.append(window)
                 out += [_Action(on, True, window, spec), _Action(off, False, window, spec)]
         # At a phase boundary, remove the old phase's faults before applying the next one's.
-        return sorted(out, key=lambda a: (a.at_s, a.apply))
+        return sorted(out, key=lambda a: (a.at_s, a.apply, a.window.phase != RUN_PHASE))
 
     def _schedule(self, traffic: TrafficRun, faults: FaultSession, followers: dict[str, Any]) -> None:
         actions = self._actions()

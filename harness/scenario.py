@@ -142,6 +142,7 @@ class Scenario:
     description: str = ""
     proxy: bool = True               # route traffic through the fault proxy
     source: str | None = None        # the file it came from
+    faults: tuple[FaultSpec, ...] = ()   # held for the whole run (e.g. a small CPU quota: the container)
 
     @property
     def duration_s(self) -> float:
@@ -176,8 +177,8 @@ class Scenario:
 
     def scaled(self, factor: float) -> Scenario:
         """The same scenario with every phase (and fault offset) `factor` times as long (for CI runs)."""
-        phases = tuple(replace(p, duration_s=p.duration_s * factor,
-                               faults=tuple(replace(f, after_s=f.after_s * factor,
-                                                    for_s=None if f.for_s is None else f.for_s * factor)
-                                            for f in p.faults)) for p in self.phases)
-        return replace(self, phases=phases)
+        def scale(faults: tuple[FaultSpec, ...]) -> tuple[FaultSpec, ...]:
+            return tuple(replace(f, after_s=f.after_s * factor, for_s=None if f.for_s is None else f.for_s * factor)
+                         for f in faults)
+        phases = tuple(replace(p, duration_s=p.duration_s * factor, faults=scale(p.faults)) for p in self.phases)
+        return replace(self, phases=phases, faults=scale(self.faults))

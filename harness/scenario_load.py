@@ -25,7 +25,8 @@ AGENT_OPTIONS: dict[str, Param] = {
     "initial_rate": Param("number"), "min_rate": Param("number"), "max_rate": Param("number"),
     "batch_window_ms": Param("number"), "max_batch": Param("int"), "alerts": Param("bool"),
 }
-_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy"}
+_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults"}
+RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry
 
 
 def _unknown(entries: dict[str, Node], allowed: set[str] | dict[str, Any], what: str) -> None:
@@ -213,7 +214,9 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
         traffic=_traffic(entries["traffic"], base or Path(".")), phases=phases, expect=expect,
         seed=entries["seed"].integer("seed") if "seed" in entries else 0,
         description=entries["description"].string("description") if "description" in entries else "",
-        proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file)
+        proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,
+        faults=tuple(_fault(f, f"faults[{j}]") for j, f in enumerate(entries["faults"].sequence("faults")))
+        if "faults" in entries and entries["faults"].value() else ())
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -62,6 +62,11 @@ def test_alert_fires_within_k_periods_of_client_truth() -> None:
     assert good.passed and good.evidence["ground_truth_s"] == 8.0 and good.evidence["breach_periods"] == [5, 6, 7]
     late = run("alert_fires", timeline(BREACH, [alert(9.5, "firing")]), phase="fault")
     assert not late.passed and "only at 9.5s" in late.summary and late.evidence["fired_s"] == 9.5
+    # Already firing before the breach and still firing: not late (alert_silent judges false alarms).
+    already = run("alert_fires", timeline(BREACH, [alert(3.0, "firing")]), phase="fault")
+    assert already.passed and "already firing" in already.summary
+    gone = run("alert_fires", timeline(BREACH, [alert(3.0, "firing"), alert(4.0, "inactive")]), phase="fault")
+    assert not gone.passed
     never = run("alert_fires", timeline(BREACH), phase="fault")
     assert not never.passed and "never" in never.summary
     no_truth = run("alert_fires", timeline([5.0] * 15, [alert(6.0, "firing")]), phase="fault")

@@ -62,7 +62,10 @@ class AlertFires:
                            **evidence)
         truth_s, run = truth
         deadline = truth_s + k * tl.period_s
-        fired = [s for s, _ in tl.alert_intervals(alert) if start - tl.period_s <= s <= deadline + 1e-9]
+        # Firing by the deadline counts, even if it began earlier and never stopped (an alert that was
+        # already firing is not late; whether it was a false alarm is alert_silent's question).
+        fired = [s for s, e in tl.alert_intervals(alert)
+                 if s <= deadline + 1e-9 and (e is None or e >= truth_s - k * tl.period_s)]
         evidence |= {"ground_truth_s": round(truth_s, 3), "breach_periods": run, "deadline_s": round(deadline, 3)}
         if not fired:
             later = [s for s, _ in tl.alert_intervals(alert) if s > deadline]
@@ -72,8 +75,9 @@ class AlertFires:
                            f"({k} period(s) after client P99 breached for {n} periods at {truth_s:.1f}s)",
                            **evidence)
         evidence["fired_s"] = round(fired[0], 3)
+        early = " (already firing before the breach)" if fired[0] < truth_s - n * tl.period_s else ""
         return verdict(spec, True, f"{alert} fired at {fired[0]:.1f}s, {fired[0] - truth_s:+.1f}s after client "
-                       f"P99 > {threshold:g} ms for {n} periods (deadline {deadline:.1f}s)", **evidence)
+                       f"P99 > {threshold:g} ms for {n} periods (deadline {deadline:.1f}s){early}", **evidence)
 
 
 class AlertSilent:
@@ -110,7 +114,7 @@ class Degrades:
         alert = spec.params.get("alert", "P99High")
         k = spec.params.get("within_periods", 2)
         start, end = _phase(tl, spec)
-        fired = [s for s, _ in tl.alert_intervals(alert) if start - tl.period_s <= s < end]
+        fired = [max(s, start) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
         tiers = tl.tier_series()
         if not fired:
             return verdict(spec, False, f"{alert} never fired in the phase, so no degradation to judge",

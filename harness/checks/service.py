@@ -82,6 +82,15 @@ class NoLoss:
         tol = max(1.0, spec.params.get("tolerance_pct", 1.0) / 100 * max(1, sent))
         evidence |= {"agent": server, "client_sent": sent, "agent_seen": seen,
                      "rejected_difference": client["rejected"] - server.get("rejected", 0)}
+        streams = sum(1 for c in tl.calls if c.method.endswith("Stream") and c.outcome != "not_sent")
+        if streams:
+            # The agent counts each stream message, the client each call: only "nothing missing" holds.
+            evidence["stream_calls"] = streams
+            if seen + tol < sent:
+                return verdict(spec, False, f"the agent counted {seen:.0f} requests for {sent} calls sent "
+                               f"({streams} streams): calls were lost on the way", **evidence)
+            return verdict(spec, True, f"all {scheduled} calls accounted for; the agent counted {seen:.0f} "
+                           f"requests (stream messages each) for {sent} calls sent", **evidence)
         if abs(sent - seen) > tol or abs(client["rejected"] - server.get("rejected", 0)) > tol:
             return verdict(spec, False, f"client and agent disagree: client sent {sent} (rejected "
                            f"{client['rejected']}), agent counted {seen:.0f} (rejected "
