@@ -44,11 +44,15 @@ class ReplayReport:
 
 
 def _drift(stats: RunStats) -> tuple[float, float]:
-    """(percent the send span stretched vs the intended span, end lag in us)."""
+    """(total drift: how late the last send was, in percent of the intended span; that lag in us).
+
+    Measured at the end, as tcpreplay measures its total time error: a scheduler that sleeps
+    relative to the previous send accumulates its errors here; an absolute schedule does not."""
+    if not stats.last_sent:
+        return 0.0, 0.0
+    end_lag = stats.last_sent - stats.last_intended
     intended = stats.last_intended - stats.first_intended
-    actual = stats.last_sent - stats.first_sent
-    pct = 100.0 * (actual - intended) / intended if intended > 0 else 0.0
-    return round(pct, 4), (stats.last_sent - stats.last_intended) / 1000 if stats.last_sent else 0.0
+    return (round(100.0 * end_lag / intended, 4) if intended > 0 else 0.0), end_lag / 1000
 
 
 def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any, problems: list[str],
