@@ -162,9 +162,12 @@ def undo_cgroup(entry: dict[str, Any]) -> None:
         for _ in range(50):  # the kernel empties a cgroup asynchronously after the last move
             try:
                 Path(created).rmdir()
-                break
-            except OSError:
+                return
+            except OSError as exc:
+                err = exc
                 time.sleep(0.02)
+        raise CpuFaultError(f"cannot remove cgroup {created}: {err} (processes still inside? "
+                            "`shadowtest faults clear` retries)")
 
 
 def _read_original(path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,3 +91,28 @@ def test_quota_in_place_restores_the_original_limit(tmp_path: Path, registry: Fa
         assert (cg / "cpu.cfs_quota_us").read_text().strip() == "50000"
     finally:
         cg.rmdir()
+
+
+def test_quota_v2_files_on_a_fake_hierarchy(tmp_path: Path, registry: FaultRegistry) -> None:
+    # cgroup v2 is not mounted here, so drive the v2 code against plain files laid out like one.
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / "cgroup.procs").write_text("")
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        with cpu_quota(sleeper.pid, cpus=0.25, registry=registry, root=tmp_path) as q:
+            cg = Path(q.path)
+            assert q.version == 2 and cg.parent == tmp_path
+            assert (cg / "cpu.max").read_text() == "25000 100000"
+            assert (cg / "cgroup.procs").read_text() == str(sleeper.pid)
+            assert json.loads(registry.path.read_text())["entries"]  # recorded while in effect
+            for f in cg.iterdir():  # the kernel would empty these pseudo-files itself
+                f.unlink()
+        assert not cg.exists() and not registry.path.exists()
+        own = Path(f"/proc/{sleeper.pid}/cgroup").read_text().splitlines()
+        if any(line.startswith("0::/") and line != "0::/" for line in own):
+            return  # moved back into a nested path: only the root-level file is checked below
+        assert (tmp_path / "cgroup.procs").read_text() == str(sleeper.pid)  # moved back
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -59,6 +59,16 @@ async def start_api(host: str, port: int, seed: int) -> tuple[asyncio.Server, Pr
     return server, collection
 
 
+def _stamped(fn: Callable[[ProxyCollection], Awaitable[T]]) -> Callable[[ProxyCollection], Awaitable[tuple[T, float]]]:
+    """Run `fn` and read `applied_at` in the same loop step, so a concurrent change cannot slip between."""
+
+    async def run(c: ProxyCollection) -> tuple[T, float]:
+        result = await fn(c)
+        return result, c.applied_at
+
+    return run
+
+
 class EmbeddedToxiproxy:
     """The proxy and its API in this process, on a daemon thread with its own event loop."""
 
@@ -157,10 +167,6 @@ class EmbeddedToxiproxy:
         except ApiError as exc:
             raise ProxyApiError(exc.message, exc.status) from exc
 
-    def _applied(self) -> float:
-        assert self.collection is not None
-        return self.collection.applied_at
-
     # --- the Python API (same semantics as the HTTP API) ------------------------------------
     def create_proxy(self, name: str, upstream: str, listen: str = "127.0.0.1:0",
                      enabled: bool = True) -> dict[str, Any]:
@@ -182,29 +188,28 @@ class EmbeddedToxiproxy:
 
     def set_enabled(self, name: str, enabled: bool) -> float:
         """Enable or disable a proxy (disable closes its connections); returns when it took effect."""
-        self.call(lambda c: c.update(name, {"enabled": enabled}))
-        return self._applied()
+        return self.call(_stamped(lambda c: c.update(name, {"enabled": enabled})))[1]
 
     def add_toxic(self, proxy: str, type: str, attributes: dict[str, Any] | None = None,
                   stream: str = "downstream", toxicity: float = 1.0, name: str | None = None) -> ToxicApplied:
         """Add a toxic; returns once every live connection runs it (`applied_at`)."""
         body = {"type": type, "stream": stream, "toxicity": toxicity, "attributes": attributes or {},
                 "name": name or f"{type}_{stream}"}
-        toxic = self.call(lambda c: c.add_toxic(proxy, body))
-        return ToxicApplied(proxy, toxic["name"], toxic, self._applied())
+        toxic, at = self.call(_stamped(lambda c: c.add_toxic(proxy, body)))
+        return ToxicApplied(proxy, toxic["name"], toxic, at)
 
     async def aadd_toxic(self, proxy: str, type: str, attributes: dict[str, Any] | None = None,
                          stream: str = "downstream", toxicity: float = 1.0, name: str | None = None) -> ToxicApplied:
         """`add_toxic` for asyncio callers."""
         body = {"type": type, "stream": stream, "toxicity": toxicity, "attributes": attributes or {},
                 "name": name or f"{type}_{stream}"}
-        toxic = await self.acall(lambda c: c.add_toxic(proxy, body))
-        return ToxicApplied(proxy, toxic["name"], toxic, self._applied())
+        toxic, at = await self.acall(_stamped(lambda c: c.add_toxic(proxy, body)))
+        return ToxicApplied(proxy, toxic["name"], toxic, at)
 
     async def aremove_toxic(self, proxy: str, name: str) -> ToxicApplied:
         """`remove_toxic` for asyncio callers."""
-        await self.acall(lambda c: c.remove_toxic(proxy, name))
-        return ToxicApplied(proxy, name, None, self._applied())
+        _, at = await self.acall(_stamped(lambda c: c.remove_toxic(proxy, name)))
+        return ToxicApplied(proxy, name, None, at)
 
     @contextlib.contextmanager
     def toxic(self, proxy: str, type: str, attributes: dict[str, Any] | None = None, stream: str = "downstream",
@@ -230,18 +235,17 @@ class EmbeddedToxiproxy:
         body: dict[str, Any] = {"attributes": attributes or {}}
         if toxicity is not None:
             body["toxicity"] = toxicity
-        toxic = self.call(lambda c: c.update_toxic(proxy, name, body))
-        return ToxicApplied(proxy, name, toxic, self._applied())
+        toxic, at = self.call(_stamped(lambda c: c.update_toxic(proxy, name, body)))
+        return ToxicApplied(proxy, name, toxic, at)
 
     def remove_toxic(self, proxy: str, name: str) -> ToxicApplied:
         """Remove a toxic; what it held is passed on in order. Returns when it is gone everywhere."""
-        self.call(lambda c: c.remove_toxic(proxy, name))
-        return ToxicApplied(proxy, name, None, self._applied())
+        _, at = self.call(_stamped(lambda c: c.remove_toxic(proxy, name)))
+        return ToxicApplied(proxy, name, None, at)
 
     def reset(self) -> float:
         """Enable all proxies and remove all toxics (POST /reset); returns `applied_at`."""
-        self.call(lambda c: c.reset())
-        return self._applied()
+        return self.call(_stamped(lambda c: c.reset()))[1]
 
     def call_stats(self, proxy: str) -> dict[str, int]:
         """Calls seen, delayed and failed by call-level toxics on the proxy's live HTTP/2 connections."""
