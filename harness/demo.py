@@ -129,8 +129,12 @@ def demo_scenario(capture: Capture, seed: int, record_s: float) -> Any:
 
 
 def run_demo(report_dir: str, *, record_s: float = 15.0, rate: float = 60.0, seed: int = 7,
-             stream: TextIO | None = None, backends: tuple[str, ...] = BACKENDS) -> tuple[Any, dict[str, str]]:
-    """The whole demo; returns (RunResult, report paths). Raises RunError when it cannot run."""
+             stream: TextIO | None = None, backends: tuple[str, ...] = BACKENDS,
+             scale: float = 1.0) -> tuple[Any, dict[str, str]]:
+    """The whole demo; returns (RunResult, report paths). Raises RunError when it cannot run.
+
+    `scale` shortens the chaos run (tests use 0.2); the recording is looped to cover it.
+    """
     from harness.session import run_scenario
 
     out = stream or sys.stdout
@@ -148,6 +152,8 @@ def run_demo(report_dir: str, *, record_s: float = 15.0, rate: float = 60.0, see
     say("2/3 replay it at 2x through the fault proxy: jitter 5+15 ms and CPU contention in the fault phase")
     notes = [f"capture backend: {capture.backend}"] + [f"capture fallback, {f}" for f in capture.fallbacks]
     scenario = demo_scenario(capture, seed, record_s)
+    if scale != 1.0:
+        scenario = scenario.scaled(scale)
     result, paths = run_scenario(scenario, report_dir=report_dir, stream=out, notes=notes)
     say("3/3 verdicts")
     return result, paths
