@@ -127,8 +127,10 @@ class ReplayRun:
             self.options.compare = self.options.compare.build(self.target)
         plan = self._open_plan()
         try:
+            # Read up to the first call before t0: skipping to a window must not count as lag.
+            first = next(plan, None)
             self.t0_ns = self.options.start_at_ns or self.clock.now_ns()
-            await self._schedule_loop(plan)
+            await self._schedule_loop(itertools.chain([first] if first else [], plan))
             await self._drain()
         finally:
             self.end_ns = self.clock.now_ns()
