@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -67,7 +67,7 @@ class LiveView:
         self.rich = self.stream.isatty() if rich is None else rich
         self.title = title
         self.every_s = every_s
-        self._live = None
+        self._live: Any = None
         self._last_plain = -1e9
 
     def __enter__(self) -> LiveView:

@@ -151,7 +151,7 @@ class Runner:
         out = []
         spans = [(RUN_PHASE, 0.0, self.scenario.duration_s, self.scenario.faults)]
         spans += [(p.name, a, b, p.faults) for p, (a, b) in zip(self.scenario.phases,
-                                                                self.scenario.phase_bounds().values())]
+                                                                self.scenario.phase_bounds().values(), strict=True)]
         for name, start, end, specs in spans:
             for spec in specs:
                 on = start + spec.after_s

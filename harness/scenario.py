@@ -173,7 +173,7 @@ class Scenario:
 
     def load_profile(self) -> list[tuple[float, float, float]]:
         """(start_s, end_s, load) per phase, for the traffic's time warp."""
-        return [(start, end, p.load) for p, (start, end) in zip(self.phases, self.phase_bounds().values())]
+        return [(start, end, p.load) for p, (start, end) in zip(self.phases, self.phase_bounds().values(), strict=True)]
 
     def scaled(self, factor: float) -> Scenario:
         """The same scenario with every phase (and fault offset) `factor` times as long (for CI runs)."""

@@ -12,8 +12,17 @@ from typing import Any
 from harness.checks import CHECKS, Param
 from harness.errors import ScenarioError
 from harness.faultspecs import FAULT_FAMILIES
-from harness.scenario import (AgentTarget, CheckSpec, ExternalTarget, FaultSpec, GeneratorTraffic,
-                              MetricNames, Phase, RecordingTraffic, Scenario)
+from harness.scenario import (
+    AgentTarget,
+    CheckSpec,
+    ExternalTarget,
+    FaultSpec,
+    GeneratorTraffic,
+    MetricNames,
+    Phase,
+    RecordingTraffic,
+    Scenario,
+)
 from harness.yamlnodes import Node, compose
 
 # Options of the bundled agent the runner passes to AgentProcess, with their types.

@@ -10,7 +10,7 @@ from typing import TextIO
 from harness.live import LiveView
 from harness.report import RunResult, write_reports
 from harness.report.table import print_verdicts
-from harness.runner import RunOptions, Runner
+from harness.runner import Runner, RunOptions
 from harness.scenario import Scenario
 from harness.scenario_load import load_scenario
 

@@ -11,11 +11,11 @@ market model), so both kinds give the same per-call results, the client-side tru
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 import logging
 import random
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from harness.errors import RunError
@@ -118,7 +118,8 @@ class TrafficRun:
 
                 schedule = ScheduleOptions(speed=traffic.speed, window=traffic.window, loop=traffic.loop,
                                            methods=frozenset(traffic.methods), seed=seed)
-                self._recording, plan = plan_from_recording(traffic.path, schedule)
+                recording, plan = plan_from_recording(traffic.path, schedule)
+                self._recording: Any = recording
             else:
                 schedule = ScheduleOptions(seed=seed)
                 self._recording, plan = None, generator_plan(traffic, base_duration(profile), seed)

@@ -11,8 +11,8 @@ import pytest
 
 from capture.recording import Recording
 from harness.demo import record_production, run_demo
-from harness.session import run_scenario
 from harness.scenario_load import load_scenario
+from harness.session import run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 

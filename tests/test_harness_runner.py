@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import write_reports
-from harness.runner import RunOptions, Runner
-from harness.scenario_load import load_scenario_text
 from harness.live import LiveView
+from harness.report import write_reports
+from harness.runner import Runner, RunOptions
+from harness.scenario_load import load_scenario_text
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from replay.schedule import PlannedCall, PlannedMessage
-
 from harness.scenario import GeneratorTraffic
 from harness.traffic import DECIDE, base_duration, generator_plan, warp
+from replay.schedule import PlannedCall, PlannedMessage
 
 
 def _call(i: int, due_s: float, offsets_ms: tuple[int, ...] = (0,)) -> PlannedCall:

@@ -26,7 +26,7 @@ def plot_timeline(result: RunResult, path: Path) -> None:
                     linewidth=2 if q == "p99_ms" else 1)
     server = [(e.t, e.data.get("p99_ms")) for e in tl.events_of("period") if e.data.get("p99_ms") is not None]
     if server:
-        ax_lat.plot(*zip(*server), ":", color="black", label="agent P99")
+        ax_lat.plot(*zip(*server, strict=True), ":", color="black", label="agent P99")
     ax_lat.axhline(tl.threshold_ms, color="red", linewidth=0.8, label=f"threshold {tl.threshold_ms:g} ms")
     for start, end in tl.alert_intervals():
         ax_lat.axvspan(start, end if end is not None else tl.duration_s, color="red", alpha=0.12,
@@ -94,5 +94,5 @@ def _shade(ax, tl) -> None:  # type: ignore[no-untyped-def]
 
 def _legend(ax) -> None:  # type: ignore[no-untyped-def]
     handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))   # one entry per label, although each band adds one
+    unique = dict(zip(labels, handles, strict=True))   # one entry per label, although each band adds one
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
