@@ -149,7 +149,7 @@ class GradientLimiter(_BucketLimiter):
     breach (p99 > T):
         p99 < draining x last p99:  hold (the queue from an earlier overload is draining; cutting more
                                     would only lose goodput)
-        rate <= good, unless p99 grew over 2+ breaching periods:  rate = rate*decay
+        rate <= good, unless p99 grew over 2+ breaching periods (once per episode):  rate = rate*decay
                                     (not our queue building up: a hiccup or outside contention; cut like seed)
         else:  base = min(rate, done, good);  g = clamp(1 - (p99-T)/P, min_cut, max_cut)
                rate = base*g    (Little's law: done*(p99-T) calls wait beyond T; drain them in a period)
@@ -169,6 +169,7 @@ class GradientLimiter(_BucketLimiter):
         self.probes = 0
         self.last_p99: float | None = None
         self.breaches = 0       # consecutive breaching periods
+        self.deep_cut = False   # a deep cut at or below the good rate in this breach episode
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -182,7 +183,7 @@ class GradientLimiter(_BucketLimiter):
             if last is not None and p99 < self.p.draining * last:
                 return None
             return self._breach(p99, last, done, summary.seconds)
-        self.breaches = 0
+        self.breaches, self.deep_cut = 0, False
         self.good = done if self.good is None else max(self.good, done)
         headroom = max(0.0, 1.0 - p99 / self.s.threshold_ms)
         if summary.rejected > 0:
@@ -197,7 +198,9 @@ class GradientLimiter(_BucketLimiter):
 
     def _breach(self, p99: float, last: float | None, done: float, seconds: float) -> Adjustment | None:
         limit, good = self.rate, self.good
-        growing = self.breaches >= 2 and last is not None and p99 >= last
+        # One deep cut per episode at or below the good rate: if latency kept growing after it, the
+        # rate is not what drives it, and cutting deep again would only starve the server.
+        growing = self.breaches >= 2 and last is not None and p99 >= last and not self.deep_cut
         if good is not None and limit <= good and not growing:
             # Admitting no more than a rate known to be healthy and no queue building up over periods:
             # more likely a passing hiccup (or outside contention) than our queue. Cut like seed; a
@@ -211,6 +214,7 @@ class GradientLimiter(_BucketLimiter):
         if good is not None and limit <= good:
             # Breaching for periods at a rate once good: capacity fell (e.g. CPU contention). Forget slowly.
             self.good = max(good * self.p.decay, self.rate)
+            self.deep_cut = True
         return adj
 
     def _grow_limited(self, headroom: float) -> Adjustment | None:

@@ -4,12 +4,12 @@
     calibrate: find the agent's capacity C (highest offered rate with client P99 <= threshold, limiter off)
     per policy, fresh agent each:  C for --baseline-s  ->  2C for --overload-s  ->  C for --after-s
 
-Reports, per policy: time from the step until the P99 of admitted calls (client side, by send time, pooled over a 3 s
-window sliding by 1 s) is back under the threshold; goodput during the overload (OK
-calls/s, and OK calls within the threshold/s) as a share of C; and the limiter rate's steady-state
+Reports, per policy: time from the step until the P99 of admitted calls (client side, by send time,
+pooled over a 3 s window sliding by 1 s) is back under the threshold; OK calls/s and goodput (OK calls
+within the threshold/s) during the overload as shares of C; and the limiter rate's steady-state
 oscillation over the last half of the overload, +-(max-min)/2 / mean, from the agent's own events.
 Targets (issue 3): gradient recovers in at most half seed's time, goodput at least seed's, oscillation
-within +-10 %.
+within +-10 %. The same protocol also runs on a deterministic queue model (instant, no machine noise).
 
     .venv/bin/python bench/limiter.py                    # about 2 minutes
     .venv/bin/python bench/limiter.py --capacity 600     # skip calibration
@@ -96,29 +96,35 @@ def drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.nd
 
 
 def calibrate(threshold_ms: float, seed: int, rates: list[float], seconds: float) -> float:
-    """Highest offered rate the agent (limiter off) serves with client P99 <= threshold."""
-    best = rates[0]
+    """Highest offered rate the agent (limiter off) serves at the threshold: the median of its 1 s
+    windows' client P99 <= threshold and >= 95 % served. Stops after two failing rates in a row; the
+    median, not the pooled P99, because on a shared machine one hiccup must not decide the capacity."""
+    best, misses = rates[0], 0
     with AgentProcess(device="cpu", limiter="off", p99_threshold_ms=threshold_ms) as agent:
         drive(agent.grpc_address, [(rates[0], 1.0)], seed)     # warm the connection and the model
         for rate in rates:
             rows = drive(agent.grpc_address, [(rate, seconds)], seed)
-            ok = rows[(rows[:, 2] == 1) & (rows[:, 0] >= 0.5)]   # skip the ramp of the first half second
-            p99 = float(np.percentile(ok[:, 1], 99)) * 1000 if len(ok) else float("inf")
-            done = len(ok) / seconds
-            print(f"  calibrate {rate:7.0f}/s offered: {done:7.0f}/s ok, client p99 {p99:8.2f} ms", flush=True)
-            if p99 > threshold_ms or done < 0.9 * rate:
-                break
-            best = rate
+            p99s = [p for _, p in window_p99(rows, 0.0, seconds)]
+            median = float(np.nanmedian(p99s)) if p99s else float("inf")
+            done = float(np.sum(rows[:, 2])) / seconds
+            print(f"  calibrate {rate:7.0f}/s offered: {done:7.0f}/s ok, client p99 by second "
+                  f"{' '.join(f'{p:.0f}' for p in p99s)} ms (median {median:.1f})", flush=True)
+            if median <= threshold_ms and done >= 0.95 * rate:
+                best, misses = rate, 0
+            else:
+                misses += 1
+                if misses == 2:
+                    break
     return best
 
 
 @dataclass
 class PolicyResult:
     policy: str
-    recover_s: float | None       # None: not back under the threshold within the overload
+    recover_s: float | None       # None ("-"): not back under the threshold within the overload
     recover_after_end_s: float | None
-    goodput_share: float           # OK calls/s during the overload / capacity
-    slo_goodput_share: float       # OK calls within the threshold /s during the overload / capacity
+    goodput_share: float           # OK calls/s during the overload / capacity ("ok/C")
+    slo_goodput_share: float       # goodput: OK calls within the threshold /s during the overload / capacity
     rejected_share: float          # of calls offered during the overload
     oscillation_pct: float | None  # +- % of the mean limiter rate, last half of the overload
     mean_rate: float | None
@@ -176,8 +182,58 @@ def run_policy(policy: str, capacity: float, args: argparse.Namespace) -> Policy
                         float(np.mean(over[:, 3])) if len(over) else 0.0, osc, mean)
 
 
+def model_run(policy: str, args: argparse.Namespace, capacity: float = 1000.0) -> PolicyResult:
+    """The same protocol on a deterministic single-queue model (1 s periods): the server completes at
+    most `capacity`/s and P99 is 5 ms plus the wait behind its backlog. No machine noise: this shows
+    the controllers' own dynamics next to the real, noisy measurement."""
+    from agent_under_test.limiter import LimiterSettings, make_limiter
+    from agent_under_test.monitor import PeriodSummary
+
+    lim = make_limiter(policy, LimiterSettings(threshold_ms=args.threshold_ms))
+    step, end = int(args.baseline_s), int(args.baseline_s + args.overload_s)
+    backlog, rows = 0.0, []
+    for n in range(end + int(args.after_s)):
+        offered = capacity * (2.0 if step <= n < end else 1.0)
+        admitted = min(offered, lim.rate)
+        done = min(capacity, backlog + admitted)
+        backlog += admitted - done
+        p99 = 5.0 + 1000.0 * backlog / capacity
+        state = "breaching" if p99 > args.threshold_ms else "healthy"
+        lim.on_period(PeriodSummary(n, n, n + 1.0, int(done), int(done), 0, 0, int(offered - admitted),
+                                    p99, p99, p99, state))
+        rows.append((n, p99, done, offered - admitted, offered, lim.rate))
+    over = [r for r in rows if step <= r[0] < end]
+    rec = next((r[0] - step for r in over if r[1] <= args.threshold_ms), None)
+    rates = [r[5] for r in over[len(over) // 2:]]
+    mean = float(np.mean(rates))
+    return PolicyResult(policy, rec, None, sum(r[2] for r in over) / len(over) / capacity,
+                        sum(r[2] for r in over if r[1] <= args.threshold_ms) / len(over) / capacity,
+                        sum(r[3] for r in over) / sum(r[4] for r in over),
+                        100.0 * (max(rates) - min(rates)) / 2 / mean, mean)
+
+
+def report(title: str, results: dict[str, PolicyResult], overload_s: float) -> None:
+    print(title)
+    print(f"{'policy':9} {'recover':>9} {'after end':>9} {'ok/C':>6} {'goodput/C':>9} {'rejected':>8} "
+          f"{'osc':>7} {'mean rate':>9}")
+    for r in results.values():
+        print(f"{r.policy:9} {fmt(r.recover_s):>9} {fmt(r.recover_after_end_s):>9} {r.goodput_share:6.2f} "
+              f"{r.slo_goodput_share:9.2f} {r.rejected_share:8.2f} {fmt(r.oscillation_pct, '%'):>7} "
+              f"{(r.mean_rate or 0):9.0f}")
+    s, g = results["seed"], results["gradient"]
+    seed_rec = s.recover_s if s.recover_s is not None else overload_s
+    faster = g.recover_s is not None and g.recover_s <= seed_rec / 2
+    print(f"  recover seed/gradient: {seed_rec:.1f} s / {fmt(g.recover_s)} (seed 'never' counted as "
+          f"{overload_s:g} s) -> gradient <= 1/2 of seed: {'met' if faster else 'MISSED'}")
+    ratio = f"{g.slo_goodput_share / s.slo_goodput_share:.2f}x" if s.slo_goodput_share >= 0.01 else "seed ~0"
+    print(f"  goodput (ok within the threshold) gradient/seed: {ratio} -> "
+          f"{'met' if g.slo_goodput_share >= s.slo_goodput_share else 'MISSED'}; ok calls gradient/seed "
+          f"{g.goodput_share / max(s.goodput_share, 1e-9):.2f}x; gradient oscillation "
+          f"{fmt(g.oscillation_pct, '%')} -> {'met' if (g.oscillation_pct or 0) <= 10 else 'MISSED'} (<= 10 %)")
+
+
 def fmt(v: float | None, unit: str = "s") -> str:
-    return "never" if v is None else f"{v:.1f}{unit}"
+    return "-" if v is None else f"{v:.1f}{unit}"
 
 
 def main() -> int:
@@ -192,27 +248,17 @@ def main() -> int:
     args = ap.parse_args()
     print(f"bench/limiter.py seed={args.seed} threshold={args.threshold_ms} ms", flush=True)
     capacity = args.capacity or calibrate(args.threshold_ms, args.seed,
-                                          [200, 300, 400, 500, 600, 700, 800, 1000, 1200, 1500], 2.5)
+                                          [150, 250, 350, 500, 650, 800, 1000, 1250, 1500], 2.5)
     print(f"capacity C = {capacity:.0f} calls/s; overload 2C = {2 * capacity:.0f} calls/s for {args.overload_s:g} s",
           flush=True)
     results = {p: run_policy(p, capacity, args) for p in ("seed", "gradient")}
-    print(f"{'policy':9} {'recover':>9} {'after end':>9} {'goodput':>8} {'in-SLO':>7} {'rejected':>8} "
-          f"{'osc':>7} {'mean rate':>9}")
-    for r in results.values():
-        print(f"{r.policy:9} {fmt(r.recover_s):>9} {fmt(r.recover_after_end_s):>9} {r.goodput_share:8.2f} "
-              f"{r.slo_goodput_share:7.2f} {r.rejected_share:8.2f} {fmt(r.oscillation_pct, '%'):>7} "
-              f"{(r.mean_rate or 0):9.0f}")
-    s, g = results["seed"], results["gradient"]
-    seed_rec = s.recover_s if s.recover_s is not None else args.overload_s
-    faster = g.recover_s is not None and g.recover_s <= seed_rec / 2
-    print(f"ratio recover seed/gradient: {seed_rec / max(g.recover_s or args.overload_s, 0.5):.1f}x "
-          f"(seed 'never' counted as {args.overload_s:g} s) -> target <= 1/2: {'met' if faster else 'MISSED'}")
-    print(f"goodput gradient/seed: {g.goodput_share / max(s.goodput_share, 1e-9):.2f}x, in-SLO "
-          f"{g.slo_goodput_share / max(s.slo_goodput_share, 1e-9):.2f}x; gradient oscillation "
-          f"{fmt(g.oscillation_pct, '%')} (target <= 10 %)")
+    model = {p: model_run(p, args) for p in ("seed", "gradient")}
+    report(f"real agent, C = {capacity:.0f}/s (client side):", results, args.overload_s)
+    report("deterministic queue model, C = 1000/s (same protocol, no machine noise):", model, args.overload_s)
     if args.json:
         args.json.write_text(json.dumps({"capacity": capacity, "args": vars(args) | {"json": str(args.json)},
-                                         "results": {k: asdict(v) for k, v in results.items()}}, indent=2))
+                                         "results": {k: asdict(v) for k, v in results.items()},
+                                         "model": {k: asdict(v) for k, v in model.items()}}, indent=2))
     return 0
 
 

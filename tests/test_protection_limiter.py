@@ -111,6 +111,8 @@ def test_gradient_remembers_the_good_rate_and_forgets_it_when_it_breaches():
     lim.bucket.set_rate(1000.0)
     lim.on_period(period(420.0, count=1000, rejected=5))     # growing breach at the good rate: deep cut,
     assert lim.rate == pytest.approx(1000.0 * 0.6) and lim.good == pytest.approx(900.0)   # good decays
+    lim.on_period(period(450.0, count=600, rejected=5))      # still growing: the rate is not the cause,
+    assert lim.rate == pytest.approx(600.0 * 0.9)             # so no second deep cut in this episode
 
 
 def test_gradient_cuts_like_seed_when_latency_is_high_but_not_from_our_queue():
