@@ -98,6 +98,7 @@ class ReplayRun:
         self._senders: dict[str, Sender] = {}
         self._by_conn: dict[str, int] = defaultdict(int)
         self._live: set[_Live] = set()
+        self._prepared: set[str] = set()
         self._seq = itertools.count()
         self.t0_ns = 0
         self.end_ns = 0
@@ -170,6 +171,7 @@ class ReplayRun:
             while pending is not None and (pending.due_ns <= now + lookahead or not heap):
                 heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
                 self.stats.scheduled += 1
+                self._prepare(pending)
                 pending = next(plan, None)
             if not heap:
                 return
@@ -226,6 +228,19 @@ class ReplayRun:
         live.queue.put_nowait(msg)
         if msg is live.planned.messages[-1]:
             live.queue.put_nowait(None)
+
+    def _prepare(self, planned: PlannedCall) -> None:
+        """Open a connection when its first call enters the lookahead, so connecting is not lag."""
+        if planned.connection in self._prepared:
+            return
+        self._prepared.add(planned.connection)
+        try:
+            sender = self._sender_for(planned)
+        except Exception:  # reported when the call itself is due
+            return
+        prepare = getattr(sender, "prepare", None)  # an optional ability (see senders.base.Preparer)
+        if prepare is not None:
+            prepare(planned.connection)
 
     def _sender_for(self, planned: PlannedCall) -> Sender:
         name = self.options.sender

@@ -59,7 +59,7 @@ def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any
           comparer: Any = None, workers: int = 1) -> ReplayReport:
     """Assemble the report from (merged) stats; `options` is a ReplayOptions."""
     duration = max(0, end_ns - t0_ns) / 1e9
-    span = (stats.last_sent - stats.first_sent) / 1e9
+    span = (stats.last_sent - t0_ns) / 1e9 if stats.last_sent else 0.0  # from t0: a late start counts
     sent = stats.sent
     rate = sent / span if span > 0 else (sent / duration if duration > 0 else 0.0)
     drift_pct, end_lag = _drift(stats)

@@ -18,5 +18,5 @@ from replay.senders.base import (
     replayable_metadata,
 )
 
-__all__ = ["HOP_BY_HOP", "SendOutcome", "Sender", "SenderFactory", "available", "get_sender", "register",
+__all__ = ["HOP_BY_HOP", "Preparer", "SendOutcome", "Sender", "SenderFactory", "available", "get_sender", "register",
            "replayable_metadata"]

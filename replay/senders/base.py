@@ -45,6 +45,12 @@ class Sender(Protocol):
         """Close every connection (idempotent)."""
 
 
+class Preparer(Protocol):
+    """Optional ability: start opening `connection` ahead of its first call (must not block)."""
+
+    def prepare(self, connection: str) -> None: ...
+
+
 SenderFactory = Callable[..., Sender]
 _REGISTRY: dict[str, str | SenderFactory] = {
     "grpc": "replay.senders.grpc:GrpcSender",

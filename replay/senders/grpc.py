@@ -67,6 +67,10 @@ class GrpcSender:
             ch = self._channels[key] = grpc.aio.insecure_channel(self.target, options=opts)
         return ch
 
+    def prepare(self, connection: str) -> None:
+        """Create the channel and start connecting now (non-blocking), ahead of the first call."""
+        self._channel(connection).get_state(try_to_connect=True)
+
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         ch = self._channel(planned.connection)
         method = planned.method or ""
