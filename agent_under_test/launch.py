@@ -22,6 +22,17 @@ from typing import Any
 from agent_under_test.errors import LaunchError
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the parent dies (a crashed test leaves no agent behind)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux/glibc: the context manager still stops the child on a normal exit
 
 
 def serve_args(options: dict[str, Any]) -> list[str]:
@@ -92,12 +103,17 @@ class AgentProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it; a file never blocks like a pipe
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
             raise LaunchError(f"cannot start the agent ({exc}); is {sys.executable} runnable?") from exc
         finally:
             log.close()
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # the message already holds the log tail; leave no child or temp dir behind
+            self._dir.cleanup()
+            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -110,7 +126,6 @@ class AgentProcess:
                 raise LaunchError(f"agent exited with status {self.proc.returncode} before it was ready:\n"
                                   f"{self.log_tail()}")
             time.sleep(0.05)
-        self.stop()
         raise LaunchError(f"agent not ready after {self.startup_timeout_s:g} s (model load and warm-up); "
                           f"raise startup_timeout_s or check the log:\n{self.log_tail()}")
 

@@ -59,7 +59,10 @@ class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
         retry = self._guard.admit(DECIDE)
         if retry is not None:
             await _refuse(context, retry)
-        result = await self._one(DECIDE, request, received)
+        try:
+            result = await self._one(DECIDE, request, received)
+        except Exception as exc:  # noqa: BLE001 - a failed forward pass must not look like UNKNOWN
+            await context.abort(grpc.StatusCode.INTERNAL, f"agent failed: {type(exc).__name__}: {exc}")
         if isinstance(result, InvalidSnapshotError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         return result  # type: ignore[return-value]

@@ -78,3 +78,30 @@ def test_cli_reports_missing_cuda_in_one_line() -> None:
                           "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "--device cuda: no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_agent_dies_with_a_killed_parent() -> None:
+    code = ("from agent_under_test.launch import AgentProcess; import time; "
+            "a = AgentProcess(tier='light', metrics_port=None).start(); print(a.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()  # SIGKILL: no __exit__ runs, only PDEATHSIG can stop the agent
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

@@ -228,3 +228,23 @@ def test_health_and_reflection_are_on(serve) -> None:
     out = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
     names = {s.name for s in out.list_services_response.service}
     assert "shadowtest.agent.v1.TradingAgent" in names and "grpc.health.v1.Health" in names
+
+
+class BrokenEngine:
+    device = "cpu"
+
+    def run(self, items, tier):
+        raise RuntimeError("forward pass exploded")
+
+
+def test_failed_forward_pass_is_internal_and_counted_as_error() -> None:
+    guard = RecordingGuard()
+    st = ServerThread(BrokenEngine(), guard)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            st.stub.Decide(snapshots(1)[0], timeout=10)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "forward pass exploded" in info.value.details()
+        assert [f[2] for f in guard.finishes] == ["error"]
+    finally:
+        st.close()
