@@ -15,6 +15,7 @@ import ctypes
 import ipaddress
 import os
 import threading
+import time
 from pathlib import Path
 
 from capture.backends import RecordOptions
@@ -24,7 +25,7 @@ from capture.recording import Flow
 from capture.sink import FlowSink
 
 BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
-CHUNK = 4096
+CHUNK_MIN, CHUNK_MAX = 4096, 65536
 MAX_IOV = 32
 EV_DATA, EV_OPEN, EV_CLOSE = 1, 2, 3
 
@@ -66,13 +67,34 @@ def _cgroup_procs(p: Path) -> set[int]:
         raise CaptureError(f"cannot read {p}/cgroup.procs: {exc.strerror}") from exc
 
 
+def chunk_size(max_bytes: int) -> int:
+    """Record size: the power of two covering max_bytes, within 4-64 KiB.
+
+    One record per syscall up to 64 KiB keeps the verifier's work small (its cost grows with the
+    number of records a syscall may need); beyond that a syscall is split into 64 KiB records."""
+    size = CHUNK_MIN
+    while size < max_bytes and size < CHUNK_MAX:
+        size *= 2
+    return size
+
+
+def _possible_cpus() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+        return int(text.split("-")[-1]) + 1
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
 def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = False) -> str:
     """The BPF program text with every filter substituted (what --print-bpf shows)."""
-    max_bytes = max(CHUNK, (options.max_bytes + CHUNK - 1) // CHUNK * CHUNK)
+    chunk = chunk_size(options.max_bytes)
+    max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
     defines = {
         "FILTER_PORT": options.port or 0, "FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL",
         "FILTER_TGID_MAP": int(tgid_map), "SIDE_SERVER": int(options.side == "server"),
-        "MAX_BYTES": max_bytes, "CHUNK": CHUNK, "MAX_IOV": MAX_IOV, "RINGBUF_PAGES": options.ring_pages,
+        "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "RINGBUF_PAGES": options.ring_pages,
+        "SCRATCH_CPUS": _possible_cpus(),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + BPF_SOURCE.read_text()
@@ -98,11 +120,13 @@ class EbpfBackend:
         self.sink: FlowSink | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pending: dict[tuple[int, int], list] = {}
+        self._pending: dict[tuple, list] = {}    # ((tgid, fd), direction) -> one syscall's bytes
+        chunk = chunk_size(options.max_bytes)
+        self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
 
     def describe(self) -> dict[str, object]:
-        return {"chunk": CHUNK, "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
+        return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
                 "cgroup_id": self.cgroup_id, "cgroup_v1_tgids": self.tgid_map}
 
     def _load(self) -> object:
@@ -115,7 +139,7 @@ class EbpfBackend:
             raise PrivilegeError("bcc is not importable: apt-get install python3-bpfcc (and expose it to this "
                                  f"interpreter; `make setup` does), or use --backend proxy ({exc})") from exc
         try:
-            return BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map))
+            return BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map).encode())
         except Exception as exc:  # noqa: BLE001 - compile/attach errors are plain Exception
             raise PrivilegeError(f"cannot load the eBPF program ({str(exc).splitlines()[0][:160]}): needs kernel "
                                  "headers (apt-get install linux-headers-amd64) and tracefs; "
@@ -125,7 +149,7 @@ class EbpfBackend:
         self.sink = sink
         self.bpf = b = self._load()
         self._sync_tgids()
-        b["events"].open_ring_buffer(self._on_event)   # type: ignore[index]
+        b[b"events"].open_ring_buffer(self._on_event)   # type: ignore[index]
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
         self._thread.start()
@@ -133,7 +157,7 @@ class EbpfBackend:
     def _sync_tgids(self) -> None:
         if not self.tgid_map:
             return
-        table = self.bpf["tgids"]   # type: ignore[index]
+        table = self.bpf[b"tgids"]   # type: ignore[index]
         current = _cgroup_procs(Path(self.options.cgroup or "")) if self.options.cgroup else set()
         for tgid in current - self.tgids:
             table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
@@ -149,8 +173,8 @@ class EbpfBackend:
         """Put connections opened before the capture into the socket map, marked as joined."""
         assert self.sink is not None
         pids = {self.options.pid} if self.options.pid else (self.tgids if self.tgid_map else None)
-        socks = self.bpf["socks"]   # type: ignore[index]
-        now = __import__("time").monotonic_ns()
+        socks = self.bpf[b"socks"]   # type: ignore[index]
+        now = time.monotonic_ns()
         for c in procnet.open_connections(self.options.port, self.options.side, pids):
             key = ctypes.c_uint64((c.pid << 32) | c.fd)
             if key in socks:
@@ -181,7 +205,8 @@ class EbpfBackend:
         elif h.type == EV_OPEN:
             self._open(key, h)
         elif h.type == EV_CLOSE:
-            self._flush_pending(key)
+            for direction in ("c2s", "s2c"):
+                self._flush_pending((key, direction), force=True)
             assert self.sink is not None
             self.sink.close_flow(key, h.ts_ns)
 
@@ -197,25 +222,39 @@ class EbpfBackend:
                                       opened_ns=h.ts_ns, joined_midstream=False))
 
     def _data(self, key: tuple[int, int], h: EvHdr, payload: bytes) -> None:
+        """Reassemble one syscall's records (they may interleave with other CPUs' records)."""
         is_server = self.options.side == "server"
         direction = "s2c" if bool(h.is_write) == is_server else "c2s"
-        pending = self._pending.get(key)
-        if h.offset == 0 or pending is None or pending[0] != direction or pending[1] != h.ts_ns:
-            self._flush_pending(key)
-            self._pending[key] = [direction, h.ts_ns, bytearray(payload)]
-        else:
-            pending[2] += payload   # the next CHUNK of the same syscall
+        pkey = (key, direction)
+        pending = self._pending.get(pkey)
+        if h.offset == 0 or pending is None or pending[0] != h.ts_ns:
+            self._flush_pending(pkey, force=True)
+            expected = min(h.total, self._max_bytes)
+            pending = self._pending[pkey] = [h.ts_ns, bytearray(), expected, h.total, time.monotonic()]
+        pending[1] += payload
+        if len(pending[1]) >= pending[2]:
+            self._flush_pending(pkey)
 
-    def _flush_pending(self, key: tuple[int, int] | None = None) -> None:
+    def _flush_pending(self, pkey: tuple | None = None, force: bool = False) -> None:
+        """Hand finished syscalls to the sink. A syscall whose records are still arriving waits
+        (at most a second) unless `force`: flushing it early would look like truncation."""
         assert self.sink is not None
-        keys = [key] if key is not None else list(self._pending)
+        keys = [pkey] if pkey is not None else list(self._pending)
+        now = time.monotonic()
         for k in keys:
-            p = self._pending.pop(k, None)
-            if p is not None:
-                self.sink.data(k, p[0], p[1], bytes(p[2]))
+            p = self._pending.get(k)
+            if p is None or (len(p[1]) < p[2] and not force and now - p[4] < 1.0):
+                continue
+            del self._pending[k]
+            (key, direction) = k
+            self.sink.data(key, direction, p[0], bytes(p[1]))
+            if len(p[1]) < p[3]:
+                # Truncated (over --max-bytes, or more iovecs than walked): the stream has a hole,
+                # which the decoders are told about so they resynchronise instead of misparsing.
+                self.sink.gap(key, direction, p[3] - len(p[1]))
 
     def _counter(self, name: str) -> int:
-        table = self.bpf[name]   # type: ignore[index]
+        table = self.bpf[name.encode()]   # type: ignore[index]
         return int(sum(table[ctypes.c_int(0)]))
 
     def _report_counters(self) -> None:
@@ -231,7 +270,7 @@ class EbpfBackend:
         if self._thread:
             self._thread.join(timeout=5)
         self.bpf.ring_buffer_consume()   # type: ignore[attr-defined]
-        self._flush_pending()
+        self._flush_pending(force=True)
         self._report_counters()
         self.bpf.cleanup()   # type: ignore[attr-defined]
         self.bpf = None

@@ -18,7 +18,7 @@
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
  *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
- *   MAX_BYTES, CHUNK, MAX_IOV, RINGBUF_PAGES.
+ *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, RINGBUF_PAGES, SCRATCH_CPUS.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -87,7 +87,9 @@ BPF_HASH(active, u64, struct active_io, 16384);
 BPF_HASH(accepting, u64, struct accept_args, 16384);
 BPF_TABLE("lru_hash", u64, struct pending_conn, pending, 16384);
 BPF_HASH(tgids, u32, u8, 4096);
-BPF_PERCPU_ARRAY(scratch, struct ev_buf, 1);
+/* One record buffer per CPU. A plain array indexed by CPU, not a per-CPU array: per-CPU values
+ * are limited to 32 KiB and CHUNK may be 64 KiB. */
+BPF_ARRAY(scratch, struct ev_buf, SCRATCH_CPUS);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_PERCPU_ARRAY(truncated, u64, 1);
 
@@ -111,7 +113,8 @@ static __always_inline void count(void *table_lookup_result) {
 
 static __always_inline void emit_open(u32 tgid, u32 fd, struct sock_info *si) {
     int zero = 0;
-    struct ev_buf *b = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct ev_buf *b = scratch.lookup(&cpu);
     if (!b)
         return;
     __builtin_memset(&b->h, 0, sizeof(b->h));
@@ -246,7 +249,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
         return 0;
     socks.delete(&sk);
     int zero = 0;
-    struct ev_buf *b = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct ev_buf *b = scratch.lookup(&cpu);
     if (!b)
         return 0;
     __builtin_memset(&b->h, 0, sizeof(b->h));
@@ -332,7 +336,8 @@ static __always_inline int io_exit(long ret) {
     if (ret <= 0)
         return 0;
     int zero = 0;
-    struct ev_buf *b = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct ev_buf *b = scratch.lookup(&cpu);
     if (!b)
         return 0;
     __builtin_memset(&b->h, 0, sizeof(b->h));
