@@ -36,7 +36,8 @@ class Adjustment:
     reason: str
 
     def event_fields(self) -> dict[str, object]:
-        return {"policy": self.policy, "old_rate": self.old_rate, "new_rate": self.new_rate,
+        # Rounded for readers (x0.9 chains print as 258.11499999999995 otherwise); the limiter keeps full precision.
+        return {"policy": self.policy, "old_rate": round(self.old_rate, 6), "new_rate": round(self.new_rate, 6),
                 "reason": self.reason}
 
 

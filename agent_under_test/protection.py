@@ -197,7 +197,7 @@ def _bind(config: GuardConfig, metrics: Metrics, events: EventLog,
 
 
 def _finite(rate: float) -> float | None:
-    return rate if math.isfinite(rate) else None
+    return round(rate, 6) if math.isfinite(rate) else None
 
 
 def _validate(config: GuardConfig) -> None:
