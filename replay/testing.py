@@ -109,6 +109,7 @@ class EchoServer:
         self.reflection = reflection
         self.received: list[tuple[int, str, int]] = []
         self.metadata: list[dict[str, str]] = []
+        self.peers: set[str] = set()  # client addresses seen: one per TCP connection
         self._rng = random.Random(1)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,6 +172,7 @@ class EchoServer:
             return request
         n = len(self.received) + 1
         self.metadata.append(dict(context.invocation_metadata()))  # type: ignore[attr-defined]
+        self.peers.add(context.peer())  # type: ignore[attr-defined]
         answer = self._answer("Decide", request)
         if self.reject_every and n % self.reject_every == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed")  # type: ignore[attr-defined]

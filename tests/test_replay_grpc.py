@@ -25,6 +25,7 @@ def test_every_call_accounted_and_received_once(tmp_path: Path) -> None:
     # recorded metadata is replayed minus hop-by-hop and redacted keys
     assert sorted(int(md["x-replay-test"]) for md in server.metadata) == list(range(n))
     assert not any("authorization" in md for md in server.metadata)
+    assert len(server.peers) == 3  # one TCP connection per recorded connection
 
 
 def test_target_dying_mid_run_becomes_counted_errors_and_ends_on_time(tmp_path: Path) -> None:
