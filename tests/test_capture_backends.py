@@ -1,0 +1,141 @@
+"""The proxy (unprivileged) and pcap (root) backends against a real gRPC server; inspect; damage."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from click.testing import CliRunner
+
+from agent_under_test.proto import agent_pb2
+from capture.backends import RecordOptions
+from capture.errors import CaptureError
+from capture.record import Recorder
+from capture.recording import Recording
+from harness.cli import cli
+
+DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
+STREAM = "/shadowtest.agent.v1.TradingAgent/DecideStream"
+
+
+def _decide(req: bytes, ctx: grpc.ServicerContext) -> bytes:
+    snap = agent_pb2.MarketSnapshot.FromString(req)
+    if snap.symbol == "BAD":
+        ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "symbol: BAD is not tradable")
+    return agent_pb2.Decision(sequence_id=snap.sequence_id, symbol=snap.symbol).SerializeToString()
+
+
+def _stream(reqs: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[bytes]:
+    for r in reqs:
+        yield _decide(r, ctx)
+
+
+@pytest.fixture
+def server() -> Iterator[int]:
+    """A real TradingAgent-shaped gRPC server on 127.0.0.1, port 0."""
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    handler = grpc.method_handlers_generic_handler("shadowtest.agent.v1.TradingAgent", {
+        "Decide": grpc.unary_unary_rpc_method_handler(_decide),
+        "DecideStream": grpc.stream_stream_rpc_method_handler(_stream)})
+    srv.add_generic_rpc_handlers((handler,))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    yield port
+    srv.stop(0)
+
+
+def _traffic(port: int, n: int = 20) -> list[bytes]:
+    """n unary calls (one rejected), one stream of 3, with auth metadata. Returns request bytes."""
+    sent = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        decide, stream = ch.unary_unary(DECIDE), ch.stream_stream(STREAM)
+        for i in range(n):
+            req = agent_pb2.MarketSnapshot(sequence_id=i, symbol="BAD" if i == 5 else "AAPL").SerializeToString()
+            sent.append(req)
+            try:
+                decide(req, timeout=5, metadata=[("authorization", "Bearer top-secret")])
+            except grpc.RpcError:
+                pass
+        reqs = [agent_pb2.MarketSnapshot(sequence_id=100 + i, symbol="MSFT").SerializeToString() for i in range(3)]
+        sent += reqs
+        assert len(list(stream(iter(reqs), timeout=5))) == 3
+    return sent
+
+
+def test_proxy_backend_records_calls_in_the_request_path(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "proxy.rec"
+    with Recorder(RecordOptions(output=str(out), backend="proxy", port=server)) as rec:
+        host, port = rec.backend.address  # type: ignore[attr-defined]
+        sent = _traffic(port)
+    assert rec.result["flows"] == 1 and rec.result["calls"] == 21
+    with Recording(out) as r:
+        calls = list(r.calls())
+        assert r.meta["backend_settings"]["in_request_path"] is True
+    assert [m.data for c in calls for m in c.requests] == sent
+    bad = [c for c in calls if c.status == 3]
+    assert len(bad) == 1 and bad[0].status_message == "symbol: BAD is not tradable"
+    stream = [c for c in calls if c.method == STREAM]
+    assert stream[0].kind == "bidi" and len(stream[0].responses) == 3
+    assert all(dict(c.request_metadata).get("authorization") == "<redacted>" for c in calls if c.method == DECIDE)
+
+
+def test_inspect_json_has_the_documented_keys(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "proxy.rec"
+    with Recorder(RecordOptions(output=str(out), backend="proxy", port=server)) as rec:
+        _traffic(rec.backend.address[1])  # type: ignore[attr-defined]
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["flows"] == 1 and report["calls"] == 21
+    assert report["methods"] == {DECIDE: 20, STREAM: 1}
+    assert report["lost_events"] == 0 and report["truncated_events"] == 0 and report["unknown_method_calls"] == 0
+    assert report["duration_s"] > 0 and report["statuses"] == {"0": 20, "3": 1}
+    plain = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert plain.exit_code == 0 and f"method {DECIDE}: 20" in plain.output and "rate:" in plain.output
+
+
+@pytest.mark.root
+def test_pcap_backend_captures_live_from_loopback(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "pcap.rec"
+    with Recorder(RecordOptions(output=str(out), backend="pcap", port=server, interface="lo")) as rec:
+        sent = _traffic(server)
+        import time
+        time.sleep(0.3)
+    assert rec.result["calls"] == 21 and rec.result["flows"] == 1
+    with Recording(out) as r:
+        assert [m.data for c in r.calls() for m in c.requests] == sent
+
+
+def test_unknown_backend_and_missing_output_are_usage_errors(tmp_path: Path) -> None:
+    with pytest.raises(CaptureError, match="choose one of ebpf, pcap, proxy"):
+        Recorder(RecordOptions(output=str(tmp_path / "x.rec"), backend="netflow"))
+    res = CliRunner().invoke(cli, ["record", "--port", "1"])
+    assert res.exit_code == 2 and "-o/--output" in res.output
+    res = CliRunner().invoke(cli, ["record", "--port", "50051", "--print-bpf", "--max-bytes", "65536"])
+    assert res.exit_code == 0 and "#define FILTER_PORT 50051" in res.output and "#define CHUNK 65536" in res.output
+
+
+def test_corrupt_recording_is_salvaged_and_reported(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "proxy.rec"
+    with Recorder(RecordOptions(output=str(out), backend="proxy", port=server)) as rec:
+        _traffic(rec.backend.address[1])  # type: ignore[attr-defined]
+    # damage the messages table's pages: calls stay readable, the damage is reported, exit 1
+    db = sqlite3.connect(out)
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name='messages'").fetchone()[0]
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    with open(out, "r+b") as f:
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * page)
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
+    assert res.exit_code == 1
+    report = json.loads(res.output)
+    assert report["calls"] == 21 and report["problems"]
+    (tmp_path / "junk.rec").write_bytes(b"not a database" * 100)
+    res = CliRunner().invoke(cli, ["inspect", str(tmp_path / "junk.rec")])
+    assert res.exit_code == 1 and "not a readable recording" in " ".join(res.output.split())
