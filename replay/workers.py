@@ -75,6 +75,7 @@ class WorkerPool:
         self.ready_timeout_s = ready_timeout_s
         self._ctx = mp.get_context("spawn")
         self._stop = self._ctx.Event()
+        self.pids: list[int] = []  # the worker processes, once started
 
     def stop(self) -> None:
         self._stop.set()
@@ -88,6 +89,7 @@ class WorkerPool:
                  for i in range(self.workers)]
         for p in procs:
             p.start()
+        self.pids = [p.pid for p in procs if p.pid is not None]
         try:
             self._await_ready(out, procs)
             start_at.value = time.monotonic_ns() + _START_DELAY_NS

@@ -35,7 +35,7 @@ def test_dry_run_sends_nothing(tmp_path: Path) -> None:
                                        "--dry-run", "--loop", "2", "--json", "-"])
         assert not server.received
     assert res.exit_code == 0
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)
     assert data["dry_run"] and data["scheduled"] == 2 * n and data["connections"] == 3
 
 
@@ -53,3 +53,14 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
 def test_missing_recording_is_one_line_and_exit_1(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["replay", str(tmp_path / "nope.rec"), "--target", "127.0.0.1:1"])
     assert res.exit_code == 1 and "no such recording" in res.output and "Traceback" not in res.output
+
+
+def test_workers_through_the_cli(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 3 * MS for i in range(60)], flows=4)
+    with EchoServer() as server:
+        res = CliRunner().invoke(cli, ["replay", str(tmp_path / "r.rec"), "--target", server.address,
+                                       "--workers", "2", "--json", "-"])
+        assert sorted(s for _, _, s in server.received) == list(range(n))
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)  # progress lines go to stderr
+    assert data["workers"] == 2 and data["ok"] == n and data["invariant_ok"]

@@ -27,3 +27,28 @@ def test_two_workers_send_each_call_once_and_merge(tmp_path: Path) -> None:
     # both shards contributed their own connections
     assert len({r.connection for r in results}) == 6 and progress
     assert rep.latency_ms["p50"] > 0 and rep.lag_us["max"] >= rep.lag_us["p50"]
+
+
+def test_a_worker_killed_mid_run_breaks_the_invariant(tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+
+    write_unary_recording(tmp_path / "r.rec", [i * 10 * MS for i in range(200)], flows=4)  # 2 s
+    progress: list[RunStats] = []
+    with EchoServer() as server:
+        pool = WorkerPool(tmp_path / "r.rec", server.address, ReplayOptions(), 2, on_progress=progress.append)
+        killer = threading.Thread(target=lambda: (_wait_for(lambda: len(progress) >= 2),
+                                                  os.kill(pool.pids[1], signal.SIGKILL)))
+        killer.start()
+        rep = pool.run()
+        killer.join()
+    assert not rep.invariant_ok
+    assert any("worker 1 died" in p for p in rep.problems)
+
+
+def _wait_for(cond: object, timeout_s: float = 20.0) -> None:
+    import time
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:  # type: ignore[operator]
+        time.sleep(0.02)
