@@ -41,9 +41,11 @@ def clear_leftovers() -> list[str]:
 
 
 class NetworkProxy:
-    """A Toxiproxy in front of `upstream` (a toxiproxy-server on PATH, else the embedded one), with a
-    proxy listening on 127.0.0.1:0. `toxic(dict)` holds one toxic while entered and yields its name and
-    when it took effect on every live connection (time.monotonic(); None when the server cannot say).
+    """A Toxiproxy in front of `upstream` with a proxy listening on 127.0.0.1:0: a toxiproxy-server on
+    PATH when there is one, else ours in a child process (never in the harness's own process, where
+    it would compete with the replayer for the GIL and show up as send lag). The child dies with the
+    harness, taking its toxics with it. `toxic(dict)` holds one toxic while entered and yields its
+    name and when the API confirmed it (time.monotonic()).
 
     Raises RunError when the proxy cannot start.
     """
@@ -54,24 +56,36 @@ class NetworkProxy:
         self.kind = ""
         self._count = 0
         self._net: Any = None
+        self._child: Any = None
 
     def __enter__(self) -> NetworkProxy:
+        import shutil
+
         from faults.errors import FaultsError
         from faults.network import NetworkFaults
+        from faults.proxy import spawn_proxy_server
 
         try:
-            self._net = NetworkFaults(seed=self.seed).start()
+            url = None
+            if not shutil.which("toxiproxy-server"):
+                self._child = spawn_proxy_server(seed=self.seed)
+                url = self._child.url
+            self._net = NetworkFaults(url=url, seed=self.seed).start()
             made = self._net.proxy(self.name, upstream=self.upstream, listen="127.0.0.1:0")
         except (FaultsError, OSError) as exc:
             self.__exit__()
             raise RunError(f"cannot start the fault proxy in front of {self.upstream}: {exc}") from exc
-        self.listen, self.kind = str(made.listen), self._net.kind
+        self.listen = str(made.listen)
+        self.kind = "shadowtest proxy (child process)" if self._child is not None else "toxiproxy-server"
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._net is not None:
             self._net.stop()
             self._net = None
+        if self._child is not None:
+            self._child.stop()
+            self._child = None
 
     @property
     def api_url(self) -> str:
@@ -79,13 +93,14 @@ class NetworkProxy:
 
     @contextlib.contextmanager
     def toxic(self, toxic: dict[str, Any]) -> Iterator[tuple[str, float | None]]:
+        import time
+
         self._count += 1
         name = f"{toxic['type']}_{self._count}"
         with self._net.toxic(self.name, toxic["type"], toxic["attributes"], stream=toxic["stream"],
                              toxicity=toxic["toxicity"], name=name):
-            embedded = self._net.embedded
-            # The embedded proxy stamps when a toxic reached every live connection; a real one cannot.
-            yield name, (embedded.collection.applied_at if embedded is not None else None)
+            # The API answers once the toxic runs on every live connection (ours documents it).
+            yield name, time.monotonic()
 
 
 def _pid(ctx: FaultContext, what: str) -> int:

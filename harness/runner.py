@@ -34,7 +34,9 @@ from harness.target import Running, open_target
 from harness.timeline import FaultWindow, MetricSample, Timeline
 from harness.traffic import TrafficRun
 
-_TICK_S = 0.1
+_TICK_S = 0.1            # fault schedule resolution
+_VIEW_S = 0.5            # live view refresh: cheap, but it shares the GIL with the replayer
+_VIEW_PERIODS = 30       # sparkline length
 _START_DELAY_S = 0.3     # lets the traffic thread build its senders before the first due send
 
 
@@ -166,6 +168,7 @@ class Runner:
         actions = self._actions()
         phases = list(self.scenario.phase_bounds().items())
         current = None
+        last_view = -1e9
         while (now := self.clock.monotonic() - self.t0) < self.scenario.duration_s:
             phase = next((n for n, (a, b) in phases if a <= now < b), phases[-1][0])
             if phase != current and now >= 0:
@@ -175,7 +178,9 @@ class Runner:
                 self._do(actions.pop(0), faults)
             if traffic.error is not None:
                 raise RunError(f"the traffic stopped: {traffic.error}") from traffic.error
-            self.view.update(self._snapshot(now, current or phases[0][0], traffic, followers, faults))
+            if now - last_view >= _VIEW_S:
+                last_view = now
+                self.view.update(self._snapshot(now, current or phases[0][0], traffic, followers, faults))
             self.clock.sleep(min(_TICK_S, max(0.0, self.scenario.duration_s - now)))
         for action in actions:        # removals due exactly at the end
             if not action.apply:
@@ -216,8 +221,12 @@ class Runner:
 
     def _snapshot(self, now: float, phase: str, traffic: TrafficRun, followers: dict[str, Any],
                   faults: FaultSession) -> Snapshot:
-        return live_snapshot(now, phase, self.scenario, traffic.snapshot(),
-                             followers.get("events"), followers.get("metrics"), faults.active_labels())
+        since = max(0.0, (int(now / self.scenario.period_s) - _VIEW_PERIODS) * self.scenario.period_s)
+        snap = live_snapshot(now, phase, self.scenario, traffic.recent(since), followers.get("events"),
+                             followers.get("metrics"), faults.active_labels(), since)
+        snap.rejected = traffic.counts.get("rejected", 0)
+        snap.errors = traffic.counts.get("error", 0) + traffic.counts.get("timeout", 0)
+        return snap
 
     def _result(self, running: Running, traffic: TrafficRun, followers: dict[str, Any],
                 before: MetricSample | None, after: MetricSample | None, end: float,
@@ -240,12 +249,12 @@ class Runner:
 
 
 def live_snapshot(now: float, phase: str, scenario: Scenario, calls: list, events: Any, metrics: Any,
-                  faults: list[str]) -> Snapshot:
-    """What the live view shows, computed from the calls so far (last period) and the latest events."""
+                  faults: list[str], since: float = 0.0) -> Snapshot:
+    """What the live view shows: periods from `since` (the calls given), the latest events."""
     period = scenario.period_s
     tl = Timeline(period_s=period, threshold_ms=scenario.p99_threshold_ms,
                   phases=[("run", 0.0, max(period, now))], calls=calls)
-    done = tl.periods[:-1] if len(tl.periods) > 1 else tl.periods
+    done = [p for p in tl.periods[:-1] if p.start_s >= since - 1e-9] or tl.periods[-1:]
     last = done[-1] if done else None
     snap = Snapshot(elapsed_s=max(0.0, now), total_s=scenario.duration_s, phase=phase,
                     offered=last.offered_rate if last else 0.0, achieved=last.achieved_rate if last else 0.0,
@@ -253,13 +262,11 @@ def live_snapshot(now: float, phase: str, scenario: Scenario, calls: list, event
                     faults=faults, rejected=sum(1 for c in calls if c.outcome == "rejected"),
                     errors=sum(1 for c in calls if c.outcome in ("error", "timeout")))
     if events is not None:
-        for e in reversed(events.events):
-            if e.type == "limiter" and snap.limiter_rate is None:
-                snap.limiter_rate = float(e.data.get("new_rate", 0.0))
-            if e.type == "alert" and snap.alert == "inactive":
-                snap.alert = str(e.data.get("to"))
-        tiers = [e for e in events.events if e.type == "tier"]
-        snap.tier = str(tiers[-1].data.get("to")) if tiers else "full"
+        last = {e.type: e for e in list(events.events)}   # the latest of each type
+        if "limiter" in last:
+            snap.limiter_rate = float(last["limiter"].data.get("new_rate", 0.0))
+        snap.alert = str(last["alert"].data.get("to")) if "alert" in last else "inactive"
+        snap.tier = str(last["tier"].data.get("to")) if "tier" in last else "full"
     if snap.limiter_rate is None and metrics is not None and metrics.samples:
         snap.limiter_rate = metrics.samples[-1].values.get(scenario_rate_name(scenario))
     return snap

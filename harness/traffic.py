@@ -109,6 +109,7 @@ class TrafficRun:
 
         self.t0_ns = t0_ns
         self.calls: list[CallResult] = []
+        self.counts: dict[str, int] = {}        # by outcome, kept as results arrive (for the live view)
         self.report: dict[str, Any] = {}
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -139,6 +140,7 @@ class TrafficRun:
                           outcome=outcome, code=r.code)
         with self._lock:
             self.calls.append(call)
+            self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
     def _main(self) -> None:
         try:
@@ -166,3 +168,11 @@ class TrafficRun:
     def snapshot(self) -> list[CallResult]:
         with self._lock:
             return list(self.calls)
+
+    def recent(self, since_s: float) -> list[CallResult]:
+        """Calls due at or after `since_s`, found from the end (results arrive in about that order)."""
+        with self._lock:
+            i = len(self.calls)
+            while i > 0 and self.calls[i - 1].intended_s >= since_s - 5.0:   # 5 s: late completions
+                i -= 1
+            return [c for c in self.calls[i:] if c.intended_s >= since_s]
