@@ -124,14 +124,14 @@ class ReplayRun:
     async def run_async(self) -> None:
         """The run itself, for callers that already have an event loop."""
         from replay.compare import CompareSpec
-        if isinstance(self.options.compare, CompareSpec):
-            self.options.compare = self.options.compare.build(self.target)
-        plan = self._open_plan()
         try:
+            if isinstance(self.options.compare, CompareSpec):
+                self.options.compare = self.options.compare.build(self.target)
+            plan = self._open_plan()
             # Read up to the first call before t0: skipping to a window must not count as lag.
             first = next(plan, None)
             self.t0_ns = self.options.start_at_ns or self.clock.now_ns()
-            await self._schedule_loop(itertools.chain([first] if first else [], plan))
+            await self._schedule_loop(itertools.chain([first] if first is not None else [], plan))
             await self._drain()
         finally:
             self.end_ns = self.clock.now_ns()
