@@ -166,3 +166,12 @@ def test_plan_is_read_lazily_within_the_lookahead() -> None:
     assert rep.ok == 2000 and rep.invariant_ok
     # one item beyond the horizon may be held (the next pending one), never more
     assert all(due - now <= 50 * MS + MS for now, due in pulled)
+
+
+def test_a_protocol_without_sender_is_counted_not_sent() -> None:
+    clock = FakeClock(start_ns=0)
+    plan = [PlannedCall(index=0, due_ns=0, connection="c", protocol="http2", method="GET /", kind="request",
+                        messages=[PlannedMessage(0, b"")])]
+    rep = ReplayRun(plan, "127.0.0.1:1", clock=clock).run()
+    assert rep.not_sent_reasons == {"no_sender:http2": 1}
+    assert rep.invariant_ok
