@@ -52,3 +52,11 @@ def test_master_and_two_workers_replay_each_call_exactly_once(tmp_path: Path) ->
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     assert int(rows["Aggregated"]["Request Count"]) == n
     assert int(rows["Aggregated"]["Failure Count"]) == 0
+
+
+def test_locust_user_never_imports_the_asyncio_engine() -> None:
+    code = ("import sys, replay.locust_user; "
+            "bad = [m for m in ('replay.engine', 'replay.clock', 'replay.workers', 'replay.senders.grpc') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
