@@ -158,7 +158,7 @@ def run_policy(policy: str, capacity: float, args: argparse.Namespace) -> Policy
         mono0 = time.monotonic()
         rows = drive(agent.grpc_address, [(capacity, args.baseline_s), (2 * capacity, args.overload_s),
                                           (capacity, args.after_s)], args.seed)
-        with urllib.request.urlopen(agent.metrics_url + "/events?follow=0", timeout=10) as resp:
+        with urllib.request.urlopen(f"{agent.metrics_url}/events?follow=0", timeout=10) as resp:
             events = [json.loads(x) for x in resp.read().splitlines()]
     over = rows[(rows[:, 0] >= t_step) & (rows[:, 0] < t_end)]
     ok = over[over[:, 2] == 1]
