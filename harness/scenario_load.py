@@ -216,11 +216,13 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
     for key in ("name", "target", "traffic", "phases"):
         if key not in entries:
             root.fail(f"scenario: missing {key!r} (a scenario needs name, target, traffic and phases)")
+    name = entries["name"].string("name")
+    target = _target(entries["target"])
+    traffic = _traffic(entries["traffic"], base or Path("."))
     phases = _phases(entries["phases"])
     expect = _checks(entries["expect"], {p.name for p in phases}) if "expect" in entries else ()
     return Scenario(
-        name=entries["name"].string("name"), target=_target(entries["target"]),
-        traffic=_traffic(entries["traffic"], base or Path(".")), phases=phases, expect=expect,
+        name=name, target=target, traffic=traffic, phases=phases, expect=expect,
         seed=entries["seed"].integer("seed") if "seed" in entries else 0,
         description=entries["description"].string("description") if "description" in entries else "",
         proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,

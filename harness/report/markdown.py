@@ -27,7 +27,7 @@ def markdown(result: RunResult, png_name: str | None = None) -> str:
         mark = "pass" if v.passed else "**FAIL**"
         lines.append(f"| `{v.id}` | {mark} | {v.summary.replace('|', '/')} |")
     lines += ["", "### Phases (client-side view)", "",
-              "| phase | time | offered/s | achieved/s | ok | rejected | errors | P50 ms | P99 ms |",
+              "| phase | time | offered/s | achieved/s | ok | rejected | errors | worst period P50 ms | worst period P99 ms |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, start, end in tl.phases:
         ps = [p for p in tl.periods if p.phase == name]
