@@ -13,6 +13,7 @@ All decisions happen in `tick(now)` and the hooks, under one lock, with time pas
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from agent_under_test.metrics import Metrics, MetricsServer
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary
 
 P99_ALERT = "P99High"
+_log = logging.getLogger(__name__)
 
 
 class ProtectionGuard:
@@ -169,7 +171,10 @@ class ProtectionGuard:
         # Ticks land on a fixed grid (start + n * period): a slow tick does not shift later ones.
         next_at = self.clock.now() + self.config.period_s
         while not self.clock.wait(self._stop, next_at - self.clock.now()):
-            self.tick(next_at)
+            try:
+                self.tick(next_at)
+            except Exception:  # noqa: BLE001 - one bad period must not stop every later one
+                _log.exception("guard period tick failed; the next period continues")
             next_at += self.config.period_s
             behind = self.clock.now() - next_at
             if behind > self.config.period_s:   # asleep for whole periods (e.g. SIGSTOP): skip them

@@ -106,3 +106,25 @@ def test_a_busy_metrics_port_fails_with_a_hint():
         with pytest.raises(ServeError, match="pick a free --metrics-port"):
             g.start()
         g.stop()
+
+
+def test_the_ticker_closes_periods_on_a_fixed_grid_in_real_time():
+    g = ProtectionGuard(GuardConfig(period_s=0.1))        # no endpoint: metrics_port None
+    g.start()
+    try:
+        g.finish("Decide", 0.001, "ok")
+        deadline = time.monotonic() + 10.0                # generous: the machine is shared
+        while len(g.events.since(0, "period")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        g.stop()
+    periods = g.events.since(0, "period")
+    assert [e["period"] for e in periods[:3]] == [1, 2, 3] and periods[0]["count"] == 1
+    # Ticks land on start + n x period_s whatever the thread's wake-up jitter (a whole period missed
+    # while the process was starved is skipped, so the gap is a multiple of period_s, usually 2).
+    gap = periods[2]["mono"] - periods[0]["mono"]
+    assert gap >= 0.2 - 1e-9 and gap / 0.1 == pytest.approx(round(gap / 0.1), abs=1e-6)
+    assert g.metrics_url is None
+    n = len(g.events.since(0, "period"))
+    time.sleep(0.3)
+    assert len(g.events.since(0, "period")) == n          # stopped: no more ticks
