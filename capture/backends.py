@@ -35,7 +35,7 @@ class RecordOptions:
     redact: list[str] = field(default_factory=list)   # user rules, e.g. "header:x-session"
     default_redaction: bool = True
     overwrite: bool = False
-    ring_pages: int = 1024             # eBPF ring buffer size in pages (4 MiB)
+    ring_pages: int = 8192             # eBPF ring buffer size in pages (32 MiB: absorbs bursts)
 
 
 class Backend(Protocol):

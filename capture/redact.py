@@ -40,8 +40,13 @@ class HeaderRule:
     spec: str = ""
 
     def matches(self, name: str) -> bool:
-        low = name.lower()
-        return any(fnmatch.fnmatchcase(low, p) for p in self.patterns)
+        # Called for every header of every call: remember each name's verdict.
+        cache = self.__dict__.setdefault("_cache", {})
+        hit = cache.get(name)
+        if hit is None:
+            low = name.lower()
+            hit = cache[name] = any(fnmatch.fnmatchcase(low, p) for p in self.patterns)
+        return hit
 
     def apply(self, call: Call) -> bool:
         changed = False

@@ -11,6 +11,7 @@ their bytes are captured from the next syscall on; they are marked `joined_midst
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ipaddress
 import os
@@ -26,7 +27,8 @@ from capture.sink import FlowSink
 
 BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
 CHUNK_MIN, CHUNK_MAX = 4096, 65536
-MAX_IOV = 32
+MAX_IOV = 128
+_MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
 EV_DATA, EV_OPEN, EV_CLOSE = 1, 2, 3
 
 
@@ -120,6 +122,11 @@ class EbpfBackend:
         self.sink: FlowSink | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._ready = threading.Event()
+        self._drained = threading.Event()
+        self._user_lost = 0
         self._pending: dict[tuple, list] = {}    # ((tgid, fd), direction) -> one syscall's bytes
         chunk = chunk_size(options.max_bytes)
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
@@ -152,7 +159,9 @@ class EbpfBackend:
         b[b"events"].open_ring_buffer(self._on_event)   # type: ignore[index]
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
+        self._worker = threading.Thread(target=self._work, name="ebpf-decode", daemon=True)
         self._thread.start()
+        self._worker.start()
 
     def _sync_tgids(self) -> None:
         if not self.tgid_map:
@@ -186,18 +195,40 @@ class EbpfBackend:
                                                     opened_ns=now, joined_midstream=True))
 
     def _poll(self) -> None:
+        """Drain the ring buffer as fast as it fills: the callback only copies bytes out, so a
+        burst waits in user memory (bounded) rather than overflowing the kernel ring."""
         b = self.bpf
-        n = 0
         while not self._stop.is_set():
             b.ring_buffer_poll(100)   # type: ignore[attr-defined]
+            self._ready.set()
+
+    def _work(self) -> None:
+        """Decode and store what the poller queued; counters and cgroup members once a second."""
+        last = time.monotonic()
+        while True:
+            self._ready.wait(0.1)
+            self._ready.clear()
+            self._process_queue()
             self._flush_pending()
-            n += 1
-            if n % 10 == 0:
+            if time.monotonic() - last >= 1.0:
+                last = time.monotonic()
                 self._report_counters()
                 self._sync_tgids()
+            if self._stop.is_set() and self._drained.is_set():
+                return
+
+    def _process_queue(self) -> None:
+        q = self._queue
+        while q:
+            self._handle(q.popleft())
 
     def _on_event(self, ctx: object, data: int, size: int) -> None:
-        raw = ctypes.string_at(data, size)
+        if len(self._queue) >= _MAX_QUEUED:
+            self._user_lost += 1      # user space cannot keep up: counted as lost, never silent
+            return
+        self._queue.append(ctypes.string_at(data, size))
+
+    def _handle(self, raw: bytes) -> None:
         h = EvHdr.from_buffer_copy(raw[:HDR_SIZE])
         key = (h.tgid, h.fd)
         if h.type == EV_DATA:
@@ -259,7 +290,7 @@ class EbpfBackend:
 
     def _report_counters(self) -> None:
         assert self.sink is not None
-        lost, trunc = self._counter("lost"), self._counter("truncated")
+        lost, trunc = self._counter("lost") + self._user_lost, self._counter("truncated")
         self.sink.add_loss(lost - self._reported[0], trunc - self._reported[1])
         self._reported = (lost, trunc)
 
@@ -270,6 +301,11 @@ class EbpfBackend:
         if self._thread:
             self._thread.join(timeout=5)
         self.bpf.ring_buffer_consume()   # type: ignore[attr-defined]
+        self._drained.set()
+        self._ready.set()
+        if self._worker:
+            self._worker.join(timeout=60)
+        self._process_queue()
         self._flush_pending(force=True)
         self._report_counters()
         self.bpf.cleanup()   # type: ignore[attr-defined]
