@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from capture.recording import Recording
+from capture.recording import Call, Recording
 from replay.schedule import PlannedCall, ScheduleOptions, build_plan
-from replay.source import recording_calls
+from replay.source import recording_calls, tcp_calls, tcp_flow_starts
 
 
 def plan_from_recording(path: str | Path, opts: ScheduleOptions,
@@ -21,20 +22,15 @@ def plan_from_recording(path: str | Path, opts: ScheduleOptions,
 
 
 def estimate_total(path: str | Path, opts: ScheduleOptions) -> int:
-    """The number of calls the plan will hold, counted without building messages (for progress bars)."""
+    """The number of calls the plan will hold, counted without reading messages (for progress bars)."""
     rec = Recording(path)
     try:
-        plan = build_plan(lambda: recording_calls_light(rec), opts)
-        return sum(1 for _ in plan)
+        return sum(1 for _ in build_plan(lambda: _calls_light(rec), opts))
     finally:
         rec.close()
 
 
-def recording_calls_light(rec: Recording) -> Iterator:  # type: ignore[type-arg]
-    """Calls without their messages (cheap); TCP flows still come from `recording_calls`."""
-    import heapq
-
-    from replay.source import _tcp_calls, _tcp_flow_starts
-    starts = _tcp_flow_starts(rec)
+def _calls_light(rec: Recording) -> Iterator[Call]:
+    """Calls without their messages (cheap); TCP flows still come as pseudo-calls."""
     calls = (c for c in rec.calls(with_messages=False) if c.protocol != "tcp")
-    return heapq.merge(calls, _tcp_calls(rec, starts), key=lambda c: c.request_ts_ns)
+    return heapq.merge(calls, tcp_calls(rec, tcp_flow_starts(rec)), key=lambda c: c.request_ts_ns)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from capture.recording import Call, Message, Recording
 
 
-def _tcp_flow_starts(rec: Recording) -> list[tuple[int, int]]:
+def tcp_flow_starts(rec: Recording) -> list[tuple[int, int]]:
     starts = []
     for flow in rec.flows():
         if flow.protocol != "tcp" or flow.id is None:
@@ -24,7 +24,7 @@ def _tcp_flow_starts(rec: Recording) -> list[tuple[int, int]]:
     return sorted(starts)
 
 
-def _tcp_calls(rec: Recording, starts: list[tuple[int, int]]) -> Iterator[Call]:
+def tcp_calls(rec: Recording, starts: list[tuple[int, int]]) -> Iterator[Call]:
     for first, flow_id in starts:
         msgs = [Message("c2s", i, c.ts_ns, c.data)
                 for i, c in enumerate(c for c in rec.chunks(flow_id) if c.direction == "c2s")]
@@ -34,12 +34,12 @@ def _tcp_calls(rec: Recording, starts: list[tuple[int, int]]) -> Iterator[Call]:
 
 def recording_calls(rec: Recording) -> Iterator[Call]:
     """All replayable calls of `rec` in request-time order (streamed; see module docstring)."""
-    starts = _tcp_flow_starts(rec)
+    starts = tcp_flow_starts(rec)
     calls = (c for c in rec.calls() if c.protocol != "tcp")
     if not starts:
         yield from calls
         return
-    yield from heapq.merge(calls, _tcp_calls(rec, starts), key=lambda c: c.request_ts_ns)
+    yield from heapq.merge(calls, tcp_calls(rec, starts), key=lambda c: c.request_ts_ns)
 
 
 def recording_problems(rec: Recording) -> list[str]:
