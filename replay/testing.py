@@ -147,7 +147,10 @@ class EchoServer:
         self._server = server = grpc.aio.server()
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Decide": grpc.unary_unary_rpc_method_handler(self._decide),
-            "DecideStream": grpc.stream_stream_rpc_method_handler(self._decide_stream)})
+            "DecideStream": grpc.stream_stream_rpc_method_handler(self._decide_stream),
+            # Not in agent.proto: generic handlers for the two remaining call kinds.
+            "Collect": grpc.stream_unary_rpc_method_handler(self._collect),
+            "Fanout": grpc.unary_stream_rpc_method_handler(self._fanout)})
         server.add_generic_rpc_handlers((handler,))
         if self.reflection:
             from grpc_reflection.v1alpha import reflection
@@ -179,6 +182,15 @@ class EchoServer:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return answer
+
+    async def _collect(self, requests: AsyncIterator[bytes], context: object) -> bytes:
+        seqs = [self._answer("Collect", r) for r in [r async for r in requests]]
+        return b"%d" % len(seqs)
+
+    async def _fanout(self, request: bytes, context: object) -> AsyncIterator[bytes]:
+        answer = self._answer("Fanout", request)
+        for _ in range(3):
+            yield answer
 
     async def _decide_stream(self, requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
         async for request in requests:

@@ -82,3 +82,25 @@ def test_damaged_recording_replays_what_it_holds_and_says_so(tmp_path: Path) -> 
     assert 0 < rep.sent < 400 and rep.ok == rep.sent and rep.invariant_ok
     assert rep.not_sent == rep.not_sent_reasons.get("no_request_in_recording", 0)
     assert len(server.received) == rep.sent
+
+
+def test_client_and_server_streaming_kinds(tmp_path: Path) -> None:
+    from capture.recording import Call, Flow, Message, RecordingWriter
+    from replay.compare import CompareSpec
+    from replay.testing import SERVICE, snapshot_bytes
+
+    base = 10_000_000_000
+    with RecordingWriter(tmp_path / "k.rec") as w:
+        fid = w.add_flow(Flow(("127.0.0.1", 41001), ("127.0.0.1", 50051), protocol="grpc"))
+        w.add_call(Call(protocol="grpc", method=f"/{SERVICE}/Collect", kind="client_stream", request_ts_ns=base,
+                        flow_id=fid, status=0, requests=[Message("c2s", i, base + i * 20 * MS, snapshot_bytes(i))
+                                                         for i in range(3)],
+                        responses=[Message("s2c", 0, base + 70 * MS, b"3")]))
+        w.add_call(Call(protocol="grpc", method=f"/{SERVICE}/Fanout", kind="server_stream",
+                        request_ts_ns=base + 10 * MS, flow_id=fid, status=0,
+                        requests=[Message("c2s", 0, base + 10 * MS, snapshot_bytes(7))]))
+    with EchoServer() as server:
+        rep = ReplayRun(tmp_path / "k.rec", server.address, ReplayOptions(compare=CompareSpec("bytes"))).run()
+    assert rep.ok == 2 and rep.invariant_ok and rep.mismatches["total"] == 0
+    assert sorted((m, s) for _, m, s in server.received) == [("Collect", 0), ("Collect", 1), ("Collect", 2),
+                                                             ("Fanout", 7)]
