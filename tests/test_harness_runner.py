@@ -157,3 +157,29 @@ def _gone(pids: list[int], within_s: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@pytest.mark.slow
+def test_external_service_is_verified_through_its_metrics_and_events(tmp_path: Path) -> None:
+    from agent_under_test.launch import AgentProcess
+
+    with AgentProcess(device="cpu", limiter="seed", period_s=0.5, initial_rate=300, max_rate=400) as agent:
+        text = f"""\
+name: external
+seed: 2
+target:
+  external: {{address: "{agent.grpc_address}", metrics_url: "{agent.metrics_url}", period_s: 0.5,
+             p99_threshold_ms: 1000, metrics: {{limiter_rate: agent_limiter_rate}}}}
+traffic: {{generator: {{rate: 40}}}}
+phases:
+  - {{name: only, duration: 3s}}
+expect:
+  - {{alert_silent: {{}}}}
+  - {{no_loss: {{}}}}
+"""
+        result, _ = _run(text, tmp_path)
+    assert _verdicts(result) == {"alert_silent": True, "no_loss": True}, [v.summary for v in result.verdicts]
+    no_loss = next(v for v in result.verdicts if v.kind == "no_loss")
+    assert no_loss.evidence["agent_seen"] == no_loss.evidence["client_sent"] > 60   # counters were read
+    assert result.timeline.events_of("period") and result.timeline.limiter_series()  # events were followed
+    assert result.timeline.cpu and result.timeline.cpu[-1].target_pct is None        # not our process
