@@ -41,8 +41,14 @@ def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scal
     if scale != 1.0:
         scenario = scenario.scaled(scale)
     out = sys.stderr if as_json else sys.stdout
-    result, paths = run_scenario(scenario, report_dir=report_dir, junit=junit, png=png, stream=out,
-                                 clear_leftovers=clear_leftovers)
+    try:
+        result, paths = run_scenario(scenario, report_dir=report_dir, junit=junit, png=png, stream=out,
+                                     clear_leftovers=clear_leftovers)
+    except KeyboardInterrupt:
+        # Interrupted while the agent or proxy was starting: they were stopped on the way out, and
+        # no traffic ran, so there is nothing to report.
+        print("interrupted before the run started; everything started was stopped", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(result.as_dict() | {"reports": paths}, indent=2, default=str))
     else:
