@@ -72,6 +72,7 @@ class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
         retry = self._guard.admit(DECIDE_STREAM)
         if retry is not None:
             await _refuse(context, retry)
+        await context.send_initial_metadata(())  # tells the client the stream was admitted
         pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_WINDOW)
         reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending))
         try:

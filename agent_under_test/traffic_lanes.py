@@ -44,59 +44,74 @@ async def unary_call(decide: aio.UnaryUnaryMultiCallable, payload: bytes, res: C
         _finish(res, exc.code().name)
 
 
-class StreamLane:
-    """One DecideStream held open for the whole run; sends in order, matches answers by sequence_id."""
+class _Stream:
+    """One DecideStream call: a writer task, a reader task, and the messages still unanswered."""
 
-    def __init__(self, channel: aio.Channel, index: int, timeout_s: float) -> None:
-        self.index, self._timeout_s = index, timeout_s
-        self._channel = channel
-        self._call: aio.StreamStreamCall | None = None
-        self._pending: dict[int, CallResult] = {}
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def send(self, payload: bytes, res: CallResult) -> None:
-        if self._call is None:  # opened on first use so an unused lane costs nothing
-            self._call = self._channel.stream_stream(DECIDE_STREAM, response_deserializer=agent_pb2.Decision.FromString)()
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
-        self._pending[res.sequence_id] = res
-        self._outbox.put_nowait(payload)
+    def __init__(self, channel: aio.Channel) -> None:
+        self.call = channel.stream_stream(DECIDE_STREAM, response_deserializer=agent_pb2.Decision.FromString)()
+        self.pending: dict[int, CallResult] = {}
+        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.reader = loop.create_task(self._read())
+        self.tasks = [loop.create_task(self._write()), self.reader]
 
     async def _write(self) -> None:
-        assert self._call is not None
         try:
-            while (payload := await self._outbox.get()) is not None:
-                await self._call.write(payload)
-            await self._call.done_writing()
+            # Write only once the server has admitted the stream (it sends initial metadata then): a
+            # write racing a refusal's status turns that status into INTERNAL on this side.
+            await self.call.initial_metadata()
+            while (payload := await self.outbox.get()) is not None:
+                if self.call.done():
+                    return
+                await self.call.write(payload)
+            await self.call.done_writing()
         except (aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the reader sees the stream's status and fails what is pending
 
     async def _read(self) -> None:
-        assert self._call is not None
         code = "OK"
         try:
-            async for decision in self._call:
-                res = self._pending.pop(decision.sequence_id, None)
+            async for decision in self.call:
+                res = self.pending.pop(decision.sequence_id, None)
                 if res is not None:
                     _finish(res, "OK")
         except aio.AioRpcError as exc:
             code = exc.code().name
         if code == "OK":
-            code = (await self._call.code()).name
-        for res in self._pending.values():  # answered never: count them under the stream's status
+            code = (await self.call.code()).name
+        self.tasks[0].cancel()  # the writer may be waiting for more to send into a finished call
+        for res in self.pending.values():  # never answered: count them under the stream's status
             _finish(res, code if code != "OK" else grpc.StatusCode.UNKNOWN.name)
-        self._pending.clear()
+        self.pending.clear()
+
+
+class StreamLane:
+    """A long-lived DecideStream; sends in order, matches answers by sequence_id. When the server ends
+    the stream (refused, error, connection age), the next message opens a new one, as a client would."""
+
+    def __init__(self, channel: aio.Channel, index: int, timeout_s: float) -> None:
+        self.index, self._timeout_s = index, timeout_s
+        self._channel = channel
+        self._stream: _Stream | None = None
+        self.opened = 0
+
+    def send(self, payload: bytes, res: CallResult) -> None:
+        if self._stream is None or self._stream.reader.done():
+            self._stream = _Stream(self._channel)  # opened on first use: an unused lane costs nothing
+            self.opened += 1
+        self._stream.pending[res.sequence_id] = res
+        self._stream.outbox.put_nowait(payload)
 
     async def close(self) -> None:
         """Finish writing, wait for the answers (bounded by the call timeout), then cancel."""
-        if self._call is None:
+        st = self._stream
+        if st is None:
             return
-        self._outbox.put_nowait(None)
-        done, pending = await asyncio.wait(self._tasks, timeout=self._timeout_s)
+        st.outbox.put_nowait(None)
+        _, pending = await asyncio.wait(st.tasks, timeout=self._timeout_s)
         for task in pending:
             task.cancel()
         if pending:
-            self._call.cancel()
-            for res in self._pending.values():
+            st.call.cancel()
+            for res in st.pending.values():
                 _finish(res, grpc.StatusCode.DEADLINE_EXCEEDED.name)

@@ -141,3 +141,20 @@ def test_cli_traffic_unreachable_target_is_one_red_line() -> None:
         out = subprocess.run([sys.executable, "-m", "harness.cli", "traffic", "--target", f"127.0.0.1:{port}",
                               "--rate", "10", "--duration", "1", "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "cannot connect" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_refused_streams_are_counted_by_code_and_reopened() -> None:
+    pytest.importorskip("torch", reason="needs torch (pip install 'shadowtest[agent]')")
+    from test_agent_server import RecordingGuard, ServerThread
+
+    from agent_under_test.engine import load_engine
+
+    guard = RecordingGuard(refuse=0.1)  # every call and every stream open is refused
+    st = ServerThread(load_engine("cpu", None, 0, 1), guard)
+    try:
+        report = run_traffic(st.ready["grpc"], 200, 0.5, seed=2, stream_share=0.5, streams=2)
+    finally:
+        st.close()
+    assert report.ok == 0 and report.errors == {"RESOURCE_EXHAUSTED": report.sent}
+    assert report.by_method["DecideStream"] > 0
+    assert guard.admits.count("/shadowtest.agent.v1.TradingAgent/DecideStream") > 2  # lanes reopened
