@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent_under_test.monitor import PeriodSummary
+from agent_under_test.monitor import INSUFFICIENT, PeriodSummary
 
 
 @dataclass(frozen=True)
@@ -141,18 +141,20 @@ class GradientParams:
     knee: float = 0.95          # approach knee x good by halving the gap
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
     decay: float = 0.9          # the mild cut, and how fast a good rate that keeps breaching is forgotten
+    queue_p50: float = 0.5      # P50 above this x T: the median call waits, so the breach is our queue
 
 
 class GradientLimiter(_BucketLimiter):
     """Rate-based Gradient2/Vegas controller with a known-good rate (formula in docs/protection.md).
 
     T threshold, P period, done = completed calls/s, h = 1 - p99/T, good = highest rate seen healthy
+    insufficient period (fewer than min_samples calls): calls refused -> rate*(1 + max_growth), else hold
     breach (p99 > T):
         p99 < draining x last p99:  hold (the queue from an earlier overload is draining; cutting more
                                     would only lose goodput)
-        rate <= good, unless p99 grew over 2+ breaching periods (once per episode):  rate = rate*decay
-                                    (not our queue building up: a hiccup or outside contention; cut like seed)
-        else:  base = min(rate, done, good);  g = clamp(1 - (p99-T)/P, min_cut, max_cut)
+        p50 <= queue_p50 x T, or rate <= good after a deep cut this episode:  rate = rate*decay
+                                    (not our queue: a hiccup or outside contention; cut like seed)
+        else (deep):  base = min(rate, done, good);  g = clamp(1 - (p99-T)/P, min_cut, max_cut)
                rate = base*g    (Little's law: done*(p99-T) calls wait beyond T; drain them in a period)
                if the limit was at or below good (capacity fell): good = max(good*decay, rate)
     healthy: good = max(good, done)
@@ -169,22 +171,28 @@ class GradientLimiter(_BucketLimiter):
         self.good: float | None = None
         self.probes = 0
         self.last_p99: float | None = None
-        self.breaches = 0       # consecutive breaching periods
         self.deep_cut = False   # a deep cut at or below the good rate in this breach episode
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
             return None
+        if summary.state == INSUFFICIENT:
+            # Too few calls to know a P99 (the slowest call stands in for it). Grow only when calls were
+            # refused, never cut: cutting on no evidence is how a limiter starves itself at its floor.
+            if summary.rejected == 0:
+                return None
+            return self._move(self.rate * (1 + self.p.max_growth), "too few calls to judge and calls refused: "
+                                                                     f"x{1 + self.p.max_growth:g}")
         p99, last = summary.p99_ms, self.last_p99
         self.last_p99 = p99
         done = summary.count / summary.seconds
         if p99 > self.s.threshold_ms:
             self.probes = 0
-            self.breaches += 1
             if last is not None and p99 < self.p.draining * last:
                 return None
-            return self._breach(p99, last, done, summary.seconds)
-        self.breaches, self.deep_cut = 0, False
+            queueing = summary.p50_ms is not None and summary.p50_ms > self.p.queue_p50 * self.s.threshold_ms
+            return self._breach(p99, done, summary.seconds, queueing)
+        self.deep_cut = False
         self.good = done if self.good is None else max(self.good, done)
         headroom = max(0.0, 1.0 - p99 / self.s.threshold_ms)
         if summary.rejected > 0:
@@ -197,23 +205,22 @@ class GradientLimiter(_BucketLimiter):
             return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
         return self._move(grown, f"not limiting, headroom {headroom:.2f}: x{grown / self.rate:.3f}")
 
-    def _breach(self, p99: float, last: float | None, done: float, seconds: float) -> Adjustment | None:
+    def _breach(self, p99: float, done: float, seconds: float, queueing: bool) -> Adjustment | None:
         limit, good = self.rate, self.good
-        # One deep cut per episode at or below the good rate: if latency kept growing after it, the
-        # rate is not what drives it, and cutting deep again would only starve the server.
-        growing = self.breaches >= 2 and last is not None and p99 >= last and not self.deep_cut
-        if good is not None and limit <= good and not growing:
-            # Admitting no more than a rate known to be healthy and no queue building up over periods:
-            # more likely a passing hiccup (or outside contention) than our queue. Cut like seed; a
-            # deep cut here loses goodput without fixing the latency.
-            return self._move(limit * self.p.decay, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms at or "
-                                                    f"below the good rate: x{self.p.decay:g}")
+        above_good = good is None or limit > good
+        # Deep cuts are for our own queue: the median call waits (Vegas' signal). At or below a rate
+        # known to be good, only one per episode: if latency stays high after it, the rate is not
+        # what drives it (outside contention), and cutting deep again would only starve the server.
+        if not queueing or not (above_good or not self.deep_cut):
+            return self._move(limit * self.p.decay, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms, "
+                                                    f"not our queue: x{self.p.decay:g}")
         excess_s = (p99 - self.s.threshold_ms) / 1000.0
         g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - excess_s / seconds))
         base = min(limit, done, good if good is not None else limit)
-        adj = self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms: {base:.1f}/s x{g:.3f}")
-        if good is not None and limit <= good:
-            # Breaching for periods at a rate once good: capacity fell (e.g. CPU contention). Forget slowly.
+        adj = self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms, queueing: "
+                                   f"{base:.1f}/s x{g:.3f}")
+        if good is not None and not above_good:
+            # Our queue at a rate once good: capacity fell (e.g. CPU contention). Forget it slowly.
             self.good = max(good * self.p.decay, self.rate)
             self.deep_cut = True
         return adj

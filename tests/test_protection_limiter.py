@@ -19,11 +19,15 @@ from agent_under_test.monitor import PeriodSummary
 T = 20.0
 
 
-def period(p99: float | None, count: int = 100, rejected: int = 0, seconds: float = 1.0, n: int = 1) -> PeriodSummary:
+def period(p99: float | None, count: int = 100, rejected: int = 0, seconds: float = 1.0, n: int = 1,
+           p50: float | None = None) -> PeriodSummary:
+    """One period's summary; P50 defaults to the P99 (a queue: every call waits alike)."""
     state = "insufficient" if p99 is None else ("breaching" if p99 > T else "healthy")
+    if p99 is not None and count < 20:
+        state = "insufficient"
     return PeriodSummary(period=n, start=0.0, end=seconds, count=count if p99 is not None else 0, ok=count,
-                         invalid=0, errors=0, rejected=rejected, p50_ms=p99, p95_ms=p99, p99_ms=p99,
-                         state=state)
+                         invalid=0, errors=0, rejected=rejected, p50_ms=p99 if p50 is None else p50,
+                         p95_ms=p99, p99_ms=p99, state=state)
 
 
 def trajectory(limiter, p99s):
@@ -118,9 +122,15 @@ def test_gradient_remembers_the_good_rate_and_forgets_it_when_it_breaches():
 def test_gradient_cuts_like_seed_when_latency_is_high_but_not_from_our_queue():
     lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=800.0, max_rate=1e5))
     lim.good, lim.last_p99 = 1000.0, 400.0
-    # At or below the good rate, latency high but not growing (and not draining fast): x0.9, no deep cut.
-    adj = lim.on_period(period(380.0, count=800, rejected=5))
-    assert adj.new_rate == pytest.approx(720.0) and lim.good == 1000.0 and "x0.9" in adj.reason
+    # P99 high but the median call is quick (4 ms): not our queue, so x0.9 like seed, no deep cut.
+    adj = lim.on_period(period(380.0, count=800, rejected=5, p50=4.0))
+    assert adj.new_rate == pytest.approx(720.0) and lim.good == 1000.0 and "not our queue" in adj.reason
+
+
+def test_gradient_never_cuts_on_too_few_calls_and_climbs_off_its_floor():
+    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=10.0, min_rate=10.0, max_rate=1e5))
+    assert lim.on_period(period(500.0, count=10, rejected=0)) is None            # no evidence, no refusals
+    assert lim.on_period(period(500.0, count=10, rejected=30)).new_rate == pytest.approx(11.0)
 
 
 def test_gradient_halves_the_gap_to_the_knee_then_probes_with_doubling_steps():
@@ -169,10 +179,10 @@ def simulate(policy: str, capacity: float = 1000.0, periods: int = 60, step: tup
         admitted = min(offered, lim.rate)
         done = min(capacity, backlog + admitted)
         backlog = backlog + admitted - done
-        p99 = 5.0 + 1000.0 * backlog / capacity
+        p99 = p50 = 5.0 + 1000.0 * backlog / capacity
         if hiccups is not None and hiccups.random() < 0.2:
-            p99 += hiccups.uniform(20.0, 300.0)
-        lim.on_period(period(p99, count=max(1, int(done)), rejected=int(offered - admitted), n=n))
+            p99 += hiccups.uniform(20.0, 300.0)      # a tail spike: the median call is not slowed
+        lim.on_period(period(p99, count=max(1, int(done)), rejected=int(offered - admitted), n=n, p50=p50))
         rows.append((n, p99, lim.rate, done))
     return rows
 
