@@ -92,47 +92,70 @@ async def _connect(cfg: TrafficConfig) -> aio.Channel:
     return channel
 
 
+class _Sender:
+    """Sends one call (unary task or stream lane), records its result and logs the exact bytes."""
+
+    def __init__(self, channel: aio.Channel, cfg: TrafficConfig) -> None:
+        self._decide = channel.unary_unary(DECIDE)  # bytes in, bytes out: we send exactly what we logged
+        n_lanes = cfg.streams if cfg.stream_share > 0 else 0
+        self.lanes = [StreamLane(channel, i, cfg.call_timeout_s) for i in range(n_lanes)]
+        self._log = _open_log(cfg.log_sent) if cfg.log_sent else None
+        self._timeout_s = cfg.call_timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.results: list[CallResult] = []
+
+    def send(self, seq: int, payload: bytes, lane: StreamLane | None, intended_ns: int) -> None:
+        res = CallResult(intended_ns, time.monotonic_ns(), 0, DECIDE_STREAM if lane else DECIDE, "", seq,
+                         lane.index if lane else None)
+        self.results.append(res)
+        if self._log:
+            self._log.write(json.dumps({"t_ns": res.sent_ns, "wall_ns": time.time_ns(), "method": res.method,
+                                        "sequence_id": seq, "request_b64": base64.b64encode(payload).decode(),
+                                        "stream": res.stream}) + "\n")
+        if lane:
+            lane.send(payload, res)
+            return
+        task = asyncio.get_running_loop().create_task(unary_call(self._decide, payload, res, self._timeout_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def finish(self) -> None:
+        """Wait for every outstanding call (each bounded by the call timeout), close the log."""
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*(lane.close() for lane in self.lanes), return_exceptions=True)
+        finally:
+            self.close_log()
+
+    def close_log(self) -> None:
+        if self._log and not self._log.closed:
+            self._log.close()
+
+
 async def _drive(cfg: TrafficConfig, stop: threading.Event) -> tuple[list[CallResult], int, int]:
     rng = random.Random(cfg.seed)
     sim = MarketSim(random.Random(rng.random()), symbol_names(cfg.symbols), levels=cfg.levels, ticks=cfg.ticks)
     channel = await _connect(cfg)
-    decide = channel.unary_unary(DECIDE)  # bytes in, bytes out: we send exactly what we logged
-    lanes = [StreamLane(channel, i, cfg.call_timeout_s) for i in range(cfg.streams if cfg.stream_share > 0 else 0)]
-    log = _open_log(cfg.log_sent) if cfg.log_sent else None
-    results: list[CallResult] = []
-    tasks: set[asyncio.Task[None]] = set()
+    sender = _Sender(channel, cfg)
     limit = cfg.max_calls if cfg.max_calls is not None else int(cfg.rate * cfg.duration_s * 3) + 100
     start_ns = time.monotonic_ns() + 5_000_000  # a little head room to build the first request
     try:
         for seq, offset in enumerate(PATTERNS[cfg.pattern](cfg.rate, cfg.duration_s, rng), start=1):
             if seq > limit:
                 break
+            lanes = sender.lanes
             lane = lanes[rng.randrange(len(lanes))] if lanes and rng.random() < cfg.stream_share else None
-            payload = sim.next(seq).SerializeToString()
+            payload = sim.next(seq).SerializeToString()  # built before waiting: the send itself is cheap
             intended = start_ns + int(offset * 1e9)
             if not await _wait_until(intended, stop):
                 break
-            res = CallResult(intended, time.monotonic_ns(), 0, DECIDE_STREAM if lane else DECIDE, "", seq,
-                             lane.index if lane else None)
-            results.append(res)
-            if log:
-                log.write(json.dumps({"t_ns": res.sent_ns, "wall_ns": time.time_ns(), "method": res.method,
-                                      "sequence_id": seq, "request_b64": base64.b64encode(payload).decode(),
-                                      "stream": res.stream}) + "\n")
-            if lane:
-                lane.send(payload, res)
-            else:
-                task = asyncio.get_running_loop().create_task(unary_call(decide, payload, res, cfg.call_timeout_s))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            sender.send(seq, payload, lane, intended)
         end_ns = time.monotonic_ns()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(lane.close() for lane in lanes), return_exceptions=True)
+        await sender.finish()
     finally:
-        if log:
-            log.close()
+        sender.close_log()  # also on an error mid-run: what was sent so far stays on disk
         await channel.close()
-    return results, start_ns, end_ns
+    return sender.results, start_ns, end_ns
 
 
 def run_traffic(target: str, rate: float, duration_s: float, pattern: str = "poisson", seed: int = 0,
