@@ -74,6 +74,7 @@ def overhead(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: f
     with Recording(tmp / "bench.rec") as r:
         lost, trunc = r.meta.get("lost_events", 0), r.meta.get("truncated_events", 0)
         calls = r.count("calls")
+        req_msgs = r._db.execute("SELECT count(*) FROM messages WHERE direction='c2s'").fetchone()[0]
     thr_base = sum(b.achieved_rate for b in base) / len(base)
     ok_base = sum(b.ok for b in base) / len(base) / duration
     p99_base = sum(b.p99_ms or 0 for b in base) / len(base)
@@ -82,7 +83,7 @@ def overhead(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: f
             "throughput_ratio": (r0.ok / duration) / ok_base if ok_base else 0.0,
             "p99_base_ms": p99_base, "p99_rec_ms": r0.p99_ms or 0.0, "p99_base_runs": [b.p99_ms for b in base],
             "recorder_cpu_pct": (c1 - c0) / duration * 100, "lost": lost, "truncated": trunc,
-            "calls_recorded": calls, "calls_sent": r0.sent}
+            "calls_recorded": calls, "calls_sent": r0.sent, "request_messages": req_msgs}
 
 
 def burst(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: float) -> dict[str, float]:
@@ -144,7 +145,8 @@ def main() -> None:
         per_k = o["recorder_cpu_pct"] / (o["rate"] / 1000)
         print(f"  recorder CPU {o['recorder_cpu_pct']:.1f} % of a core = {per_k:.1f} % per 1,000 calls/s"
               "   (target <= 5 %; GoReplay ~23 %)")
-        print(f"  recorded {o['calls_recorded']} calls of {o['calls_sent']} sent; lost {o['lost']}, "
+        print(f"  recorded {o['request_messages']} request messages ({o['calls_recorded']} calls: unary + streams) "
+              f"of {o['calls_sent']} sent; lost {o['lost']}, "
               f"truncated {o['truncated']}")
         b = burst(agent, port, tmp, args.burst_rate, args.burst_duration)
         print(f"burst at {b['burst_rate']:.0f} calls/s (achieved {b['achieved']:.0f}): sent {b['sent']}, "

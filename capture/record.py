@@ -60,12 +60,12 @@ class Recorder:
     def start(self) -> Recorder:
         writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
         self.sink = FlowSink(writer, self.redactor)
-        self._started_ns = self.clock.now_ns()
         try:
             self.backend.start(self.sink)
         except BaseException:
             writer.close()
             raise
+        self._started_ns = self.clock.now_ns()   # after the (slow) eBPF load: capture starts now
         writer.set_meta({"backend_settings": self.backend.describe()})
         self._ticker = threading.Thread(target=self._tick, name="recorder-flush", daemon=True)
         self._ticker.start()
@@ -86,6 +86,8 @@ class Recorder:
         if self.result is not None or self.sink is None:
             return self.result or {}
         self._stop.set()
+        if self._ticker:
+            self._ticker.join(timeout=2)   # no commit may race the final close below
         try:
             self.backend.stop()
         finally:
@@ -93,8 +95,6 @@ class Recorder:
             stats = self.sink.close(meta={"stopped_wall_ns": self.clock.wall_ns(),
                                           "capture_duration_s": duration})
             self.sink.writer.close()
-            if self._ticker:
-                self._ticker.join(timeout=2)
         self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output}
         return self.result
 
