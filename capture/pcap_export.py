@@ -13,7 +13,7 @@ import heapq
 import ipaddress
 import os
 import struct
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from capture.errors import PcapError
 from capture.recording import Flow, Recording
@@ -77,8 +77,8 @@ def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
     """Write `recording` as pcapng to `out`; returns counts (flows, chunks, packets)."""
     offset = _wall_offset(recording.meta)
     flows = {f.id: _FlowState(f) for f in recording.flows()}
-    fins: list[tuple[int, int]] = [(f.closed_ns, fid) for fid, f in
-                                   ((fid, s.flow) for fid, s in flows.items()) if f.closed_ns]
+    fins: list[tuple[int, int]] = [(s.flow.closed_ns, fid) for fid, s in flows.items()
+                                   if s.flow.closed_ns is not None and fid is not None]
     heapq.heapify(fins)
     out.write(_headers())
     counts = {"flows": len(flows), "chunks": 0, "packets": 0}
@@ -138,7 +138,7 @@ def _fin(out: BinaryIO, st: _FlowState, ts: int) -> int:
     return 2
 
 
-def export_file(recording_path: str, output: str, *, overwrite: bool = False) -> dict[str, int]:
+def export_file(recording_path: str, output: str, *, overwrite: bool = False) -> dict[str, Any]:
     """Export the recording at `recording_path` to the pcapng file `output` (mode 0600).
 
     Raises RecordingError for an unreadable recording, PcapError when `output` cannot be written.
@@ -153,4 +153,4 @@ def export_file(recording_path: str, output: str, *, overwrite: bool = False) ->
             raise PcapError(f"cannot write {output}: {exc.strerror}") from exc
         with os.fdopen(fd, "wb") as out:
             counts = export_pcapng(rec, out)
-        return counts | {"problems": list(rec.problems)}  # type: ignore[dict-item]
+        return {**counts, "problems": list(rec.problems)}

@@ -40,7 +40,7 @@ def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, byt
     """(linktype, timestamp ns, frame bytes) for each packet; stops at damage, noting it in `problems`.
 
     Raises PcapError when the file is missing or not a pcap/pcapng at all."""
-    from scapy.utils import RawPcapReader   # heavy: imported when used
+    from scapy.utils import RawPcapReader  # heavy: imported when used
     try:
         reader = RawPcapReader(path)
     except FileNotFoundError as exc:

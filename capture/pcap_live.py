@@ -57,7 +57,7 @@ class PcapBackend:
                                  "--backend proxy (unprivileged)") from exc
         try:
             sock.bind((self.options.interface, 0))
-            from scapy.arch.linux import attach_filter   # heavy: only when used
+            from scapy.arch.linux import attach_filter  # heavy: only when used
 
             attach_filter(sock, self._filter(), self.options.interface)
         except OSError as exc:

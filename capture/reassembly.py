@@ -54,7 +54,7 @@ class Reassembler:
         self.server_ports = server_ports or set()
         self.accept = accept
         self.stats = ReassemblyStats()
-        self._flows: dict[tuple[tuple[str, int], tuple[str, int]], dict[str, object]] = {}
+        self._flows: dict[tuple[tuple[str, int], tuple[str, int]], dict[str, _Dir]] = {}
 
     def _flow(self, seg: Segment, ts_ns: int) -> tuple[tuple, str] | None:
         key = (seg.src, seg.dst) if (seg.src, seg.dst) in self._flows else (seg.dst, seg.src)
@@ -87,7 +87,7 @@ class Reassembler:
         if found is None:
             return
         key, direction = found
-        d: _Dir = self._flows[key][direction]   # type: ignore[assignment]
+        d = self._flows[key][direction]
         seq = seg.seq
         if seg.flags & SYN:
             d.next, seq = (seq + 1) % _MOD, (seq + 1) % _MOD
@@ -98,7 +98,7 @@ class Reassembler:
         if seg.flags & (FIN | RST):
             d.fin = True
             self._skip_gaps(key, direction, d)
-            if all(x.fin for x in self._flows[key].values()) or seg.flags & RST:  # type: ignore[union-attr]
+            if all(x.fin for x in self._flows[key].values()) or seg.flags & RST:
                 self._close(key, ts_ns)
 
     def _data(self, key: tuple, direction: str, d: _Dir, seq: int, data: bytes, ts_ns: int) -> None:

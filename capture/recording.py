@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from capture.errors import CorruptRecordingError, RecordingError
 
@@ -302,7 +302,7 @@ class Recording:
 
     def chunks(self, flow_id: int | None = None) -> Iterator[Chunk]:
         """Chunks in capture order (of one flow when `flow_id` is given)."""
-        sql, args = "SELECT * FROM chunks ORDER BY ts_ns, id", ()
+        sql, args = "SELECT * FROM chunks ORDER BY ts_ns, id", cast(tuple[Any, ...], ())
         if flow_id is not None:
             sql, args = "SELECT * FROM chunks WHERE flow_id = ? ORDER BY id", (flow_id,)
         for r in self._rows(sql, args):

@@ -7,6 +7,7 @@ returns the bytes each side wrote, in order, exactly as a capture would see them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from capture.recording import Direction
 
@@ -57,20 +58,20 @@ def h2_conversation(calls: list[GrpcCall], header_table_size: int | None = None)
     return out
 
 
-def _one_call(client: object, server: object, call: GrpcCall, pump: object) -> None:
-    sid = client.get_next_available_stream_id()  # type: ignore[attr-defined]
-    client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", call.method),  # type: ignore[attr-defined]
+def _one_call(client: Any, server: Any, call: GrpcCall, pump: Any) -> None:
+    sid = client.get_next_available_stream_id()
+    client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", call.method),
                               (":authority", "agent"), ("content-type", "application/grpc"), ("te", "trailers"),
                               *call.metadata])
-    pump(client, server, "c2s")  # type: ignore[operator]
+    pump(client, server, "c2s")
     for i, msg in enumerate(call.requests):
-        client.send_data(sid, grpc_frame(msg), end_stream=i == len(call.requests) - 1)  # type: ignore[attr-defined]
-        pump(client, server, "c2s")  # type: ignore[operator]
-    server.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])  # type: ignore[attr-defined]
+        client.send_data(sid, grpc_frame(msg), end_stream=i == len(call.requests) - 1)
+        pump(client, server, "c2s")
+    server.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
     for msg in call.responses:
-        server.send_data(sid, grpc_frame(msg))  # type: ignore[attr-defined]
-        pump(server, client, "s2c")  # type: ignore[operator]
-    server.send_headers(sid, [("grpc-status", str(call.status)), ("grpc-message", "ok" if not call.status else "bad")],  # type: ignore[attr-defined]
+        server.send_data(sid, grpc_frame(msg))
+        pump(server, client, "s2c")
+    server.send_headers(sid, [("grpc-status", str(call.status)), ("grpc-message", "ok" if not call.status else "bad")],
                         end_stream=True)
-    pump(server, client, "s2c")  # type: ignore[operator]
-    pump(client, server, "c2s")  # type: ignore[operator]  (window updates, acks)
+    pump(server, client, "s2c")
+    pump(client, server, "c2s")  # window updates and acks

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from hyperframe.frame import (ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame)
+from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame
 
 from capture.decode.hpack_tolerant import HpackBlockError, TolerantDecoder
 from capture.recording import Call, Direction, Message

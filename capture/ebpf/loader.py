@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
@@ -118,7 +119,7 @@ class EbpfBackend:
             raise CaptureError(f"--side must be server or client, not {options.side!r}")
         self.options = options
         self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
-        self.bpf: object | None = None
+        self.bpf: Any = None
         self.sink: FlowSink | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -72,7 +72,7 @@ def open_connections(port: int, side: str, pids: set[int] | None = None) -> list
 
 def _scan_fds(pid: int, entry: Path, socks: dict[int, tuple[tuple[str, int], tuple[str, int], int]]
               ) -> list[OpenConn]:
-    out = []
+    out: list[OpenConn] = []
     try:
         fds = list((entry / "fd").iterdir())
         comm = (entry / "comm").read_text().strip()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
@@ -43,28 +44,28 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
     sys.exit(1 if report["problems"] else 0)
 
 
-def _call_row(c: object) -> dict[str, object]:
+def _call_row(c: Any) -> dict[str, object]:
     return {k: getattr(c, k) for k in ("method", "kind", "status", "stream_id", "request_ts_ns", "method_unknown")} | {
-        "requests": len(c.requests), "responses": len(c.responses)}  # type: ignore[attr-defined]
+        "requests": len(c.requests), "responses": len(c.responses)}
 
 
-def _plain(r: dict[str, object]) -> None:
+def _plain(r: dict[str, Any]) -> None:
     from capture.summary import sparkline
 
     for key in ("file", "backend", "flows", "joined_flows", "calls", "duration_s", "lost_events",
                 "truncated_events", "unknown_method_calls", "protocols", "statuses", "request_bytes",
                 "response_bytes", "redaction_rules"):
         click.echo(f"{key}: {r[key]}")
-    for name, n in r["methods"].items():  # type: ignore[attr-defined]
+    for name, n in r["methods"].items():
         click.echo(f"method {name}: {n}")
-    click.echo(f"rate: {sparkline([int(x) for x in r['rate_per_s']])}")  # type: ignore[union-attr]
-    for p in r["problems"]:  # type: ignore[attr-defined]
+    click.echo(f"rate: {sparkline([int(x) for x in r['rate_per_s']])}")
+    for p in r["problems"]:
         click.echo(f"problem: {p}")
-    for c in r.get("first_calls", []):  # type: ignore[attr-defined]
+    for c in r.get("first_calls", []):
         click.echo(f"call: {c}")
 
 
-def _rich(r: dict[str, object]) -> None:
+def _rich(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -78,18 +79,18 @@ def _rich(r: dict[str, object]) -> None:
                  ("flows", f"{r['flows']} ({r['joined_flows']} joined mid-stream)"), ("calls", r["calls"]),
                  ("loss", f"[{loss_style}]lost {r['lost_events']}, truncated {r['truncated_events']}[/]"),
                  ("unknown method", r["unknown_method_calls"]), ("protocols", r["protocols"]),
-                 ("rate", f"{sparkline([int(x) for x in rate])}  peak {max(rate, default=0):.0f}/s"),  # type: ignore[arg-type]
+                 ("rate", f"{sparkline([int(x) for x in rate])}  peak {max(rate, default=0):.0f}/s"),
                  ("request bytes", r["request_bytes"]), ("response bytes", r["response_bytes"]),
-                 ("redaction", ", ".join(r["redaction_rules"]) or "none")):  # type: ignore[arg-type]
+                 ("redaction", ", ".join(r["redaction_rules"]) or "none")):
         head.add_row(f"[bold]{k}[/]", str(v))
     con.print(head)
     table = Table(title="calls per method")
     table.add_column("method")
     table.add_column("calls", justify="right")
-    for name, n in r["methods"].items():  # type: ignore[attr-defined]
+    for name, n in r["methods"].items():
         table.add_row(name, str(n))
     con.print(table)
-    for p in r["problems"]:  # type: ignore[attr-defined]
+    for p in r["problems"]:
         con.print(f"[red]problem:[/] {p}")
-    for c in r.get("first_calls", []):  # type: ignore[attr-defined]
+    for c in r.get("first_calls", []):
         con.print(c)
