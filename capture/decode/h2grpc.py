@@ -21,6 +21,7 @@ from capture.recording import Call, Direction, Message
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _MAX_FRAME = 1 << 24
+_CALL_FRAMES = frozenset((0, 1, 3, 9))   # DATA, HEADERS, RST_STREAM, CONTINUATION
 
 
 def plausible_frames(data: bytes) -> bool:
@@ -100,6 +101,8 @@ class H2Decoder:
         return done
 
     def _frame(self, direction: Direction, ts_ns: int, raw: bytes) -> list[Call]:
+        if raw[3] not in _CALL_FRAMES:
+            return []   # SETTINGS, PING, WINDOW_UPDATE, ...: no call content, not worth an object
         try:
             frame, length = Frame.parse_frame_header(memoryview(raw[:9]))
             frame.parse_body(memoryview(raw[9:9 + length]))
