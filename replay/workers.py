@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ _START_DELAY_NS = 50_000_000  # after the last "ready": time for every worker to
 
 def _worker_main(i: int, n: int, path: str, target: str, opts: ReplayOptions, out: Any, go: Any,
                  start_at: Any, stop: Any, forward: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us cleanly
     opts = dataclasses.replace(opts, schedule=dataclasses.replace(opts.schedule, shard=(i, n)))
     pending: deque[CallResult] = deque()
     run = ReplayRun(path, target, opts, on_result=pending.append if forward else None)
@@ -68,7 +70,11 @@ class WorkerPool:
     def __init__(self, path: str | Path, target: str, options: ReplayOptions, workers: int, *,
                  on_result: Callable[[CallResult], None] | None = None,
                  on_progress: Callable[[RunStats], None] | None = None, ready_timeout_s: float = 60.0) -> None:
+        from replay.compare import Comparer
+        from replay.errors import ReplayError
         from replay.target import check_target
+        if isinstance(options.compare, Comparer):
+            raise ReplayError("with workers, pass compare=CompareSpec(...): each process builds its own Comparer")
         self.path, self.target = str(path), check_target(target, options.allow_targets)
         self.options, self.workers = options, workers
         self.on_result, self.on_progress = on_result, on_progress
