@@ -175,3 +175,17 @@ def test_a_protocol_without_sender_is_counted_not_sent() -> None:
     rep = ReplayRun(plan, "127.0.0.1:1", clock=clock).run()
     assert rep.not_sent_reasons == {"no_sender:http2": 1}
     assert rep.invariant_ok
+
+
+def test_allowlist_from_environment_and_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from replay.target import check_target, configured_allowlist
+
+    monkeypatch.delenv("SHADOWTEST_ALLOW_TARGETS", raising=False)
+    with pytest.raises(TargetNotAllowedError):
+        check_target("192.0.2.7:80", use_config=False)
+    monkeypatch.setenv("SHADOWTEST_ALLOW_TARGETS", "198.51.100.0/24, 192.0.2.7")
+    assert check_target("192.0.2.7:80") == "192.0.2.7:80"
+    conf = tmp_path / "allow-targets"
+    conf.write_text("# shadow cluster\n203.0.113.0/28\n")
+    assert "203.0.113.0/28" in configured_allowlist(conf)
+    assert check_target("[::1]:50051") == "[::1]:50051"  # loopback v6 needs no entry
