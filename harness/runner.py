@@ -71,6 +71,7 @@ class Runner:
         self.view = self.options.view or LiveView(scenario.name, rich=False)
         self.log_lines: list[str] = []
         self.windows: list[FaultWindow] = []
+        self._done_periods: list[Any] = []
         self.t0 = 0.0
 
     def log(self, message: str) -> None:
@@ -221,12 +222,23 @@ class Runner:
 
     def _snapshot(self, now: float, phase: str, traffic: TrafficRun, followers: dict[str, Any],
                   faults: FaultSession) -> Snapshot:
-        since = max(0.0, (int(now / self.scenario.period_s) - _VIEW_PERIODS) * self.scenario.period_s)
-        snap = live_snapshot(now, phase, self.scenario, traffic.recent(since), followers.get("events"),
-                             followers.get("metrics"), faults.active_labels(), since)
+        self._catch_up_periods(now, traffic)
+        snap = live_snapshot(now, phase, self.scenario, self._done_periods[-_VIEW_PERIODS:],
+                             followers.get("events"), followers.get("metrics"), faults.active_labels())
         snap.rejected = traffic.counts.get("rejected", 0)
         snap.errors = traffic.counts.get("error", 0) + traffic.counts.get("timeout", 0)
         return snap
+
+    def _catch_up_periods(self, now: float, traffic: TrafficRun) -> None:
+        """Client stats of each period once it has ended (one small slice of calls each, so the view
+        costs the replayer, which shares the GIL, almost nothing)."""
+        period = self.scenario.period_s
+        while (len(self._done_periods) + 1) * period <= now:
+            i = len(self._done_periods)
+            calls = [c for c in traffic.recent(i * period) if c.intended_s < (i + 1) * period]
+            tl = Timeline(period_s=period, threshold_ms=self.scenario.p99_threshold_ms,
+                          phases=[("run", i * period, (i + 1) * period)], calls=calls)
+            self._done_periods.append(tl.periods[i])
 
     def _result(self, running: Running, traffic: TrafficRun, followers: dict[str, Any],
                 before: MetricSample | None, after: MetricSample | None, end: float,
@@ -248,25 +260,20 @@ class Runner:
         return RunResult(s, tl, verdicts, log=self.log_lines, interrupted=interrupted, notes=notes)
 
 
-def live_snapshot(now: float, phase: str, scenario: Scenario, calls: list, events: Any, metrics: Any,
-                  faults: list[str], since: float = 0.0) -> Snapshot:
-    """What the live view shows: periods from `since` (the calls given), the latest events."""
-    period = scenario.period_s
-    tl = Timeline(period_s=period, threshold_ms=scenario.p99_threshold_ms,
-                  phases=[("run", 0.0, max(period, now))], calls=calls)
-    done = [p for p in tl.periods[:-1] if p.start_s >= since - 1e-9] or tl.periods[-1:]
-    last = done[-1] if done else None
+def live_snapshot(now: float, phase: str, scenario: Scenario, periods: list[Any], events: Any, metrics: Any,
+                  faults: list[str]) -> Snapshot:
+    """What the live view shows: the last completed periods' client stats and the latest events."""
+    last = periods[-1] if periods else None
     snap = Snapshot(elapsed_s=max(0.0, now), total_s=scenario.duration_s, phase=phase,
                     offered=last.offered_rate if last else 0.0, achieved=last.achieved_rate if last else 0.0,
-                    p50=[p.p50_ms for p in done], p95=[p.p95_ms for p in done], p99=[p.p99_ms for p in done],
-                    faults=faults, rejected=sum(1 for c in calls if c.outcome == "rejected"),
-                    errors=sum(1 for c in calls if c.outcome in ("error", "timeout")))
+                    p50=[p.p50_ms for p in periods], p95=[p.p95_ms for p in periods],
+                    p99=[p.p99_ms for p in periods], faults=faults)
     if events is not None:
-        last = {e.type: e for e in list(events.events)}   # the latest of each type
-        if "limiter" in last:
-            snap.limiter_rate = float(last["limiter"].data.get("new_rate", 0.0))
-        snap.alert = str(last["alert"].data.get("to")) if "alert" in last else "inactive"
-        snap.tier = str(last["tier"].data.get("to")) if "tier" in last else "full"
+        latest = {e.type: e for e in list(events.events)}   # the latest of each type
+        if "limiter" in latest:
+            snap.limiter_rate = float(latest["limiter"].data.get("new_rate", 0.0))
+        snap.alert = str(latest["alert"].data.get("to")) if "alert" in latest else "inactive"
+        snap.tier = str(latest["tier"].data.get("to")) if "tier" in latest else "full"
     if snap.limiter_rate is None and metrics is not None and metrics.samples:
         snap.limiter_rate = metrics.samples[-1].values.get(scenario_rate_name(scenario))
     return snap
