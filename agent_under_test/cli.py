@@ -84,8 +84,8 @@ def save_weights_command(path: str, seed: int) -> None:
 
 @click.command("traffic")
 @click.option("--target", required=True, help="HOST:PORT of the agent")
-@click.option("--rate", type=float, required=True, help="mean calls/s (unary + stream messages)")
-@click.option("--duration", "duration_s", type=float, required=True, help="seconds to send")
+@click.option("--rate", type=click.FloatRange(0, min_open=True), required=True, help="mean calls/s (unary + stream messages)")
+@click.option("--duration", "duration_s", type=click.FloatRange(0, min_open=True), required=True, help="seconds to send")
 @click.option("--pattern", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="fixes schedule, prices and mix")
 @click.option("--stream-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,

@@ -4,7 +4,9 @@ For each of: an echo grpc.aio server of the same proto (the peer: gRPC + client 
 with the full tier and the agent with the light tier, it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
   - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
-and prints the agent/echo ratios. Servers run in their own processes (one core each on a 2-core box).
+and the server's own CPU time per call (psutil), which says what one core could sustain even when a shared
+host makes wall-clock latency noisy. A model-only section times the forward pass of each tier at batch 1
+and 32 (inferences/s). It prints the agent/echo and light/full ratios. Servers run in their own processes.
 
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
     .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
@@ -90,17 +92,51 @@ def batch_one(address: str, n: int) -> dict[str, float]:
             "p99_ms": round(float(np.percentile(lat, 99)), 3)}
 
 
-def open_loop(address: str, rate: float, duration: float) -> dict[str, object]:
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def open_loop(address: str, pid: int, rate: float, duration: float) -> dict[str, object]:
+    cpu0 = _cpu_s(pid)
     r = run_traffic(address, rate, duration, "poisson", seed=11, stream_share=0.0, call_timeout_s=10.0)
+    cpu_us = (_cpu_s(pid) - cpu0) / max(r.sent, 1) * 1e6
     return {"rate": rate, "achieved": r.achieved_rate, "ok": r.ok, "sent": r.sent, "p50_ms": r.p50_ms,
-            "p99_ms": r.p99_ms, "errors": r.errors, "send_lag_p99_ms": r.send_lag_p99_ms}
+            "p99_ms": r.p99_ms, "errors": r.errors, "send_lag_p99_ms": r.send_lag_p99_ms,
+            "server_cpu_us_per_call": round(cpu_us)}
 
 
-def measure(name: str, address: str, rates: list[float], duration: float, n_seq: int) -> dict[str, object]:
+def model_only(rounds: int = 300) -> dict[str, dict[str, float]]:
+    """Forward-pass throughput per tier (traced, one thread), no gRPC: inferences/s at batch 1 and 32."""
+    import numpy as np
+
+    from agent_under_test.engine import load_engine
+    from agent_under_test.features import build_features
+    from agent_under_test.snapshot import parse_snapshot
+
+    sim = MarketSim(random.Random(5))
+    feats = [build_features(parse_snapshot(sim.next(i))) for i in range(32)]
+    engine = load_engine("cpu", None, seed=0, torch_threads=1)
+    engine.warm_up(32)
+    out: dict[str, dict[str, float]] = {}
+    for tier in ("full", "light"):
+        for b in (1, 32):
+            times = []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                engine.run(feats[:b], tier)
+                times.append(time.perf_counter() - t)
+            out.setdefault(tier, {})[f"batch{b}_per_s"] = round(b / float(np.median(times)))
+    return out
+
+
+def measure(name: str, address: str, pid: int, rates: list[float], duration: float, n_seq: int) -> dict[str, object]:
     out: dict[str, object] = {"batch1": batch_one(address, n_seq), "open_loop": []}
     print(f"{name:6s} batch1 {out['batch1']}", flush=True)
     for rate in rates:
-        row = open_loop(address, rate, duration)
+        row = open_loop(address, pid, rate, duration)
         out["open_loop"].append(row)  # type: ignore[union-attr]
         print(f"{name:6s} open-loop {row}", flush=True)
     return out
@@ -118,11 +154,13 @@ def main() -> None:
         asyncio.run(_echo_main(args.echo_server))
         return
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
+    results["model"] = model_only()
+    print(f"model  {results['model']}", flush=True)
     with EchoProcess() as echo:
-        results["echo"] = measure("echo", echo.grpc_address, args.rates, args.duration, args.seq_calls)
+        results["echo"] = measure("echo", echo.grpc_address, echo.proc.pid, args.rates, args.duration, args.seq_calls)
     for tier in ("full", "light"):
         with AgentProcess(tier=tier, device="cpu", metrics_port=None) as agent:
-            results[tier] = measure(tier, agent.grpc_address, args.rates, args.duration, args.seq_calls)
+            results[tier] = measure(tier, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls)
     _print_ratios(results, args.rates)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -135,15 +173,29 @@ def _best_rate(res: dict, p99_limit_ms: float = 20.0) -> float:
     return max(ok, default=0.0)
 
 
+def _cpu_per_call(res: dict) -> float:
+    """Median server CPU us per call over the open-loop runs."""
+    vals = sorted(r["server_cpu_us_per_call"] for r in res["open_loop"])
+    return float(vals[len(vals) // 2])
+
+
 def _print_ratios(results: dict, rates: list[float]) -> None:
-    echo, full, light = results["echo"], results["full"], results["light"]
-    print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors)")
+    model = results["model"]
+    print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors;"
+          " one core = 1e6 / server CPU us per call)")
     for name in ("echo", "full", "light"):
-        print(f"{name:6s} batch1 {results[name]['batch1']['calls_s']:8.1f} calls/s   sustained {_best_rate(results[name]):8.1f} calls/s")
-    print(f"ratio full/echo   batch1 {full['batch1']['calls_s'] / echo['batch1']['calls_s']:.2f}   "
-          f"sustained {_best_rate(full) / max(_best_rate(echo), 1):.2f}")
-    print(f"ratio light/full  batch1 {light['batch1']['calls_s'] / full['batch1']['calls_s']:.2f}   "
-          f"sustained {_best_rate(light) / max(_best_rate(full), 1):.2f}")
+        res, cpu = results[name], _cpu_per_call(results[name])
+        print(f"{name:6s} batch1 {res['batch1']['calls_s']:8.1f} calls/s (p50 {res['batch1']['p50_ms']} ms)   "
+              f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s")
+    full_cpu, light_cpu, echo_cpu = (_cpu_per_call(results[n]) for n in ("full", "light", "echo"))
+    print(f"ratio full/echo   one-core capacity {echo_cpu / full_cpu:.2f}   sustained "
+          f"{_best_rate(results['full']) / max(_best_rate(results['echo']), 1):.2f}")
+    print(f"ratio light/full  one-core capacity {full_cpu / light_cpu:.2f}   sustained "
+          f"{_best_rate(results['light']) / max(_best_rate(results['full']), 1):.2f}")
+    for b in (1, 32):
+        key = f"batch{b}_per_s"
+        print(f"model forward batch {b:2d}: full {model['full'][key]}/s  light {model['light'][key]}/s  "
+              f"ratio light/full {model['light'][key] / model['full'][key]:.2f}")
 
 
 if __name__ == "__main__":
