@@ -100,6 +100,7 @@ class ReplayRun:
         self._by_conn: dict[str, int] = defaultdict(int)
         self._live: set[_Live] = set()
         self._prepared: set[str] = set()
+        self._incomplete = 0  # planned calls recorded without an outcome (capture cut off mid-call)
         self._seq = itertools.count()
         self.t0_ns = 0
         self.end_ns = 0
@@ -119,8 +120,12 @@ class ReplayRun:
         return self._stop.is_set()
 
     def report(self) -> report_mod.ReplayReport:
+        problems = list(self.problems)
+        if self._incomplete and isinstance(self.source, (str, Path)):  # generated plans have no outcomes
+            problems.append(f"{self._incomplete} calls were recorded without their outcome (the capture "
+                            f"ended mid-call or the connection broke): replayed, but their status is not compared")
         return report_mod.build(self.stats, self.t0_ns, self.end_ns, target=self.target,
-                                options=self.options, problems=self.problems, comparer=self.options.compare)
+                                options=self.options, problems=problems, comparer=self.options.compare)
 
     async def run_async(self) -> None:
         """The run itself, for callers that already have an event loop."""
@@ -172,6 +177,7 @@ class ReplayRun:
             while pending is not None and (pending.due_ns <= now + lookahead or not heap):
                 heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
                 self.stats.scheduled += 1
+                self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
                 self._prepare(pending)
                 pending = next(plan, None)
             if not heap:

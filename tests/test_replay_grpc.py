@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from replay.engine import ReplayOptions, ReplayRun
+from replay.schedule import ScheduleOptions
 from replay.testing import DECIDE_STREAM, EchoServer, write_stream_recording, write_unary_recording
 
 MS = 1_000_000
@@ -104,3 +105,35 @@ def test_client_and_server_streaming_kinds(tmp_path: Path) -> None:
     assert rep.ok == 2 and rep.invariant_ok and rep.mismatches["total"] == 0
     assert sorted((m, s) for _, m, s in server.received) == [("Collect", 0), ("Collect", 1), ("Collect", 2),
                                                              ("Fanout", 7)]
+
+
+def test_recording_cut_off_by_a_killed_recorder_replays_and_says_so(tmp_path: Path) -> None:
+    """The recorder SIGKILLed mid-run: the file opens (WAL), the last calls have no outcome."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "killed.rec"
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from capture.recording import Call, Message, RecordingWriter
+        from replay.testing import DECIDE, snapshot_bytes
+        w = RecordingWriter({str(path)!r}, flush_interval_s=0.05)
+        for i in range(40):
+            ts = 10_000_000_000 + i * 2_000_000
+            done = i < 30  # the last ten calls were still open when the recorder died
+            w.add_call(Call(protocol="grpc", method=DECIDE, request_ts_ns=ts, status=0 if done else None,
+                            requests=[Message("c2s", 0, ts, snapshot_bytes(i))]))
+        time.sleep(0.1)
+        w.add_call(Call(protocol="grpc", method=DECIDE, request_ts_ns=20_000_000_000, status=None,
+                        requests=[Message("c2s", 0, 20_000_000_000, snapshot_bytes(40))]))  # commits
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1])
+    assert proc.returncode == -signal.SIGKILL and os.path.exists(path)
+    with EchoServer() as server:
+        rep = ReplayRun(path, server.address, ReplayOptions(schedule=ScheduleOptions(window=(0, 1)))).run()
+    assert rep.ok == rep.scheduled == 40 and rep.invariant_ok and len(server.received) == 40
+    assert any("10 calls were recorded without their outcome" in p for p in rep.problems)
