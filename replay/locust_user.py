@@ -48,6 +48,8 @@ def _add_arguments(parser: Any) -> None:
     group.add_argument("--shadow-timeout", type=float, default=10.0, help="per-call timeout in seconds")
     group.add_argument("--shadow-start-delay", type=float, default=1.0, help="seconds after the spawn to start")
     group.add_argument("--shadow-max-in-flight", type=int, default=256, help="per connection (drop-new)")
+    group.add_argument("--shadow-window", default="", help="A:B, only seconds A to B of the recording")
+    group.add_argument("--shadow-method", default="", help="only these methods (comma separated)")
 
 
 def sleep_until(deadline: float) -> None:
@@ -84,7 +86,10 @@ class ReplayUser(User):
     @task
     def replay(self) -> None:
         shard = shard_of(self.environment)
-        sched = ScheduleOptions(speed=self.opts.shadow_speed, loop=self.opts.shadow_loop, shard=shard)
+        window = tuple(float(x) for x in self.opts.shadow_window.split(":")) if self.opts.shadow_window else None
+        methods = frozenset(m for m in self.opts.shadow_method.split(",") if m)
+        sched = ScheduleOptions(speed=self.opts.shadow_speed, loop=self.opts.shadow_loop, shard=shard,
+                                window=window, methods=methods)  # type: ignore[arg-type]
         rec, plan = plan_from_recording(self.opts.shadow_recording, sched)
         spawned = getattr(self.environment.runner, "last_received_spawn_timestamp", None) or time.time()
         t0 = spawned + self.opts.shadow_start_delay
