@@ -135,7 +135,7 @@ def test_decision_comes_back_and_passes_risk_rules(serve) -> None:
 
 def test_stream_keeps_order_by_sequence_id(serve) -> None:
     guard = RecordingGuard()
-    agent = serve(guard, batch_window_ms=5)
+    agent = serve(guard, batch_window_ms=20)
     msgs = snapshots(60, seed=1)
     answers = list(agent.stub.DecideStream(iter(msgs), timeout=30))
     assert [a.sequence_id for a in answers] == [m.sequence_id for m in msgs]
