@@ -145,7 +145,7 @@ def measure(name: str, address: str, pid: int, rates: list[float], duration: flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000])
-    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--duration", type=float, default=6.0)
     ap.add_argument("--seq-calls", type=int, default=500)
     ap.add_argument("--json", default=None)
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
