@@ -32,7 +32,9 @@ AGENT_OPTIONS: dict[str, Param] = {
     "tier": Param("choice:full,light"), "device": Param("choice:auto,cpu,cuda"),
     "hpack_table_size": Param("int"), "max_connection_age_s": Param("number"),
     "initial_rate": Param("number"), "min_rate": Param("number"), "max_rate": Param("number"),
-    "batch_window_ms": Param("number"), "max_batch": Param("int"), "alerts": Param("bool"),
+    "batch_window_ms": Param("number"), "max_batch": Param("int"), "workers": Param("int"),
+    "torch_threads": Param("int"), "seed": Param("int"), "weights": Param("str"), "grace_s": Param("number"),
+    "max_message_bytes": Param("int"),
 }
 _TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry

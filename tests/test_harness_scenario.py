@@ -112,3 +112,12 @@ def test_every_bundled_scenario_loads() -> None:
     for f in files:
         s = load_scenario(f)
         assert s.duration_s <= 90, f"{f} is too long for CI"
+
+
+def test_agent_options_are_options_the_agent_has() -> None:
+    from dataclasses import fields
+
+    from agent_under_test.config import ServeOptions
+    from harness.scenario_load import AGENT_OPTIONS
+
+    assert set(AGENT_OPTIONS) <= {f.name for f in fields(ServeOptions)}
