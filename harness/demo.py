@@ -1,4 +1,4 @@
-"""`shadowtest demo`: the whole story on one machine in about 75 seconds.
+"""`shadowtest demo`: the whole story on one machine in about 80 seconds.
 
     1. production: start the agent, drive production-like traffic at it, record it with eBPF
        (falling back to pcap, then the recording proxy, each time saying why)
@@ -34,7 +34,7 @@ phases:
   - {{name: warmup, duration: 5s}}
   - {{name: baseline, duration: 10s}}
   - name: fault
-    duration: 20s
+    duration: 15s
     faults:
       - {{network: latency, latency_ms: 5, jitter_ms: 15}}
       - {{cpu: contention, workers: 4, load_pct: 100}}
@@ -49,7 +49,7 @@ expect:
   - restores: {{phase: recovery, within_s: 15s}}
   - no_loss: {{}}
 """
-RUN_S = 55.0
+RUN_S = 50.0
 
 
 @dataclass
@@ -128,7 +128,7 @@ def demo_scenario(capture: Capture, seed: int, record_s: float) -> Any:
     return load_scenario_text(text, "<demo>")
 
 
-def run_demo(report_dir: str, *, record_s: float = 15.0, rate: float = 60.0, seed: int = 7,
+def run_demo(report_dir: str, *, record_s: float = 12.0, rate: float = 60.0, seed: int = 7,
              stream: TextIO | None = None, backends: tuple[str, ...] = BACKENDS,
              scale: float = 1.0) -> tuple[Any, dict[str, str]]:
     """The whole demo; returns (RunResult, report paths). Raises RunError when it cannot run.

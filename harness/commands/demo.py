@@ -10,7 +10,7 @@ import click
 @click.command("demo")
 @click.option("--report-dir", type=click.Path(file_okay=False), default="shadowtest-reports/demo",
               show_default=True, help="where the recording and every report go")
-@click.option("--record-s", type=click.FloatRange(3, 120), default=15.0, show_default=True,
+@click.option("--record-s", type=click.FloatRange(3, 120), default=12.0, show_default=True,
               help="seconds of production traffic to record")
 @click.option("--rate", type=click.FloatRange(1, 2000), default=60.0, show_default=True,
               help="production calls per second")
@@ -18,7 +18,7 @@ import click
 @click.option("--backend", "backends", multiple=True, type=click.Choice(["ebpf", "pcap", "proxy"]),
               help="capture backends to try in order (default: ebpf, then pcap, then proxy)")
 def command(report_dir: str, record_s: float, rate: float, seed: int, backends: tuple[str, ...]) -> None:
-    """The whole story on one machine in about 75 seconds.
+    """The whole story on one machine in about 80 seconds.
 
     Starts the agent, records production-like traffic with eBPF (or says which fallback it used and
     why), replays the recording at 2x through the fault proxy while network jitter and CPU
