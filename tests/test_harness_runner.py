@@ -188,3 +188,23 @@ expect:
     assert no_loss.evidence["agent_seen"] == no_loss.evidence["client_sent"] > 60   # counters were read
     assert result.timeline.events_of("period") and result.timeline.limiter_series()  # events were followed
     assert result.timeline.cpu and result.timeline.cpu[-1].target_pct is None        # not our process
+
+
+def test_a_run_refuses_to_start_over_leftover_faults(state_dir: Path) -> None:
+    # What a SIGKILLed run leaves: a holder file whose process is gone, with a toxic still recorded.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    pid = int(dead.stdout)
+    state_dir.mkdir(parents=True, mode=0o700)
+    entry = {"kind": "toxic", "api": "http://127.0.0.1:9", "proxy": "st-x", "toxic": "latency_1"}
+    (state_dir / f"holder-{pid}-1.json").write_text(json.dumps({"holder": {"pid": pid, "start": 1},
+                                                                "entries": {"toxic-1": entry}}))
+    scenario = load_scenario_text(QUOTA % {"limiter": "seed", "threshold": 100})
+    from harness.errors import RunError
+    with pytest.raises(RunError, match="left faults behind .*shadowtest faults clear"):
+        Runner(scenario).run()
+    from harness.faultimpl import check_leftovers, clear_leftovers
+    assert len(check_leftovers()) == 1
+    undone = clear_leftovers()    # the dead proxy took its toxic with it: nothing to reset, entry dropped
+    assert len(undone) == 1 and "latency_1" in undone[0]
+    assert check_leftovers() == [] and clear_leftovers() == []
