@@ -117,6 +117,9 @@ class EbpfBackend:
     def __init__(self, options: RecordOptions) -> None:
         if options.side not in ("server", "client"):
             raise CaptureError(f"--side must be server or client, not {options.side!r}")
+        if not 0 < options.max_bytes <= CHUNK_MAX:
+            # Beyond one 64 KiB record per iovec the verifier's work outgrows its limit.
+            raise CaptureError(f"--max-bytes {options.max_bytes}: choose 1 to {CHUNK_MAX} bytes per syscall")
         self.options = options
         self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
         self.bpf: Any = None
