@@ -29,6 +29,14 @@ Schema (version 1), queryable with plain `sqlite3 FILE`:
 All `*_ns` columns share one clock (CLOCK_MONOTONIC for eBPF captures, capture time for pcaps);
 `meta.started_wall_ns` and `meta.started_mono_ns` map it to wall-clock time.
 
+Meta keys written by capture (JSON values): `clock` ("CLOCK_MONOTONIC" for live backends,
+"capture-wall" for imported pcaps, whose ts_ns already are wall-clock ns), `backend` (ebpf | pcap |
+proxy | import), `filters` {port, pid, cgroup, side, max_bytes}, `backend_settings`, `host`, `kernel`,
+`tool_version`, `recorder_pid`, `lost_events`, `truncated_events`, `unknown_method_calls`,
+`redaction_rules` (every rule applied, record time first), `capture_duration_s` and
+`stopped_wall_ns` (absent when the recorder was killed), and for imports `source`, `import_problems`,
+`gaps`, `gap_bytes`, `retransmitted_segments`.
+
 Durability: WAL mode with synchronous=NORMAL and a commit at least every `flush_interval_s`
 (default 0.5 s), so a recorder killed with SIGKILL leaves a file that opens, missing at most the
 last second. The file is created with mode 0600: recordings hold production data.
