@@ -29,8 +29,9 @@ def plot_timeline(result: RunResult, path: Path) -> None:
         ax_lat.plot(*zip(*server, strict=True), ":", color="black", label="agent P99")
     ax_lat.axhline(tl.threshold_ms, color="red", linewidth=0.8, label=f"threshold {tl.threshold_ms:g} ms")
     for start, end in tl.alert_intervals():
-        ax_lat.axvspan(start, end if end is not None else tl.duration_s, color="red", alpha=0.12,
-                       label="P99High firing")
+        # A solid strip along the top: a translucent band would vanish under the fault shading.
+        ax_lat.axvspan(start, end if end is not None else tl.duration_s, ymin=0.94, ymax=1.0, color="red",
+                       alpha=0.7, label="P99High firing")
     ax_lat.set_ylabel("latency (ms)")
     _rates(ax_rate, tl, mids)
     _tier(ax_tier, tl)
