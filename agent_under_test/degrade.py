@@ -6,7 +6,8 @@ Two independent reasons to serve `light`:
          once `hold_periods` healthy periods in a row have passed, the resolving period counting as
          the first (hysteresis: a resolved alert that breaches again at once does not flap the tier).
   queue  queue depth above `light_depth` (5) -> light for new batches, until the depth falls to
-         `drain_depth` (2) or below. Two levels, not one, so a queue hovering at 5-6 does not flap.
+         `drain_depth` (2) or below and at least `hold_s` (0.5 s) has passed since the switch. Two
+         levels and a dwell time, so a queue hovering around 5 does not flip the model every batch.
 
 The served tier is `light` while either reason holds, else the configured tier.
 """
@@ -34,7 +35,7 @@ class TierSelector:
     """Pure tier logic; the guard calls it under its lock."""
 
     def __init__(self, base_tier: str = FULL, light_depth: int = 5, drain_depth: int = 2,
-                 hold_periods: int = 2) -> None:
+                 hold_periods: int = 2, hold_s: float = 0.5) -> None:
         if base_tier not in TIERS:
             raise ValueError(f"unknown tier {base_tier!r}: choose full or light")
         if not 0 <= drain_depth < light_depth:
@@ -43,16 +44,18 @@ class TierSelector:
         self.light_depth = light_depth
         self.drain_depth = drain_depth
         self.hold_periods = hold_periods
+        self.hold_s = hold_s
+        self.queue_since = 0.0
         self.alert_light = False
         self.queue_light = False
         self.calm_periods = 0
         self.tier = base_tier
 
-    def on_queue(self, depth: int) -> TierChange | None:
-        """Per forward pass: switch on a deep queue, switch back once it drained."""
+    def on_queue(self, depth: int, now: float) -> TierChange | None:
+        """Per forward pass at monotonic `now`: switch on a deep queue, back once it drained and held."""
         if not self.queue_light and depth > self.light_depth:
-            self.queue_light = True
-        elif self.queue_light and depth <= self.drain_depth:
+            self.queue_light, self.queue_since = True, now
+        elif self.queue_light and depth <= self.drain_depth and now - self.queue_since >= self.hold_s:
             self.queue_light = False
         else:
             return None

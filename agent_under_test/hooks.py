@@ -37,6 +37,7 @@ class GuardConfig:
     rejected_ratio_threshold: float = 0.05   # RejectedRatioHigh: rejected / offered above this
     queue_light_depth: int = 5           # queue depth above this serves new batches light ...
     queue_drain_depth: int = 2           # ... until it is at most this
+    queue_hold_s: float = 0.5            # ... and at least this long after the switch
     tier_hold_periods: int = 2           # healthy periods (from the resolving one) before full returns
 
 

@@ -44,7 +44,7 @@ class ProtectionGuard:
         self.alerts = AlertSet(config.alert_periods, config.resolve_periods, config.error_ratio_threshold,
                                config.rejected_ratio_threshold, config.min_samples)
         self.tiers = TierSelector(config.tier, config.queue_light_depth, config.queue_drain_depth,
-                                  config.tier_hold_periods)
+                                  config.tier_hold_periods, config.queue_hold_s)
         self.events = EventLog(self.clock)
         self.metrics = Metrics(config.p99_threshold_ms / 1000.0, tuple(self.alerts.machines))
         self.metrics.limiter_rate.set(self.limiter.rate)
@@ -77,7 +77,7 @@ class ProtectionGuard:
 
     def choose_tier(self, queue_depth: int) -> str:
         with self._lock:
-            change = self.tiers.on_queue(queue_depth)
+            change = self.tiers.on_queue(queue_depth, self.clock.now())
             tier = self.tiers.tier
         if change is not None:
             self._tier_event(change)

@@ -64,8 +64,13 @@ def test_rejections_get_a_retry_hint_and_are_counted_everywhere():
 
 
 def test_queue_depth_switches_tier_and_emits_events_with_reason_queue():
-    g, _ = guard()
-    assert [g.choose_tier(d) for d in (3, 6, 4, 2)] == ["full", "light", "light", "full"]
+    g, clock = guard()
+    tiers = []
+    for depth in (3, 6, 2, 2):
+        tiers.append(g.choose_tier(depth))
+        clock.advance(0.25)
+    # Light from the deep queue until it drained to 2 and 0.5 s passed since the switch.
+    assert tiers == ["full", "light", "light", "full"]
     assert [(e["to"], e["reason"]) for e in g.events.since(0, "tier")] == [("light", "queue"), ("full", "recovered")]
 
 
