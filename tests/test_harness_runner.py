@@ -116,7 +116,9 @@ expect:
 
 @pytest.mark.root
 @pytest.mark.slow
-def test_sigint_removes_every_fault_and_still_writes_the_report(tmp_path: Path, state_dir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_removes_every_fault_and_still_writes_the_report(tmp_path: Path, state_dir: Path,
+                                                                   sig: signal.Signals) -> None:
     scenario = tmp_path / "s.yaml"
     scenario.write_text(INTERRUPT)
     out = tmp_path / "out"
@@ -130,13 +132,13 @@ def test_sigint_removes_every_fault_and_still_writes_the_report(tmp_path: Path, 
         lines.append(line)
         if sum("took effect" in x for x in lines) == 2 or time.monotonic() > deadline:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=60)
     text = "".join(lines) + rest
     assert proc.returncode == 1, text
-    assert "interrupted by SIGINT" in text and text.count("removed") >= 2
+    assert f"interrupted by {sig.name}" in text and text.count("removed") >= 2
     data = json.loads((out / "results.json").read_text())
-    assert data["interrupted"] == "SIGINT" and data["partial"] and data["duration_s"] < 30
+    assert data["interrupted"] == sig.name and data["partial"] and data["duration_s"] < 30
     assert all(f["removed_s"] is not None for f in data["timeline"]["faults"])
     from faults.cleanup import check_leftovers
     assert check_leftovers(state_dir) == []
