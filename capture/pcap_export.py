@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 from capture.errors import PcapError
 from capture.recording import Flow, Recording
+from capture.salvage import open_salvaged
 
 _LINKTYPE_RAW = 101
 _SEG = 16000          # payload bytes per synthesized segment (well under the IPv4 64 KiB limit)
@@ -144,7 +145,7 @@ def export_file(recording_path: str, output: str, *, overwrite: bool = False) ->
     Raises RecordingError for an unreadable recording, PcapError when `output` cannot be written.
     A damaged recording is exported up to the damage; the returned dict's `problems` says so."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (0 if overwrite else os.O_EXCL)
-    with Recording(recording_path) as rec:
+    with open_salvaged(recording_path) as rec:
         try:
             fd = os.open(output, flags, 0o600)   # holds production data: owner-only
         except FileExistsError as exc:

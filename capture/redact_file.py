@@ -13,6 +13,7 @@ from pathlib import Path
 from capture.decode.h2mask import H2ChunkMasker
 from capture.recording import Chunk, Recording, RecordingWriter
 from capture.redact import Redactor, mask_http1_headers
+from capture.salvage import open_salvaged
 
 
 def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool = False) -> dict[str, int]:
@@ -20,7 +21,7 @@ def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool 
 
     Raises RecordingError / CorruptRecordingError for `src`, RecordingError for `dst`. A damaged
     source is copied up to the damage; `problems` in the result says what was cut off."""
-    with Recording(src) as rec:
+    with open_salvaged(src) as rec:
         meta = dict(rec.meta)
         meta["redaction_rules"] = list(meta.get("redaction_rules", [])) + redactor.specs
         with RecordingWriter(dst, meta=meta, overwrite=overwrite) as out:

@@ -139,3 +139,20 @@ def test_corrupt_recording_is_salvaged_and_reported(server: int, tmp_path: Path)
     (tmp_path / "junk.rec").write_bytes(b"not a database" * 100)
     res = CliRunner().invoke(cli, ["inspect", str(tmp_path / "junk.rec")])
     assert res.exit_code == 1 and "not a readable recording" in " ".join(res.output.split())
+
+
+def test_truncated_recording_is_salvaged_up_to_the_cut(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "proxy.rec"
+    with Recorder(RecordOptions(output=str(out), backend="proxy", port=server)) as rec:
+        _traffic(rec.backend.address[1], n=300)  # type: ignore[attr-defined]
+    data = out.read_bytes()
+    cut = tmp_path / "cut.rec"
+    cut.write_bytes(data[:len(data) * 6 // 10])     # a copy interrupted at 60 %
+    res = CliRunner().invoke(cli, ["inspect", str(cut), "--json"])
+    assert res.exit_code == 1
+    report = json.loads(res.output)
+    assert "is damaged" in report["problems"][0]
+    assert 0 < report["calls"] < 301 and report["flows"] == 1
+    # export reads the same intact part and says what it lost
+    res = CliRunner().invoke(cli, ["export", str(cut), "-o", str(tmp_path / "cut.pcapng")])
+    assert res.exit_code == 1 and (tmp_path / "cut.pcapng").stat().st_size > 0

@@ -26,10 +26,10 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
       shadowtest inspect prod.rec --json | jq .methods
       shadowtest inspect prod.rec --calls 5
     """
-    from capture.recording import Recording
+    from capture.salvage import open_salvaged
     from capture.summary import summarize
 
-    with Recording(file) as rec:
+    with open_salvaged(file) as rec:
         report = summarize(rec)
         calls = [_call_row(c) for _, c in zip(range(show_calls), rec.calls(), strict=False)]
         report["problems"] = list(dict.fromkeys(report["problems"] + rec.problems))
