@@ -212,3 +212,17 @@ def test_record_command_stops_cleanly_on_sigint_and_survives_sigkill(agent: Agen
     with Recording(tmp_path / "kill.rec") as r:
         assert "stopped_wall_ns" not in r.meta       # it never finished, yet it opens and reads
         assert r.count("calls") == report.sent
+
+
+def test_client_side_records_the_callers_connections_with_both_ends(agent: AgentProcess, tmp_path: Path) -> None:
+    log = tmp_path / "sent.jsonl"
+    with Recorder(RecordOptions(output=str(tmp_path / "c.rec"), port=_port(agent), side="client")) as rec:
+        run_traffic(agent.grpc_address, 100, 1.0, seed=5, stream_share=0.2, log_sent=str(log))
+        time.sleep(0.3)
+    sent = Counter((s["method"], base64.b64decode(s["request_b64"]))
+                   for s in map(json.loads, log.read_text().splitlines()))
+    assert _requests(tmp_path / "c.rec") == sent and rec.result["lost_events"] == 0
+    with Recording(tmp_path / "c.rec") as r:
+        (flow,) = list(r.flows())
+    assert flow.pid == os.getpid() and flow.src[0] == "127.0.0.1" and flow.src[1] > 0
+    assert flow.dst == ("127.0.0.1", _port(agent))

@@ -255,7 +255,8 @@ class EbpfBackend:
         if si.is_server:
             client, server = remote, (_ip(si.family, si.laddr), si.lport)
         else:
-            client, server = ("0.0.0.0", 0), remote   # local end filled in at the first data
+            # connect() bound the local end already; /proc has it by the time we see the event
+            client, server = procnet.local_end(h.tgid, h.fd) or ("0.0.0.0", 0), remote
         self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
                                       opened_ns=h.ts_ns, joined_midstream=False))
 
