@@ -34,6 +34,10 @@ class TolerantDecoder:
     def __init__(self) -> None:
         self.table = HeaderTable()
         self._mask: Callable[[str], bool] | None = None
+        # Blocks that only reference the table (no insertions) decode the same while the table
+        # is unchanged: gRPC repeats such blocks (":status 200", "grpc-status 0") on every call.
+        self._version = 0
+        self._cache: dict[tuple[bytes, int], DecodedBlock] = {}
 
     def _lookup(self, index: int) -> tuple[bytes, bytes] | None:
         try:
@@ -58,6 +62,10 @@ class TolerantDecoder:
 
         With `mask`, literal values whose header name it accepts are listed in `out.spans` as
         (length-prefix offset, value start, value end) so the caller can blank them in place."""
+        key = (block, self._version)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
         out = DecodedBlock()
         self._mask = mask
         data = memoryview(block)
@@ -69,6 +77,10 @@ class TolerantDecoder:
             raise
         except Exception as exc:  # noqa: BLE001 - hpack's integer/huffman errors
             raise HpackBlockError(f"malformed header block: {exc}") from exc
+        if key[1] == self._version:
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[key] = out
         return out
 
     def _one(self, data: memoryview, pos: int, out: DecodedBlock) -> int:
@@ -84,6 +96,7 @@ class TolerantDecoder:
         if (b & 0xE0) == 0x20:                         # dynamic table size update
             size, used = decode_integer(data[pos:], 5)
             self.table.maxsize = size
+            self._version += 1
             return pos + used
         prefix, index_it = (6, True) if (b & 0xC0) == 0x40 else (4, False)
         name_index, used = decode_integer(data[pos:], prefix)
@@ -105,8 +118,10 @@ class TolerantDecoder:
             if index_it:
                 # Keep indices of later entries right even though this name is unknown.
                 self.table.add(b"x-shadowtest-unknown", value)
+                self._version += 1
             return pos
         if index_it:
             self.table.add(name, value)
+            self._version += 1
         out.headers.append((name.decode("latin-1"), value.decode("latin-1")))
         return pos
