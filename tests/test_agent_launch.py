@@ -105,3 +105,16 @@ def test_agent_dies_with_a_killed_parent() -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_grpc_options_for_capture_and_connection_age() -> None:
+    from agent_under_test.config import ServeOptions
+
+    opts = dict(ServeOptions(hpack_table_size=0, max_connection_age_s=30, grace_s=2).grpc_options())
+    assert opts["grpc.http2.hpack_table_size.decoder"] == 0 and opts["grpc.http2.hpack_table_size.encoder"] == 0
+    assert opts["grpc.max_connection_age_ms"] == 30000 and opts["grpc.max_connection_age_grace_ms"] == 2000
+    assert opts["grpc.max_receive_message_length"] > ServeOptions().max_message_bytes  # we validate, not gRPC
+    plain = dict(ServeOptions().grpc_options())
+    assert "grpc.http2.hpack_table_size.decoder" not in plain and "grpc.max_connection_age_ms" not in plain
+    gc = ServeOptions(limiter="gradient", p99_threshold_ms=15, metrics_port=None, tier="light").guard_config()
+    assert (gc.limiter, gc.p99_threshold_ms, gc.metrics_port, gc.tier) == ("gradient", 15, None, "light")
