@@ -38,7 +38,7 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--p99-threshold-ms", type=float, default=_D.p99_threshold_ms, help="P99 alert threshold")
 @_opt("--alert-periods", type=int, default=_D.alert_periods, help="periods over threshold before firing")
 @_opt("--resolve-periods", type=int, default=_D.resolve_periods, help="periods under it before resolving")
-@_opt("--alerts/--no-alerts", default=_D.alerts, help="P99 alerting (passed to the guard when it supports it)")
+@_opt("--alerts/--no-alerts", default=_D.alerts, help="P99 alerting; --no-alerts never fires (to prove the chaos checks catch it)")
 @_opt("--period-s", type=float, default=_D.period_s, help="monitor period")
 @_opt("--initial-rate", type=float, default=_D.initial_rate, help="limiter start, calls/s")
 @_opt("--min-rate", type=float, default=_D.min_rate, help="limiter floor, calls/s")

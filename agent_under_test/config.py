@@ -32,7 +32,7 @@ class ServeOptions:
     p99_threshold_ms: float = 20.0
     alert_periods: int = 3
     resolve_periods: int = 3
-    alerts: bool = True                  # P99 alerting; reaches the guard once GuardConfig has the field
+    alerts: bool = True                  # P99 alerting; False never fires (for testing the checks)
     period_s: float = 1.0
     initial_rate: float = 2000.0
     min_rate: float = 10.0

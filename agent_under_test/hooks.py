@@ -38,6 +38,7 @@ class GuardConfig:
     queue_light_depth: int = 5           # queue depth above this serves new batches light ...
     queue_drain_depth: int = 2           # ... until it is at most this
     queue_hold_s: float = 0.5            # ... and at least this long after the switch
+    alerts: bool = True                  # False: alerts never fire (a deliberately broken agent)
     tier_hold_periods: int = 2           # healthy periods (from the resolving one) before full returns
 
 

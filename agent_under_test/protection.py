@@ -100,7 +100,8 @@ class ProtectionGuard:
             summary = self._recorder.summarize(self.period, now, self.config.p99_threshold_ms,
                                                self.config.min_samples)
             self._recorder = PeriodRecorder(now)
-            transitions = self.alerts.observe(summary)
+            # alerts=False is the deliberately broken agent the chaos checks must catch.
+            transitions = self.alerts.observe(summary) if self.config.alerts else []
             adjustment = self.limiter.on_period(summary)
             change = self.tiers.on_period(self.alerts.firing(P99_ALERT), summary.state)
             self.last_summary = summary

@@ -81,7 +81,7 @@ def _tracepoint() -> Check:
     try:
         from bcc import BPF  # type: ignore[import-not-found]
 
-        b = BPF(text=_BPF_PROBE)
+        b = BPF(text=_BPF_PROBE.encode())
         b.cleanup()
     except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
         return Check("eBPF tracepoint program", False, str(exc).splitlines()[0][:120], fix)

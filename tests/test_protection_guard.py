@@ -99,3 +99,13 @@ def test_off_limiter_still_monitors_and_bad_settings_fail_with_a_hint():
         build_guard(GuardConfig(limiter="fast"))
     with pytest.raises(ServeError, match="period-s"):
         build_guard(GuardConfig(period_s=0))
+
+
+def test_alerts_disabled_never_fire_nor_degrade_but_the_limiter_still_acts():
+    g, clock = guard(alerts=False)
+    for ms in [30.0] * 4:
+        one_period(g, clock, ms)
+    events = g.events.since(0)
+    assert [e for e in events if e["type"] in ("alert", "tier")] == []
+    assert g.alert_state() == "inactive" and g.tier == "full"
+    assert [e["new_rate"] for e in events if e["type"] == "limiter"] == pytest.approx([900.0, 810.0, 729.0, 656.1])
