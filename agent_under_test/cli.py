@@ -43,6 +43,10 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--initial-rate", type=float, default=_D.initial_rate, help="limiter start, calls/s")
 @_opt("--min-rate", type=float, default=_D.min_rate, help="limiter floor, calls/s")
 @_opt("--max-rate", type=float, default=_D.max_rate, help="limiter ceiling, calls/s")
+@_opt("--min-samples", type=click.IntRange(1), default=_D.min_samples,
+      help="calls a period needs for a P99 (fewer: insufficient, neither breaching nor healthy)")
+@_opt("--rejected-ratio-threshold", type=float, default=_D.rejected_ratio_threshold,
+      help="RejectedRatioHigh fires above this share of offered calls")
 @_opt("--hpack-table-size", type=int, default=None, help="HPACK dynamic table size (0: captures decode mid-stream)")
 @_opt("--max-connection-age-s", type=float, default=None, help="close connections after this age")
 @_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")

@@ -37,6 +37,8 @@ class ServeOptions:
     initial_rate: float = 2000.0
     min_rate: float = 10.0
     max_rate: float = 20000.0
+    min_samples: int = 20                # fewer calls in a period: 'insufficient' (neither breach nor heal)
+    rejected_ratio_threshold: float = 0.05
     hpack_table_size: int | None = None  # 0 lets a mid-stream capture decode every header block
     max_connection_age_s: float | None = None
     grace_s: float = 5.0                 # how long SIGTERM waits for in-flight calls
