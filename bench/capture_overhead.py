@@ -31,7 +31,7 @@ from capture.recording import Recording  # noqa: E402
 
 
 def start_recorder(port: int, out: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--max-bytes", "65536",
+    cmd = [sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--max-bytes", "262144",
            "-o", str(out), "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})

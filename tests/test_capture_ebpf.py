@@ -53,7 +53,7 @@ def run(agent: AgentProcess, tmp_path_factory: pytest.TempPathFactory) -> dict:
         tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(agent)}"],
                                    stderr=subprocess.DEVNULL)
     # gRPC reads whatever has arrived in one recvmsg: under bursts that exceeds the 16 KiB default
-    rec = Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=65536)).start()
+    rec = Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144)).start()
     try:
         report = run_traffic(agent.grpc_address, 250, 3.0, seed=3, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)   # the last responses' syscalls reach the ring buffer

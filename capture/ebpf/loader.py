@@ -29,6 +29,8 @@ from capture.sink import FlowSink
 BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
 CHUNK_MIN, CHUNK_MAX = 4096, 65536
 MAX_IOV = 128
+BIG_IOV = 4        # iovecs that may fill several records each (see copy_out in the .bpf.c)
+MAX_BYTES_LIMIT = 262144
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
 EV_DATA, EV_OPEN, EV_CLOSE = 1, 2, 3
 
@@ -96,7 +98,7 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = 
     defines = {
         "FILTER_PORT": options.port or 0, "FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL",
         "FILTER_TGID_MAP": int(tgid_map), "SIDE_SERVER": int(options.side == "server"),
-        "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "RINGBUF_PAGES": options.ring_pages,
+        "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "BIG_IOV": BIG_IOV, "RINGBUF_PAGES": options.ring_pages,
         "SCRATCH_CPUS": _possible_cpus(),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -117,9 +119,9 @@ class EbpfBackend:
     def __init__(self, options: RecordOptions) -> None:
         if options.side not in ("server", "client"):
             raise CaptureError(f"--side must be server or client, not {options.side!r}")
-        if not 0 < options.max_bytes <= CHUNK_MAX:
-            # Beyond one 64 KiB record per iovec the verifier's work outgrows its limit.
-            raise CaptureError(f"--max-bytes {options.max_bytes}: choose 1 to {CHUNK_MAX} bytes per syscall")
+        if not 0 < options.max_bytes <= MAX_BYTES_LIMIT:
+            # Beyond this the verifier's work (records per syscall x iovecs) outgrows its limit.
+            raise CaptureError(f"--max-bytes {options.max_bytes}: choose 1 to {MAX_BYTES_LIMIT} bytes per syscall")
         self.options = options
         self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
         self.bpf: Any = None

@@ -18,7 +18,7 @@
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
  *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
- *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, RINGBUF_PAGES, SCRATCH_CPUS.
+ *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOV, RINGBUF_PAGES, SCRATCH_CPUS.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -314,13 +314,29 @@ static __always_inline u32 copy_out(struct ev_buf *b, struct active_io *a, u64 i
         return 0;
     }
     u32 offset = 0;
-    for (int i = 0; i < MAX_IOV; i++) {
+    /* The first BIG_IOV iovecs may each fill several records (large reads land in the first
+     * one or two); later ones, typically many small write slices, get one record each. This
+     * keeps the verifier's work at about BIG_IOV * MAX_BYTES / CHUNK + MAX_IOV steps. */
+    for (int i = 0; i < BIG_IOV; i++) {
+        if (remaining == 0 || i >= iovcnt)
+            return remaining;
+        struct user_iovec v = {};
+        bpf_probe_read_user(&v, sizeof(v), (void *)(iov + i * sizeof(v)));
+        u32 n = v.len > remaining ? remaining : v.len;
+        offset = copy_buf(b, v.base, n, offset);
+        remaining -= n;
+    }
+    for (int i = BIG_IOV; i < MAX_IOV; i++) {
         if (remaining == 0 || i >= iovcnt)
             break;
         struct user_iovec v = {};
         bpf_probe_read_user(&v, sizeof(v), (void *)(iov + i * sizeof(v)));
         u32 n = v.len > remaining ? remaining : v.len;
-        offset = copy_buf(b, v.base, n, offset);
+        if (n == 0 || n > CHUNK)
+            break;           /* stop here so any hole is at the end, where user space sees it */
+        u32 size = ((n - 1) & (CHUNK - 1)) + 1;
+        bpf_probe_read_user(b->data, size, (void *)v.base);
+        offset = flush(b, size, offset);
         remaining -= n;
     }
     return remaining;

@@ -24,7 +24,7 @@ def _live_line(stats: object, elapsed: float) -> str:
 @click.option("--cgroup", type=click.Path(exists=True, file_okay=False), default=None,
               help="only processes in this cgroup directory (v2 id, or v1 cgroup.procs)")
 @click.option("--duration", type=float, default=None, help="stop after this many seconds")
-@click.option("--max-bytes", type=click.IntRange(1, 1 << 16), default=16384, show_default=True,
+@click.option("--max-bytes", type=click.IntRange(1, 1 << 18), default=16384, show_default=True,
               help="payload bytes kept per syscall (eBPF); more is counted as truncated")
 @click.option("--side", type=click.Choice(["server", "client"]), default="server", show_default=True,
               help="which end's syscalls to record (eBPF); server avoids recording loopback twice")
