@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-SYS_PKGS="python3-bpfcc linux-headers-amd64 stress-ng prometheus tshark"
+SYS_PKGS="python3-bpfcc linux-headers-amd64 stress-ng prometheus tshark tcpdump"
 say() { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] WARNING: %s\n' "$*" >&2; }
 
@@ -21,7 +21,7 @@ install_system_packages() {
     if ! is_root || ! command -v apt-get >/dev/null; then
         warn "cannot install:$missing (needs root and apt-get)."
         warn "without them: eBPF capture (python3-bpfcc, linux-headers-amd64), stress-ng CPU contention,"
-        warn "promtool rule tests (prometheus) and tshark export checks are skipped."
+        warn "promtool rule tests (prometheus), tshark export checks and tcpdump import checks are skipped."
         return
     fi
     say "installing:$missing"
