@@ -119,6 +119,7 @@ def paused(pid: int, duration_s: float | None = None, registry: FaultRegistry | 
             os.kill(pid, signal.SIGSTOP)
         except OSError as exc:
             raise ProcessFaultError(f"cannot pause PID {pid}: {exc} (run as its owner or root)") from exc
+        _wait_stopped(pid)
         info.paused_at = time.monotonic()
         timer = threading.Timer(duration_s, resume) if duration_s is not None else None
         if timer is not None:
@@ -129,6 +130,20 @@ def paused(pid: int, duration_s: float | None = None, registry: FaultRegistry | 
         finally:
             if timer is not None:
                 timer.cancel()
+
+
+def _wait_stopped(pid: int, timeout_s: float = 1.0) -> None:
+    """Return once the kernel shows `pid` stopped: SIGSTOP is delivered asynchronously, and
+    `paused_at` must be when the pause really took effect, not when we asked for it."""
+    deadline = time.monotonic() + timeout_s
+    stat = Path(f"/proc/{pid}/stat")
+    while time.monotonic() < deadline:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        except OSError:
+            return  # gone: nothing left to wait for
+        time.sleep(0.001)
 
 
 def pause_for(pid: int, seconds: float, registry: FaultRegistry | None = None) -> Pause:
