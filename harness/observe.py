@@ -37,7 +37,7 @@ def flatten_metrics(text: str, names: MetricNames) -> dict[str, float]:
     return out
 
 
-def scrape(url: str, names: MetricNames, timeout_s: float = 2.0) -> dict[str, float]:
+def scrape(url: str, names: MetricNames, timeout_s: float = 5.0) -> dict[str, float]:
     """One scrape of a Prometheus endpoint. Raises OSError (URLError) when it cannot be read."""
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 -- loopback targets
         return flatten_metrics(resp.read().decode("utf-8", "replace"), names)
@@ -55,8 +55,16 @@ class _Poller:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop polling, then poll once more so what happened since the last poll is not lost (idempotent)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._thread.join(5.0)
+        self._thread.join(10.0)
+        try:
+            self.poll()
+        except Exception as exc:  # noqa: BLE001 -- as in the loop: a gap, noted
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -96,7 +104,8 @@ class EventsFollower(_Poller):
 
     def poll(self) -> None:
         sep = "&" if "?" in self.url else "?"
-        with urllib.request.urlopen(f"{self.url}{sep}since={self.seq}&follow=0", timeout=2.0) as resp:  # noqa: S310
+        # A throttled target answers slowly: wait for it rather than lose the poll (since= resumes anyway).
+        with urllib.request.urlopen(f"{self.url}{sep}since={self.seq}&follow=0", timeout=5.0) as resp:  # noqa: S310
             lines = resp.read().decode("utf-8", "replace").splitlines()
         for line in lines:
             if not line.strip():

@@ -1,9 +1,10 @@
 """The runner end to end: real agent, real proxy, real faults, short scenarios (period 0.5 s).
 
 Tolerances: thresholds are generous (100 ms P99 against a 10% CPU quota that pushes the agent's P99
-to hundreds of ms or more) because this machine is shared; the alert may come 3 periods (1.5 s) after
-the client-side breach: the agent measures from when its handler runs, after the socket queue, and
-its own period ticker runs under the same 10% quota.
+to hundreds of ms or more) because this machine is shared; the alert may come up to 6 periods (3 s)
+after the client-side breach (measured: 1-3 s with three busy CPU hogs beside the test): the agent
+measures from when its handler runs, after the socket queue, and its own period ticker runs under the
+same 10% quota. The broken agent never fires at all, so the check still tells them apart.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ phases:
 expect:
   - {alert_silent: {phase: baseline}}
   - {fault_effective: {phase: fault, baseline: baseline}}
-  - {alert_fires: {phase: fault, within_periods: 3, threshold_ms: 100}}
+  - {alert_fires: {phase: fault, within_periods: 6, threshold_ms: 100}}
   - {limiter_reduces: {phase: fault, at_least_pct: 10}}
   - {degrades: {phase: fault, within_periods: 3}}
   - {no_loss: {}}
@@ -74,7 +75,7 @@ def test_protected_agent_passes_and_reports_everything(tmp_path: Path) -> None:
     # was right to fire: only a false alarm on healthy client latency counts against the agent.
     silent = failed.pop("alert_silent[baseline]", None)
     assert silent is None or silent.evidence["max_client_p99_ms"] > 100, silent.summary
-    assert not failed, {k: v.summary for k, v in failed.items()}
+    assert not failed, ({k: v.summary for k, v in failed.items()}, result.notes)
     quota = result.timeline.faults[0]
     assert quota.applied_s is not None and quota.removed_s is not None and quota.error is None
     assert abs(quota.applied_s - 5.0) < 1.0 and abs(quota.removed_s - 9.0) < 1.0   # on schedule, 1 s slack
