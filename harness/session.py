@@ -16,7 +16,7 @@ from harness.scenario_load import load_scenario
 
 
 def default_report_dir(scenario: Scenario) -> str:
-    return str(Path("shadowtest-reports") / scenario.name)
+    return str(Path("reports") / scenario.name)   # /reports/ is git-ignored
 
 
 def run_scenario(scenario: Scenario, *, report_dir: str | None = None, junit: str | None = None,

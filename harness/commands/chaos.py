@@ -60,7 +60,7 @@ def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
 @click.argument("scenario", type=click.Path(dir_okay=False))
 @click.option("--report-dir", type=click.Path(file_okay=False), default=None,
               help="where results.json, junit.xml, summary.md and timeline.png go "
-                   "(default shadowtest-reports/NAME)")
+                   "(default reports/NAME)")
 @click.option("--junit", type=click.Path(dir_okay=False), default=None, help="JUnit XML path (default in --report-dir)")
 @click.option("--scale", type=click.FloatRange(0.05, 10.0), default=1.0, show_default=True,
               help="multiply every phase duration (0.2 for a quick CI smoke run)")

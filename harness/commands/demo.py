@@ -8,7 +8,7 @@ import click
 
 
 @click.command("demo")
-@click.option("--report-dir", type=click.Path(file_okay=False), default="shadowtest-reports/demo",
+@click.option("--report-dir", type=click.Path(file_okay=False), default="demo-out",
               show_default=True, help="where the recording and every report go")
 @click.option("--record-s", type=click.FloatRange(3, 120), default=12.0, show_default=True,
               help="seconds of production traffic to record")
