@@ -57,7 +57,8 @@ class RunOptions:
     startup_timeout_s: float = 120.0
     drain_s: float | None = None          # after the last phase; default one period + 1 s
     view: LiveView | None = None
-    clear_leftovers: bool = False         # undo leftovers instead of refusing to start
+    # A crashed run's faults are undone on the next start (logged); False refuses to start instead.
+    clear_leftovers: bool = True
     notes: list[str] = field(default_factory=list)
 
 
@@ -96,10 +97,10 @@ class Runner:
         left = check_leftovers()
         if left and not self.options.clear_leftovers:
             raise RunError(f"a previous run left faults behind ({'; '.join(left)}); run `shadowtest faults "
-                           "clear` (or chaos run --clear-leftovers) first")
+                           "clear` (or chaos run without --refuse-leftovers) first")
         if left:
             from harness.faultrun import clear_leftovers
-            self.log(f"cleared leftovers: {'; '.join(clear_leftovers())}")
+            self.log(f"a previous run left faults behind; undone first: {'; '.join(clear_leftovers())}")
 
     def _play(self, running: Running, stack: contextlib.ExitStack) -> RunResult:
         s = self.scenario

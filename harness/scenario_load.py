@@ -34,7 +34,8 @@ AGENT_OPTIONS: dict[str, Param] = {
     "initial_rate": Param("number"), "min_rate": Param("number"), "max_rate": Param("number"),
     "batch_window_ms": Param("number"), "max_batch": Param("int"), "workers": Param("int"),
     "torch_threads": Param("int"), "seed": Param("int"), "weights": Param("str"), "grace_s": Param("number"),
-    "max_message_bytes": Param("int"),
+    "max_message_bytes": Param("int"), "alerts": Param("bool"), "jit": Param("bool"),
+    "min_samples": Param("int"), "rejected_ratio_threshold": Param("number"),
 }
 _TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry

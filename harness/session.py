@@ -21,7 +21,7 @@ def default_report_dir(scenario: Scenario) -> str:
 
 def run_scenario(scenario: Scenario, *, report_dir: str | None = None, junit: str | None = None,
                  png: bool = True, stream: TextIO | None = None, rich: bool | None = None,
-                 clear_leftovers: bool = False, notes: list[str] | None = None) -> tuple[RunResult, dict[str, str]]:
+                 clear_leftovers: bool = True, notes: list[str] | None = None) -> tuple[RunResult, dict[str, str]]:
     """Run `scenario` with a live view on `stream`, write its reports; returns (result, report paths).
 
     Raises RunError when it cannot start, ReportError when reports cannot be written.

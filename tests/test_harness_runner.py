@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUOTA = """\
 name: quota-short
 seed: 11
-target: {agent: {limiter: %(limiter)s, p99_threshold_ms: %(threshold)s, alert_periods: 2, resolve_periods: 2,
+target: {agent: {limiter: %(limiter)s, alerts: %(alerts)s, p99_threshold_ms: 100, alert_periods: 2, resolve_periods: 2,
                  period_s: 0.5, initial_rate: 300, max_rate: 400}}
 traffic: {generator: {rate: 100}}
 phases:
@@ -69,7 +69,7 @@ def _verdicts(result) -> dict[str, bool]:  # type: ignore[no-untyped-def]
 @pytest.mark.root
 @pytest.mark.slow
 def test_protected_agent_passes_and_reports_everything(tmp_path: Path) -> None:
-    result, paths = _run(QUOTA % {"limiter": "seed", "threshold": 100}, tmp_path)
+    result, paths = _run(QUOTA % {"limiter": "seed", "alerts": "true"}, tmp_path)
     failed = {v.id: v for v in result.verdicts if not v.passed}
     # On a host so busy that the client itself saw P99 over the threshold in the baseline, the alert
     # was right to fire: only a false alarm on healthy client latency counts against the agent.
@@ -90,9 +90,9 @@ def test_protected_agent_passes_and_reports_everything(tmp_path: Path) -> None:
 @pytest.mark.root
 @pytest.mark.slow
 def test_broken_agent_fails_exactly_the_protection_checks(tmp_path: Path) -> None:
-    # Limiter off and the alert disabled (an unreachable threshold): the fault still bites, nothing
-    # is lost, but the alert, the limiter and the degradation that should follow it never come.
-    result, paths = _run(QUOTA % {"limiter": "off", "threshold": 100000}, tmp_path)
+    # Limiter off and the alert disabled (--no-alerts): the fault still bites, nothing is lost, but
+    # the alert, the limiter and the degradation that should follow it never come.
+    result, paths = _run(QUOTA % {"limiter": "off", "alerts": "false"}, tmp_path)
     assert _verdicts(result) == {"alert_silent[baseline]": True, "fault_effective[fault]": True,
                                  "alert_fires[fault]": False, "limiter_reduces[fault]": False,
                                  "degrades[fault]": False, "no_loss": True}, \
@@ -193,7 +193,7 @@ expect:
     assert result.timeline.cpu and result.timeline.cpu[-1].target_pct is None        # not our process
 
 
-def test_a_run_refuses_to_start_over_leftover_faults(state_dir: Path) -> None:
+def test_leftover_faults_are_undone_on_the_next_start_or_refused_on_request(state_dir: Path) -> None:
     # What a SIGKILLed run leaves: a holder file whose process is gone, with a toxic still recorded.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
@@ -202,12 +202,14 @@ def test_a_run_refuses_to_start_over_leftover_faults(state_dir: Path) -> None:
     entry = {"kind": "toxic", "api": "http://127.0.0.1:9", "proxy": "st-x", "toxic": "latency_1"}
     (state_dir / f"holder-{pid}-1.json").write_text(json.dumps({"holder": {"pid": pid, "start": 1},
                                                                 "entries": {"toxic-1": entry}}))
-    scenario = load_scenario_text(QUOTA % {"limiter": "seed", "threshold": 100})
+    scenario = load_scenario_text(QUOTA % {"limiter": "seed", "alerts": "true"})
     from harness.errors import RunError
     with pytest.raises(RunError, match="left faults behind .*shadowtest faults clear"):
-        Runner(scenario).run()
+        Runner(scenario, RunOptions(clear_leftovers=False)).run()
     from harness.faultimpl import check_leftovers, clear_leftovers
     assert len(check_leftovers()) == 1
-    undone = clear_leftovers()    # the dead proxy took its toxic with it: nothing to reset, entry dropped
-    assert len(undone) == 1 and "latency_1" in undone[0]
+    runner = Runner(scenario)     # the default: undo them first, and say so
+    runner._leftovers()
+    # The dead proxy took its toxic with it: nothing to reset, the entry is dropped.
+    assert any("undone first" in line and "latency_1" in line for line in runner.log_lines), runner.log_lines
     assert check_leftovers() == [] and clear_leftovers() == []

@@ -64,7 +64,8 @@ def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
 @click.option("--junit", type=click.Path(dir_okay=False), default=None, help="JUnit XML path (default in --report-dir)")
 @click.option("--scale", type=click.FloatRange(0.05, 10.0), default=1.0, show_default=True,
               help="multiply every phase duration (0.2 for a quick CI smoke run)")
-@click.option("--clear-leftovers", is_flag=True, help="undo faults a crashed run left behind, then run")
+@click.option("--clear-leftovers/--refuse-leftovers", default=True, show_default=True,
+              help="undo faults a crashed run left behind before starting (default), or refuse to start")
 @click.option("--no-png", is_flag=True, help="skip the PNG timeline")
 @click.option("--json", "as_json", is_flag=True, help="print results.json to stdout instead of the table")
 def run(scenario: str, report_dir: str | None, junit: str | None, scale: float, clear_leftovers: bool,
