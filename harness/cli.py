@@ -8,6 +8,7 @@ A user mistake prints one red line that says what to do, never a traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -72,6 +73,9 @@ _load_commands()
 
 
 def main() -> None:
+    # gRPC core logs at INFO when the harness forks stress workers beside live channels; users who
+    # want gRPC's own chatter can still set GRPC_VERBOSITY themselves.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     cli(prog_name="shadowtest")
 
 
