@@ -1,5 +1,8 @@
 """Client CPU per 1,000 calls: shadowtest's open-loop replayer against Locust with a gRPC user.
 
+Three clients in one run: shadowtest with the grpc sender (grpcio), shadowtest with the lean h2
+sender (gRPC over its own HTTP/2 Protocol, no grpcio), and the Locust peer.
+
     same recording-equivalent load (R calls/s for D s, Decide with a real MarketSnapshot)
     --> the same echo target (own process, grpc.aio)
     shadowtest: ReplayRun of the recording, in its own process
@@ -29,8 +32,8 @@ from replay.testing import write_unary_recording  # noqa: E402
 
 OURS = textwrap.dedent("""
     import json, sys, time
-    from replay.engine import ReplayRun
-    run = ReplayRun(sys.argv[1], sys.argv[2])
+    from replay.engine import ReplayOptions, ReplayRun
+    run = ReplayRun(sys.argv[1], sys.argv[2], ReplayOptions(sender=sys.argv[3]))
     cpu = time.process_time()
     rep = run.run()
     print(json.dumps({"cpu_s": time.process_time() - cpu, "calls": rep.ok, "rate": rep.achieved_rate,
@@ -91,8 +94,9 @@ def main() -> None:
             rec = Path(tmp) / "load.rec"
             n = int(args.rate * args.duration)
             write_unary_recording(rec, [i * 1_000_000_000 // args.rate for i in range(n)], flows=4)
-            ours = json.loads(subprocess.run([sys.executable, "-c", OURS, str(rec), target], cwd=ROOT, check=True,
-                                             capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            ours = {sender: json.loads(subprocess.run([sys.executable, "-c", OURS, str(rec), target, sender], cwd=ROOT,
+                                                      check=True, capture_output=True, text=True
+                                                      ).stdout.strip().splitlines()[-1]) for sender in ("grpc", "h2")}
             peer_file = Path(tmp) / "peer_locustfile.py"
             peer_file.write_text(PEER.replace("RATE_PER_USER", repr(args.rate / args.users)))
             out = subprocess.run([sys.executable, "-m", "locust", "-f", str(peer_file), "--headless", "-u",
@@ -108,13 +112,14 @@ def main() -> None:
         echo.terminate()
         echo.wait(10)
     print(f"target {target}: {args.rate} calls/s for {args.duration:g} s ({n} calls)")
-    print(f"{'client':<12} {'calls ok':>9} {'failed':>7} {'rate/s':>8} {'CPU s':>7} {'CPU s / 1k calls':>17}")
+    print(f"{'client':<16} {'calls ok':>9} {'failed':>7} {'rate/s':>8} {'CPU s':>7} {'CPU s / 1k calls':>17}")
     per = {}
-    for who, r in (("shadowtest", ours), ("locust-grpc", peer)):
+    for who, r in (("shadowtest-grpc", ours["grpc"]), ("shadowtest-h2", ours["h2"]), ("locust-grpc", peer)):
         per[who] = r["cpu_s"] / max(r["calls"], 1) * 1000
-        print(f"{who:<12} {r['calls']:>9} {r['errors']:>7} {r['rate']:>8.0f} {r['cpu_s']:>7.2f} {per[who]:>17.3f}")
-    print(f"ratio: shadowtest CPU per call / Locust CPU per call = {per['shadowtest'] / per['locust-grpc']:.2f} "
-          f"(target <= 0.5)")
+        print(f"{who:<16} {r['calls']:>9} {r['errors']:>7} {r['rate']:>8.0f} {r['cpu_s']:>7.2f} {per[who]:>17.3f}")
+    for who in ("shadowtest-grpc", "shadowtest-h2"):
+        print(f"ratio: {who} CPU per call / Locust CPU per call = {per[who] / per['locust-grpc']:.2f} "
+              f"(target <= 0.5)")
 
 
 if __name__ == "__main__":

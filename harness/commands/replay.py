@@ -36,7 +36,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
 @click.option("--max-in-flight", type=int, default=256, show_default=True,
               help="per connection; beyond it calls are not sent (counted)")
-@click.option("--sender", default="auto", show_default=True, help="auto (by protocol), grpc, http1 or tcp")
+@click.option("--sender", default="auto", show_default=True,
+              help="auto (by protocol), grpc, h2 (lean gRPC over HTTP/2, no grpcio), http1 or tcp")
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
 @click.option("--descriptors", default="reflection", show_default=True,
               help="for --compare: reflection, bytes, FILE.protoset or module names")

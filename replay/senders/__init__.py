@@ -3,12 +3,16 @@
     engine --call(planned, requests, timeout)--> Sender --> target
            <----------- SendOutcome -------------
 
-`get_sender("grpc", target, ...)` builds one; `register(name, factory)` adds one (tests register a
+Registered: `grpc` (grpcio), `h2` (the lean gRPC-over-HTTP/2 sender, no grpcio: replay/senders/h2.py),
+`http1`, `tcp`. `get_sender("grpc", target, ...)` builds one; `register(name, factory)` adds one (tests register a
 fake transport). A sender keeps one connection per `PlannedCall.connection` unless told to share.
 """
 
+from typing import Any
+
 from replay.senders.base import (
     HOP_BY_HOP,
+    Preparer,
     Sender,
     SenderFactory,
     SendOutcome,
@@ -20,3 +24,11 @@ from replay.senders.base import (
 
 __all__ = ["HOP_BY_HOP", "Preparer", "SendOutcome", "Sender", "SenderFactory", "available", "get_sender", "register",
            "replayable_metadata"]
+
+
+def _h2_sender(target: str, **options: Any) -> Sender:
+    from replay.senders.h2 import H2Sender  # imported on first use, like the built-in entries
+    return H2Sender(target, **options)
+
+
+register("h2", _h2_sender)

@@ -1,0 +1,143 @@
+"""The lean h2 sender against real grpc.aio servers (and the real agent): same outcomes as the grpc sender."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+from replay.engine import ReplayOptions, ReplayRun
+from replay.schedule import PlannedCall, PlannedMessage
+from replay.senders import SendOutcome, get_sender
+from replay.testing import DECIDE, DECIDE_STREAM, SERVICE, EchoServer, snapshot_bytes, write_unary_recording
+
+MS = 1_000_000
+
+
+def _planned(method: str, messages: list[bytes], kind: str = "unary", index: int = 0,
+             offsets_ns: list[int] | None = None) -> PlannedCall:
+    offsets = offsets_ns or [0] * len(messages)
+    return PlannedCall(index, 0, "c0", "grpc", method, kind, [PlannedMessage(o, m) for o, m in zip(offsets, messages, strict=True)],
+                       metadata=[("x-replay-test", str(index))])
+
+
+async def _requests(planned: PlannedCall):  # noqa: ANN202 - an async generator of the call's messages
+    start = time.monotonic_ns()
+    for m in planned.messages:
+        await asyncio.sleep(max(0.0, (m.offset_ns - (time.monotonic_ns() - start)) / 1e9))
+        yield m
+
+
+def _call(sender_name: str, address: str, calls: list[PlannedCall], timeout_s: float = 5.0) -> list[SendOutcome]:
+    """Run `calls` concurrently through a fresh sender (one connection) and return their outcomes."""
+    async def go() -> list[SendOutcome]:
+        sender = get_sender(sender_name, address)
+        try:
+            return list(await asyncio.gather(*(sender.call(p, _requests(p), timeout_s) for p in calls)))
+        finally:
+            await sender.close()
+    return asyncio.run(go())
+
+
+def _same(address: str, calls: list[PlannedCall], timeout_s: float = 5.0) -> list[SendOutcome]:
+    """Both senders' outcomes; asserts they agree field by field and returns the h2 ones."""
+    grpc_out, h2_out = _call("grpc", address, calls, timeout_s), _call("h2", address, calls, timeout_s)
+    for g, h in zip(grpc_out, h2_out, strict=True):
+        assert (h.outcome, h.code, h.status, h.responses) == (g.outcome, g.code, g.status, g.responses)
+        if g.outcome != "timeout":  # who noticed the deadline first (client or server) shows in grpc's detail
+            assert h.detail == g.detail
+    return h2_out
+
+
+def test_unary_ok_returns_identical_response_bytes() -> None:
+    with EchoServer(fast=True) as server:  # echoes the request bytes untouched
+        out = _same(server.address, [_planned(DECIDE, [snapshot_bytes(i)], index=i) for i in range(5)])
+    assert [(o.outcome, o.code, o.status) for o in out] == [("ok", "OK", 0)] * 5
+    assert [o.responses for o in out] == [[snapshot_bytes(i)] for i in range(5)]
+
+
+def test_non_ok_status_and_rejection_map_like_grpc() -> None:
+    with EchoServer(reject_every=1) as server:
+        unknown = _planned(f"/{SERVICE}/NoSuchMethod", [b"x"])
+        shed = _planned(DECIDE, [snapshot_bytes(1)])
+        missing, rejected = _same(server.address, [unknown, shed])
+    assert (missing.outcome, missing.code, missing.status) == ("error", "UNIMPLEMENTED", 12)
+    assert missing.detail  # the server's grpc-message, percent-decoded
+    assert (rejected.outcome, rejected.code, rejected.detail) == ("rejected", "RESOURCE_EXHAUSTED", "shed")
+
+
+def test_deadline_exceeded_is_a_timeout_and_cancels_the_stream() -> None:
+    with EchoServer(delay_s=0.6) as server:
+        started = time.monotonic()
+        (out,) = _same(server.address, [_planned(DECIDE, [snapshot_bytes(1)])], timeout_s=0.1)
+        elapsed = time.monotonic() - started
+    assert (out.outcome, out.code, out.status) == ("timeout", "DEADLINE_EXCEEDED", 4)
+    assert elapsed < 2 * 0.6  # both senders gave up at the deadline, not at the reply (tolerance: 2 x the delay)
+
+
+def test_all_streaming_kinds_match_grpc() -> None:
+    calls = [_planned(f"/{SERVICE}/Collect", [snapshot_bytes(i) for i in range(3)], "client_stream", 0,
+                      [0, 20 * MS, 40 * MS]),
+             _planned(f"/{SERVICE}/Fanout", [snapshot_bytes(7)], "server_stream", 1),
+             _planned(DECIDE_STREAM, [snapshot_bytes(i) for i in range(3)], "bidi", 2, [0, 30 * MS, 60 * MS])]
+    with EchoServer() as server:
+        out = _call("h2", server.address, calls)
+        got = sorted((m, s) for _, m, s in server.received)
+    assert [(o.outcome, len(o.responses)) for o in out] == [("ok", 1), ("ok", 3), ("ok", 3)]
+    assert out[0].responses == [b"3"]
+    assert got == sorted([("Collect", i) for i in range(3)] + [("Fanout", 7)] + [("DecideStream", i) for i in range(3)])
+
+
+def test_many_large_concurrent_calls_on_one_connection_need_flow_control() -> None:
+    """90 calls of ~100 KB each way at once: ~9 MB per direction, far beyond HTTP/2's 64 KiB default
+    windows and past half of our 16 MiB receive window (so we must send WINDOW_UPDATEs too)."""
+    from agent_under_test.proto import agent_pb2
+
+    calls = [_planned(DECIDE, [snapshot_bytes(i, f"S{i}" + "x" * 100_000)], index=i) for i in range(90)]
+    with EchoServer(delay_s=0.05) as server:
+        out = _call("h2", server.address, calls, timeout_s=20.0)
+        peers = len(server.peers)
+    assert [o.outcome for o in out] == ["ok"] * 90
+    decoded = [agent_pb2.Decision.FromString(o.responses[0]) for o in out]
+    assert [(d.sequence_id, d.symbol) for d in decoded] == [(i, f"S{i}" + "x" * 100_000) for i in range(90)]
+    assert peers == 1  # all on one connection
+
+
+def test_metadata_replayed_one_connection_per_recorded_connection(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 3 * MS for i in range(60)], flows=3)
+    with EchoServer(reject_every=7) as server:
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2")).run()
+    assert rep.invariant_ok and rep.sent == n and rep.rejected == n // 7 and rep.ok == n - n // 7
+    assert sorted(int(md["x-replay-test"]) for md in server.metadata) == list(range(n))
+    assert not any("authorization" in md for md in server.metadata)  # redacted entries stay out
+    assert len(server.peers) == 3
+
+
+def test_target_dying_mid_run_becomes_counted_connection_errors_and_ends_on_time(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 10 * MS for i in range(100)])  # 1 s of traffic
+    server = EchoServer().__enter__()
+    threading.Timer(0.4, server.kill).start()
+    started = time.monotonic()
+    try:
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2", timeout_s=1.0)).run()
+    finally:
+        server.__exit__()
+    elapsed = time.monotonic() - started
+    assert rep.invariant_ok and rep.scheduled == n
+    assert rep.ok >= 10 and rep.errors.get("UNAVAILABLE", 0) >= 30
+    assert set(rep.errors) <= {"UNAVAILABLE", "CANCELLED", "UNKNOWN"}
+    assert elapsed < 1.0 + 3.0  # tolerance: schedule 1 s + per-call timeout 1 s + 1 s slack for a noisy host
+
+
+def test_against_the_real_agent_both_senders_account_for_every_call(tmp_path: Path) -> None:
+    from agent_under_test.launch import AgentProcess
+
+    n = write_unary_recording(tmp_path / "r.rec", [i * 8 * MS for i in range(60)], flows=2)
+    with AgentProcess(tier="light", device="cpu", metrics_port=-1) as agent:
+        reps = {s: ReplayRun(tmp_path / "r.rec", agent.grpc_address, ReplayOptions(sender=s)).run()
+                for s in ("grpc", "h2")}
+    for rep in reps.values():
+        assert rep.invariant_ok and rep.scheduled == n
+        assert rep.ok + rep.rejected == n, rep  # the agent answers or sheds; nothing else
+    assert reps["h2"].ok >= n // 2
