@@ -141,3 +141,33 @@ def test_against_the_real_agent_both_senders_account_for_every_call(tmp_path: Pa
         assert rep.invariant_ok and rep.scheduled == n
         assert rep.ok + rep.rejected == n, rep  # the agent answers or sheds; nothing else
     assert reps["h2"].ok >= n // 2
+
+
+def test_server_max_concurrent_streams_is_honoured() -> None:
+    """A server that allows 2 streams at a time: 8 concurrent calls wait for a slot instead of being refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def slow_echo(request: bytes, context: object) -> bytes:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return request
+
+    server = grpc.server(ThreadPoolExecutor(8), options=[("grpc.max_concurrent_streams", 2)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Decide": grpc.unary_unary_rpc_method_handler(slow_echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        out = _call("h2", f"127.0.0.1:{port}", [_planned(DECIDE, [snapshot_bytes(i)], index=i) for i in range(8)])
+    finally:
+        server.stop(None)
+    assert [(o.outcome, o.responses) for o in out] == [("ok", [snapshot_bytes(i)]) for i in range(8)], [o.detail for o in out]
+    assert peak[0] <= 2

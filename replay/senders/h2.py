@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import ERROR, SendOutcome, replayable_metadata
-from replay.senders.h2conn import H2Connection, Stream
+from replay.senders.h2conn import REFUSED, H2Connection, Stream
 from replay.senders.h2frames import DEADLINE_EXCEEDED, connection_failed, outcome, request_block
+
+_REFUSED_RETRIES = 3
 
 
 def _wire(m: PlannedMessage) -> bytes:
@@ -86,23 +88,51 @@ class H2Sender:
         conn = self._conn(planned.connection)
         timeout = timeout_s + planned.last_offset_ns / 1e9
         deadline = conn.loop.time() + timeout
-        if not conn.ready.done() or len(conn.streams) >= conn.peer_max_streams:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await asyncio.shield(conn.ready)
-                    await conn.slot()
-            except TimeoutError:
-                return outcome(DEADLINE_EXCEEDED, "Deadline Exceeded")
-        if not conn.ready.result() or not conn.usable:
-            return connection_failed(conn.error or "connection going away")
+        if not conn.ready.done() and not await self._within(deadline, asyncio.shield(conn.ready)):
+            return outcome(DEADLINE_EXCEEDED, "Deadline Exceeded")
         block = self._block(planned, timeout)
         if planned.kind in ("client_stream", "bidi"):
-            return await self._streaming(conn, block, requests, deadline)
+            refused = await self._refused(conn, deadline)
+            return refused or await self._streaming(conn, block, requests, deadline)
         try:
             first = await anext(requests)
         except StopAsyncIteration:
             return SendOutcome(ERROR, "NO_REQUEST", detail="the recorded call has no request message")
-        return await self._wait(conn, conn.open(block, _wire(first), deadline))
+        return await self._unary(conn, block, _wire(first), deadline)
+
+    async def _unary(self, conn: H2Connection, block: bytes, payload: bytes, deadline: float) -> SendOutcome:
+        """Unary and server-streaming calls. A stream the server refused (REFUSED_STREAM: not processed,
+        e.g. its stream count lagging behind ours under MAX_CONCURRENT_STREAMS) is retried transparently
+        within the deadline, as grpc-core does; streaming calls are not (their messages are gone)."""
+        for attempt in range(_REFUSED_RETRIES + 1):
+            if not conn.usable or len(conn.streams) >= conn.peer_max_streams:
+                refused = await self._refused(conn, deadline)
+                if refused is not None:
+                    return refused
+            # From the check above to open() nothing awaits, so MAX_CONCURRENT_STREAMS holds exactly.
+            out = await self._wait(conn, conn.open(block, payload, deadline))
+            if out.detail != REFUSED or attempt == _REFUSED_RETRIES or conn.loop.time() >= deadline:
+                return out
+            await asyncio.sleep(0.001 * (attempt + 1))  # let the server finish closing its streams
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def _refused(self, conn: H2Connection, deadline: float) -> SendOutcome | None:
+        """Why a stream cannot open on `conn` now (after waiting for a slot), or None when it can."""
+        if len(conn.streams) >= conn.peer_max_streams and not await self._within(deadline, conn.slot()):
+            return outcome(DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if not conn.ready.result() or not conn.usable:
+            return connection_failed(conn.error or "the connection is going away")
+        return None
+
+    @staticmethod
+    async def _within(deadline: float, waiting: Awaitable[object]) -> bool:
+        """Wait for `waiting` until the call's deadline; False if the deadline came first."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiting
+        except TimeoutError:
+            return False
+        return True
 
     async def _streaming(self, conn: H2Connection, block: bytes, requests: AsyncIterator[PlannedMessage],
                          deadline: float) -> SendOutcome:

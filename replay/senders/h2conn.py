@@ -55,6 +55,8 @@ from replay.senders.h2frames import (
     window_update,
 )
 
+REFUSED_STREAM = 0x7
+REFUSED = "stream refused by the server (REFUSED_STREAM): not processed"  # the detail that allows a retry
 WINDOW = 1 << 24  # what we let the server send before a WINDOW_UPDATE (connection and each stream)
 _U32 = struct.Struct(">L")
 _PAIR = struct.Struct(">HL")
@@ -101,7 +103,7 @@ class H2Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.ready: asyncio.Future[bool] = loop.create_future()  # True once connected, False if that failed
+        self.ready: asyncio.Future[bool] = loop.create_future()  # True with the server's SETTINGS, False: failed
         self.error = ""
         self.closed = self.going_away = False
         self.streams: dict[int, Stream] = {}
@@ -128,8 +130,8 @@ class H2Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         transport.write(PREFACE + settings_frame({ENABLE_PUSH: 0, INITIAL_WINDOW_SIZE: WINDOW})  # type: ignore[attr-defined]
                         + window_update(0, WINDOW - 65535))
-        if not self.ready.done():
-            self.ready.set_result(True)
+        # Ready only with the server's first SETTINGS (as grpc-core does): before it we would not know
+        # its MAX_CONCURRENT_STREAMS, and streams beyond it would be refused.
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail_all(f"connection lost: {exc or 'closed by the peer'}")
@@ -368,7 +370,8 @@ class H2Connection(asyncio.Protocol):
             st = self.streams.get(sid)
             if st is not None:
                 err = _U32.unpack(payload)[0]
-                self._end(st, outcome(RST_TO_GRPC.get(err, INTERNAL), f"stream reset by the server (HTTP/2 error {err})"))
+                why = REFUSED if err == REFUSED_STREAM else f"stream reset by the server (HTTP/2 error {err})"
+                self._end(st, outcome(RST_TO_GRPC.get(err, INTERNAL), why))
         elif ftype == GOAWAY:
             last, err = struct.unpack(">LL", payload[:8])
             self.going_away = True
@@ -387,6 +390,8 @@ class H2Connection(asyncio.Protocol):
                 self.peer_max_frame = value
             elif key == MAX_CONCURRENT_STREAMS:
                 self.peer_max_streams = value
+        if not self.ready.done():
+            self.ready.set_result(True)
         self._flush()
         self._wake_waiters()
 
