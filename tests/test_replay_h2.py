@@ -171,3 +171,17 @@ def test_server_max_concurrent_streams_is_honoured() -> None:
         server.stop(None)
     assert [(o.outcome, o.responses) for o in out] == [("ok", [snapshot_bytes(i)]) for i in range(8)], [o.detail for o in out]
     assert peak[0] <= 2
+
+
+def test_stream_messages_go_out_in_order_at_their_offsets(tmp_path: Path) -> None:
+    from replay.testing import write_stream_recording
+
+    offsets = [0, 100 * MS, 150 * MS, 400 * MS]
+    write_stream_recording(tmp_path / "s.rec", offsets)
+    with EchoServer() as server:
+        rep = ReplayRun(tmp_path / "s.rec", server.address, ReplayOptions(sender="h2")).run()
+    assert rep.ok == 1 and rep.invariant_ok
+    assert [(m, s) for _, m, s in server.received] == [("DecideStream", i) for i in range(4)]
+    t0 = server.received[0][0]
+    for (t, _, _), want in zip(server.received, offsets, strict=True):
+        assert abs((t - t0) - want) < 50 * MS  # tolerance 50 ms: a shared, noisy 2-core host
