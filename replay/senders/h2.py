@@ -51,6 +51,7 @@ class H2Sender:
         self.share = share_connection
         self._conns: dict[str, H2Connection] = {}
         self._all: set[H2Connection] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
         self._blocks: dict[tuple[str, tuple[tuple[str, str], ...], float], bytes] = {}
 
     def _conn(self, connection: str) -> H2Connection:
@@ -61,7 +62,9 @@ class H2Sender:
             conn = self._conns[key] = H2Connection(loop)
             self._all = {c for c in self._all if not c.closed}
             self._all.add(conn)
-            loop.create_task(self._connect(conn))
+            task = loop.create_task(self._connect(conn))  # held: the loop keeps only weak references
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
         return conn
 
     async def _connect(self, conn: H2Connection) -> None:
@@ -160,6 +163,8 @@ class H2Sender:
             raise
 
     async def close(self) -> None:
+        for task in list(self._connecting):  # a connect still in flight must not leave a socket behind
+            task.cancel()
         conns, self._conns, self._all = self._all, {}, set()
         for conn in conns:
             conn.close()
