@@ -29,7 +29,7 @@ RunFn = Callable[[Sequence[Features], str], np.ndarray]
 
 @dataclass
 class BatchResult:
-    output: np.ndarray   # this request's row of the model output
+    output: Sequence[float]   # this request's row of the model output, as plain floats
     batch_size: int
     tier: str
     queue_s: float       # waiting in the queue before the forward pass
@@ -133,8 +133,9 @@ class Batcher:
             self.batches += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             self._guard.on_batch(len(batch), len(self._queue), tier)
-            for row, item in enumerate(batch):
+            rows = out.tolist()  # one conversion per batch: risk works on plain floats
+            for row, item in zip(rows, batch):
                 if not item.future.done():  # the caller may have been cancelled meanwhile
-                    item.future.set_result(BatchResult(out[row], len(batch), tier, start - item.arrival, forward_s))
+                    item.future.set_result(BatchResult(row, len(batch), tier, start - item.arrival, forward_s))
         finally:
             self._slots.release()

@@ -9,6 +9,7 @@ Rules (a violated rule turns the order into HOLD and says why in `reason`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ class Order:
     reason: str = ""
 
 
-def propose(raw: np.ndarray, mid: float, best_bid: float, best_ask: float, limits: RiskLimits) -> Order:
+def propose(raw: Sequence[float] | np.ndarray, mid: float, best_bid: float, best_ask: float, limits: RiskLimits) -> Order:
     """The model's order before risk: side by argmax, a limit price around the touch, a size.
 
     The price offset may reach twice the band so that the band rule has something to catch.
