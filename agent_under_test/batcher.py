@@ -134,7 +134,7 @@ class Batcher:
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             self._guard.on_batch(len(batch), len(self._queue), tier)
             rows = out.tolist()  # one conversion per batch: risk works on plain floats
-            for row, item in zip(rows, batch):
+            for row, item in zip(rows, batch, strict=True):
                 if not item.future.done():  # the caller may have been cancelled meanwhile
                     item.future.set_result(BatchResult(row, len(batch), tier, start - item.arrival, forward_s))
         finally:

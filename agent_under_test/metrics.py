@@ -99,7 +99,7 @@ class FastHistogram:
             with child._lock:
                 counts, total = list(child.counts), child.sum
             cumulative, buckets = 0, []
-            for bound, count in zip(self._bounds, counts):
+            for bound, count in zip(self._bounds, counts, strict=True):
                 cumulative += count
                 buckets.append((floatToGoString(bound), float(cumulative)))
             family.add_metric(list(values), buckets, total)
