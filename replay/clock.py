@@ -111,10 +111,16 @@ class TimerfdClock(MonotonicClock):
             raise OSError(ctypes.get_errno(), "timerfd_create failed")
         self._waiter: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One spec reused for every arm (this runs once per send): no ctypes objects built per call.
+        self._spec = _Itimerspec()
+        self._spec_ref = ctypes.byref(self._spec)
+        self._settime = self._libc.timerfd_settime
+        self._settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
     def _arm(self, deadline_ns: int) -> None:
-        spec = _Itimerspec(_Timespec(0, 0), _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000))
-        if self._libc.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) < 0:
+        value = self._spec.it_value
+        value.tv_sec, value.tv_nsec = divmod(deadline_ns, 1_000_000_000)
+        if self._settime(self._fd, _TFD_TIMER_ABSTIME, self._spec_ref, None) < 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
     def _fired(self) -> None:
@@ -128,8 +134,9 @@ class TimerfdClock(MonotonicClock):
     async def sleep_until(self, deadline_ns: int) -> None:
         wake = deadline_ns - self.spin_ns
         if wake > time.monotonic_ns():
-            loop = asyncio.get_running_loop()
-            if self._loop is not loop:  # one registration per loop, kept for the clock's life
+            loop = self._loop
+            if loop is None or loop.is_closed():  # asking asyncio costs a getpid() per call: once per loop
+                loop = asyncio.get_running_loop()
                 loop.add_reader(self._fd, self._fired)
                 self._loop = loop
             self._waiter = loop.create_future()

@@ -5,8 +5,10 @@
                                   stream message: released into its call's request queue
 
 One loop sleeps; everything due goes out on each wake-up, so a slow response never delays a later
-send (calls run as independent tasks). In-flight cap policy (per connection): a call that finds
-`max_in_flight` calls still outstanding on its connection is NOT sent and is counted as
+send (calls run as independent tasks). Each call's backstop deadline (senders enforce timeout_s
+themselves) sits in one heap swept on every wake-up, instead of a timer per call.
+
+In-flight cap policy (per connection): a call that finds `max_in_flight` calls still outstanding on its connection is NOT sent and is counted as
 not_sent/in_flight_cap -- shedding instead of queueing keeps memory bounded and the schedule honest.
 """
 
@@ -69,6 +71,7 @@ class _Live:
     sent_ns: int
     queue: asyncio.Queue[PlannedMessage | None] | None
     task: asyncio.Task[None] | None = None
+    timed_out: bool = False  # set by the backstop sweep just before it cancels the task
 
 
 class ReplayRun:
@@ -102,6 +105,8 @@ class ReplayRun:
         self._prepared: set[str] = set()
         self._incomplete = 0  # planned calls recorded without an outcome (capture cut off mid-call)
         self._seq = itertools.count()
+        self._backstops: list[tuple[float, int, _Live]] = []  # (loop time, seq, call): the backstop heap
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.t0_ns = 0
         self.end_ns = 0
 
@@ -130,6 +135,7 @@ class ReplayRun:
     async def run_async(self) -> None:
         """The run itself, for callers that already have an event loop."""
         from replay.compare import CompareSpec
+        self._loop = asyncio.get_running_loop()
         try:
             if isinstance(self.options.compare, CompareSpec):
                 self.options.compare = self.options.compare.build(self.target)
@@ -173,6 +179,7 @@ class ReplayRun:
         pending = next(plan, None)
         lookahead = int(self.options.lookahead_s * 1e9)
         while not self._stop.is_set():
+            self._sweep()
             now = self.clock.now_ns() - self.t0_ns
             while pending is not None and (pending.due_ns <= now + lookahead or not heap):
                 heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
@@ -228,7 +235,22 @@ class ReplayRun:
                     self._release(live, msg, heap)
                 else:
                     heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
-        live.task = asyncio.create_task(self._call(sender, live, requests))
+        assert self._loop is not None
+        limit = self.options.timeout_s + planned.last_offset_ns / 1e9 + 1.0
+        heapq.heappush(self._backstops, (self._loop.time() + limit, next(self._seq), live))
+        live.task = self._loop.create_task(self._call(sender, live, requests))
+
+    def _sweep(self) -> None:
+        """Cancel calls past their backstop (on the loop's clock, like asyncio's own timeouts)."""
+        heap = self._backstops
+        if not heap or self._loop is None:
+            return
+        now = self._loop.time()
+        while heap and heap[0][0] <= now:
+            live = heapq.heappop(heap)[2]
+            if live.task is not None and not live.task.done():
+                live.timed_out = True
+                live.task.cancel()
 
     def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:
         assert live.queue is not None
@@ -260,17 +282,16 @@ class ReplayRun:
     # ---- one call ---------------------------------------------------------------------------
     async def _call(self, sender: Sender, live: _Live, requests: AsyncIterator[PlannedMessage]) -> None:
         p = live.planned
-        limit = self.options.timeout_s + p.last_offset_ns / 1e9 + 1.0
         # The send time is taken here, when the call really starts, so lag includes the loop hop.
         live.sent_ns = self.clock.now_ns()
         self.stats.on_sent(live.intended_ns, live.sent_ns)
         try:
-            async with asyncio.timeout(limit):  # a backstop; senders enforce timeout_s themselves
-                out = await sender.call(p, requests, self.options.timeout_s)
+            out = await sender.call(p, requests, self.options.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             out = SendOutcome("timeout", "CLIENT_TIMEOUT")
         except asyncio.CancelledError:
-            out = SendOutcome("error", "CANCELLED", detail="stopped while in flight")
+            out = (SendOutcome("timeout", "CLIENT_TIMEOUT") if live.timed_out  # the backstop (_sweep)
+                   else SendOutcome("error", "CANCELLED", detail="stopped while in flight"))
         except Exception as exc:  # a sender bug must not lose the call from the accounting
             log.exception("sender failed on call %s", p.index)
             out = SendOutcome("error", type(exc).__name__, detail=str(exc))
@@ -307,6 +328,7 @@ class ReplayRun:
         tasks = {lv.task for lv in self._live if lv.task is not None}
         while tasks and not self._stop.is_set():
             _, tasks = await asyncio.wait(tasks, timeout=0.1)
+            self._sweep()
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.options.stop_grace_s)
             for t in late:
