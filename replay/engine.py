@@ -72,6 +72,7 @@ class _Live:
     queue: asyncio.Queue[PlannedMessage | None] | None
     task: asyncio.Task[None] | None = None
     timed_out: bool = False  # set by the backstop sweep just before it cancels the task
+    finished: bool = False  # its backstop entry is stale (dropped lazily, see _compact)
 
 
 class ReplayRun:
@@ -106,6 +107,7 @@ class ReplayRun:
         self._incomplete = 0  # planned calls recorded without an outcome (capture cut off mid-call)
         self._seq = itertools.count()
         self._backstops: list[tuple[float, int, _Live]] = []  # (loop time, seq, call): the backstop heap
+        self._stale = 0  # finished calls still in _backstops
         self._loop: asyncio.AbstractEventLoop | None = None
         self.t0_ns = 0
         self.end_ns = 0
@@ -248,7 +250,9 @@ class ReplayRun:
         now = self._loop.time()
         while heap and heap[0][0] <= now:
             live = heapq.heappop(heap)[2]
-            if live.task is not None and not live.task.done():
+            if live.finished:
+                self._stale -= 1
+            elif live.task is not None and not live.task.done():
                 live.timed_out = True
                 live.task.cancel()
 
@@ -297,7 +301,19 @@ class ReplayRun:
             out = SendOutcome("error", type(exc).__name__, detail=str(exc))
         self._finish(live, out)
 
+    def _compact(self) -> None:
+        """Drop finished calls from the backstop heap once they are half of it (as asyncio does with
+        cancelled timers): memory stays proportional to the calls in flight, not to rate x timeout."""
+        if self._stale > 64 and 2 * self._stale > len(self._backstops):
+            self._backstops = [e for e in self._backstops if not e[2].finished]
+            heapq.heapify(self._backstops)
+            self._stale = 0
+
     def _finish(self, live: _Live, out: SendOutcome) -> None:
+        live.finished = True
+        if not live.timed_out:  # a timed-out call's entry was already popped by _sweep
+            self._stale += 1
+            self._compact()
         p = live.planned
         self._by_conn[p.connection] -= 1
         self._live.discard(live)
