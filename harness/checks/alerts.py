@@ -7,15 +7,9 @@ exceeded the threshold for N consecutive periods.
 
 from __future__ import annotations
 
-from harness.checks.base import Param, Verdict, register, verdict
+from harness.checks.base import Param, Verdict, phase_window, register, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import PeriodStats, Timeline
-
-
-def _phase(tl: Timeline, spec: CheckSpec) -> tuple[float, float]:
-    name = spec.params.get("phase")
-    bounds = tl.phase_bounds(name) if name else (0.0, tl.duration_s)
-    return bounds if bounds else (0.0, 0.0)
 
 
 def first_breach(periods: list[PeriodStats], start: float, end: float, threshold_ms: float,
@@ -52,7 +46,7 @@ class AlertFires:
         k = spec.params.get("within_periods", 1)
         n = spec.params.get("consecutive", tl.alert_periods)
         threshold = spec.params.get("threshold_ms", tl.threshold_ms)
-        start, end = _phase(tl, spec)
+        start, end = phase_window(tl, spec)
         truth = first_breach(tl.periods, start, end, threshold, n)
         evidence = {"threshold_ms": threshold, "consecutive": n, "within_periods": k,
                     "client_p99_ms": _p99s(tl, start, end)}
@@ -86,7 +80,7 @@ class AlertSilent:
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         alert = spec.params.get("alert", "P99High")
-        start, end = _phase(tl, spec)
+        start, end = phase_window(tl, spec)
         hits = [(s, e) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
         p99s = [p for p in _p99s(tl, start, end) if p is not None]
         evidence = {"firing": hits, "max_client_p99_ms": max(p99s) if p99s else None}
@@ -113,7 +107,7 @@ class Degrades:
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         alert = spec.params.get("alert", "P99High")
         k = spec.params.get("within_periods", 2)
-        start, end = _phase(tl, spec)
+        start, end = phase_window(tl, spec)
         fired = [max(s, start) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
         tiers = tl.tier_series()
         if not fired:
@@ -138,7 +132,7 @@ class Restores:
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         alert = spec.params.get("alert", "P99High")
         within = spec.params.get("within_s", 10.0)
-        start, end = _phase(tl, spec)
+        start, end = phase_window(tl, spec)
         tiers = tl.tier_series()
         intervals = tl.alert_intervals(alert)
         resolved = [e for s, e in intervals if e is not None and e <= end]

@@ -58,6 +58,15 @@ def register(check: Check) -> Check:
     return check
 
 
+def phase_window(tl: Timeline, spec: CheckSpec) -> tuple[float, float]:
+    """(start, end) in run seconds of the check's `phase`, the whole run without one, (0, 0) for a
+    phase the run never reached."""
+    name = spec.params.get("phase")
+    if not name:
+        return 0.0, tl.duration_s
+    return tl.phase_bounds(name) or (0.0, 0.0)
+
+
 def verdict(spec: CheckSpec, passed: bool, summary: str, **evidence: Any) -> Verdict:
     """A verdict for `spec` with its id and phase filled in."""
     return Verdict(id=spec.id, kind=spec.kind, passed=passed, summary=summary, evidence=evidence,

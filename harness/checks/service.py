@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from harness.checks.base import Param, Verdict, register, verdict
+from harness.checks.base import Param, Verdict, phase_window, register, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import Timeline, percentile
-
-
-def _bounds(tl: Timeline, spec: CheckSpec) -> tuple[float, float]:
-    name = spec.params.get("phase")
-    return (tl.phase_bounds(name) or (0.0, 0.0)) if name else (0.0, tl.duration_s)
 
 
 class Slo:
@@ -18,7 +13,7 @@ class Slo:
               "settle_s": Param("duration", help="ignored at the start of the phase (default 0s)")}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
-        start, end = _bounds(tl, spec)
+        start, end = phase_window(tl, spec)
         start += spec.params.get("settle_s", 0.0)
         limit = spec.params.get("p99_ms", tl.threshold_ms)
         lat = sorted(c.latency_ms for c in tl.calls_between(start, end)
@@ -40,7 +35,7 @@ class ErrorRate:
               "include_rejected": Param("bool", help="count limiter rejections as errors (default false)")}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
-        start, end = _bounds(tl, spec)
+        start, end = phase_window(tl, spec)
         calls = tl.calls_between(start, end)
         bad_kinds = {"error", "timeout"} | ({"rejected"} if spec.params.get("include_rejected") else set())
         bad = sum(1 for c in calls if c.outcome in bad_kinds)
