@@ -111,17 +111,26 @@ static __always_inline void count(void *table_lookup_result) {
         __sync_fetch_and_add(v, 1);
 }
 
-static __always_inline void emit_open(u32 tgid, u32 fd, struct sock_info *si) {
-    int zero = 0;
+/* This CPU's scratch event with a fresh header (events are too large for the BPF stack); NULL when
+ * the per-CPU map has no slot, which cannot happen once the map is created. */
+static __always_inline struct ev_buf *new_event(u32 tgid, u32 fd, u32 type) {
     u32 cpu = bpf_get_smp_processor_id();
     struct ev_buf *b = scratch.lookup(&cpu);
     if (!b)
-        return;
+        return 0;
     __builtin_memset(&b->h, 0, sizeof(b->h));
     b->h.ts_ns = bpf_ktime_get_ns();
     b->h.tgid = tgid;
     b->h.fd = fd;
-    b->h.type = EV_OPEN;
+    b->h.type = type;
+    return b;
+}
+
+static __always_inline void emit_open(u32 tgid, u32 fd, struct sock_info *si) {
+    int zero = 0;
+    struct ev_buf *b = new_event(tgid, fd, EV_OPEN);
+    if (!b)
+        return;
     __builtin_memcpy(&b->h.si, si, sizeof(*si));
     bpf_get_current_comm(&b->h.comm, sizeof(b->h.comm));
     if (events.ringbuf_output(&b->h, sizeof(b->h), 0))
@@ -249,15 +258,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
         return 0;
     socks.delete(&sk);
     int zero = 0;
-    u32 cpu = bpf_get_smp_processor_id();
-    struct ev_buf *b = scratch.lookup(&cpu);
+    struct ev_buf *b = new_event(tgid, (u32)args->fd, EV_CLOSE);
     if (!b)
         return 0;
-    __builtin_memset(&b->h, 0, sizeof(b->h));
-    b->h.ts_ns = bpf_ktime_get_ns();
-    b->h.tgid = tgid;
-    b->h.fd = args->fd;
-    b->h.type = EV_CLOSE;
     if (events.ringbuf_output(&b->h, sizeof(b->h), 0))
         count(lost.lookup(&zero));
     return 0;
@@ -354,15 +357,9 @@ static __always_inline int io_exit(long ret, const int vec) {
     if (ret <= 0)
         return 0;
     int zero = 0;
-    u32 cpu = bpf_get_smp_processor_id();
-    struct ev_buf *b = scratch.lookup(&cpu);
+    struct ev_buf *b = new_event(id >> 32, io.fd, EV_DATA);
     if (!b)
         return 0;
-    __builtin_memset(&b->h, 0, sizeof(b->h));
-    b->h.ts_ns = bpf_ktime_get_ns();
-    b->h.tgid = id >> 32;
-    b->h.fd = io.fd;
-    b->h.type = EV_DATA;
     b->h.total = ret;
     b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG);
     u32 want = ret;
