@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import select
 import signal
 import subprocess
 import sys
@@ -57,8 +58,11 @@ def gpu_contention(device: int = 0, duty_pct: int = 100, size: int = 4096, max_s
         reg.update(entry_id, procs=[{"pid": p.pid, "start": proc_start_time(p.pid), "group": True,
                                      "comm": _comm(p.pid)}])
         assert p.stdout is not None
-        if p.stdout.readline().strip() != "ready":  # CUDA context up and first kernel done
-            raise GpuUnavailableError(f"GPU burner on device {device} failed to start")
+        # "ready": CUDA context up and first kernel done. A wedged driver must not hang the run.
+        ready, _, _ = select.select([p.stdout], [], [], ready_timeout)
+        if not ready or p.stdout.readline().strip() != "ready":
+            raise GpuUnavailableError(f"GPU burner on device {device} failed to start within "
+                                      f"{ready_timeout:g} s")
         yield GpuLoad(device, duty_pct, p.pid, time.monotonic())
 
 
