@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from faults.clock import Clock, MonotonicClock
 from harness.checks import evaluate_all
-from harness.clock import Clock, MonotonicClock
 from harness.errors import RunError
 from harness.faultrun import FaultSession, check_leftovers
 from harness.live import LiveView, Snapshot
@@ -76,7 +76,7 @@ class Runner:
         self.t0 = 0.0
 
     def log(self, message: str) -> None:
-        t = self.clock.monotonic() - self.t0 if self.t0 else 0.0
+        t = self.clock.now() - self.t0 if self.t0 else 0.0
         line = f"[{t:7.2f}s] {message}" if self.t0 else f"[  setup ] {message}"
         self.log_lines.append(line)
         self.view.log(line)
@@ -105,7 +105,7 @@ class Runner:
     def _play(self, running: Running, stack: contextlib.ExitStack) -> RunResult:
         s = self.scenario
         before = self._scrape(running)
-        self.t0 = self.clock.monotonic() + _START_DELAY_S
+        self.t0 = self.clock.now() + _START_DELAY_S
         followers = self._followers(running, stack)
         traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
                              timeout_s=max(2.0, s.period_s * 4))
@@ -120,7 +120,7 @@ class Runner:
             except (KeyboardInterrupt, Interrupted) as exc:
                 interrupted = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
                 self.log(f"interrupted by {interrupted}: removing faults, stopping traffic")
-            end = min(self.clock.monotonic() - self.t0, s.duration_s)
+            end = min(self.clock.now() - self.t0, s.duration_s)
             self._remove_all(faults)
             self._finish(traffic, interrupted)
         after = self._scrape(running)
@@ -145,7 +145,7 @@ class Runner:
         if not running.metrics_url:
             return None
         try:
-            return MetricSample(self.clock.monotonic() - self.t0 if self.t0 else -0.0,
+            return MetricSample(self.clock.now() - self.t0 if self.t0 else -0.0,
                                 scrape(running.metrics_url, running.names))
         except OSError as exc:
             self.log(f"cannot scrape {running.metrics_url}: {exc}")
@@ -171,7 +171,7 @@ class Runner:
         phases = list(self.scenario.phase_bounds().items())
         current = None
         last_view = -1e9
-        while (now := self.clock.monotonic() - self.t0) < self.scenario.duration_s:
+        while (now := self.clock.now() - self.t0) < self.scenario.duration_s:
             phase = next((n for n, (a, b) in phases if a <= now < b), phases[-1][0])
             if phase != current and now >= 0:
                 current = phase
@@ -193,7 +193,7 @@ class Runner:
         if action.apply:
             try:
                 w.detail, applied_at = faults.apply(action.spec, key=id(w))
-                w.applied_s = (applied_at if applied_at is not None else self.clock.monotonic()) - self.t0
+                w.applied_s = (applied_at if applied_at is not None else self.clock.now()) - self.t0
                 self.log(f"fault {w.label} took effect ({(w.applied_s - w.requested_s) * 1000:+.0f} ms "
                          f"after schedule) {w.detail}")
             except Exception as exc:  # noqa: BLE001 -- a fault that fails is evidence, the run goes on
@@ -201,7 +201,7 @@ class Runner:
                 self.log(f"fault {w.label} FAILED to apply: {w.error}")
         elif w.applied_s is not None and w.removed_s is None:
             faults.remove(key=id(w))
-            w.removed_s = self.clock.monotonic() - self.t0
+            w.removed_s = self.clock.now() - self.t0
             self.log(f"fault {w.label} removed")
 
     def _remove_all(self, faults: FaultSession) -> None:
