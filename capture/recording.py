@@ -44,6 +44,7 @@ last second. The file is created with mode 0600: recordings hold production data
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
@@ -264,8 +265,21 @@ def _row_to_flow(r: sqlite3.Row) -> Flow:
                 joined_midstream=bool(r["joined_midstream"]), protocol=r["protocol"], id=r["id"])
 
 
+@functools.lru_cache(maxsize=4096)
+def _decoded_metadata(text: str) -> tuple[tuple[str, str], ...]:
+    return tuple((str(k), str(v)) for k, v in json.loads(text or "[]"))
+
+
 def _metadata(text: str) -> list[tuple[str, str]]:
-    return [(str(k), str(v)) for k, v in json.loads(text or "[]")]
+    # Recordings repeat the same few header sets: decode each distinct text once. A fresh list per
+    # call, because readers such as redaction edit a call's metadata in place.
+    return list(_decoded_metadata(text or ""))
+
+
+_CALLS_SQL = "SELECT * FROM calls ORDER BY request_ts_ns, id"
+_BATCH_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id IN ({}) ORDER BY call_id, direction, seq"
+_CALL_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq"
+_BATCH = 256  # calls whose messages one query fetches: bounded memory, few statements
 
 
 class Recording:
@@ -317,23 +331,38 @@ class Recording:
             yield Chunk(flow_id=r["flow_id"], direction=r["direction"], ts_ns=r["ts_ns"], data=r["data"])
 
     def calls(self, *, with_messages: bool = True) -> Iterator[Call]:
-        """Calls ordered by request time, each with its messages (fetched per call, never all)."""
-        for r in self._rows("SELECT * FROM calls ORDER BY request_ts_ns, id"):
-            call = Call(protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
-                        flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
-                        request_metadata=_metadata(r["request_metadata"]),
-                        response_metadata=_metadata(r["response_metadata"]), status=r["status"],
-                        status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
-                        end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"])
-            if with_messages:
-                self._attach_messages(call)
-            yield call
+        """Calls ordered by request time, each with its messages. Streamed in batches of 256 calls
+        whose messages one query fetches, so memory stays bounded and long recordings read fast."""
+        batch: list[Call] = []
+        for r in self._rows(_CALLS_SQL):
+            batch.append(Call(
+                protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
+                flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
+                request_metadata=_metadata(r["request_metadata"]),
+                response_metadata=_metadata(r["response_metadata"]), status=r["status"],
+                status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
+                end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"]))
+            if len(batch) == _BATCH:
+                yield from self._with_messages(batch, with_messages)
+                batch = []
+        yield from self._with_messages(batch, with_messages)
 
-    def _attach_messages(self, call: Call) -> None:
-        for m in self._rows("SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq", (call.id,)):
-            msg = Message(direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
-                          compressed=bool(m["compressed"]))
-            (call.requests if msg.direction == "c2s" else call.responses).append(msg)
+    def _with_messages(self, calls: list[Call], attach: bool) -> list[Call]:
+        if not attach or not calls:
+            return calls
+        by_id = {c.id: c for c in calls}
+        try:
+            rows = self._db.execute(_BATCH_MESSAGES_SQL.format(",".join("?" * len(calls))),
+                                    tuple(by_id)).fetchall()
+        except sqlite3.DatabaseError:
+            # Salvage call by call: the messages on intact pages still count; `_rows` notes the rest.
+            rows = [m for c in calls for m in self._rows(_CALL_MESSAGES_SQL, (c.id,))]
+        for m in rows:
+            call = by_id[m["call_id"]]
+            (call.requests if m["direction"] == "c2s" else call.responses).append(Message(
+                direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
+                compressed=bool(m["compressed"])))
+        return calls
 
     def count(self, table: str) -> int:
         if table not in {"flows", "chunks", "calls", "messages"}:
