@@ -40,8 +40,11 @@ _VIEW_PERIODS = 30       # sparkline length
 _START_DELAY_S = 0.3     # lets the traffic thread build its senders before the first due send
 
 
-class Interrupted(Exception):
-    """Raised in the main thread by SIGTERM (SIGINT raises KeyboardInterrupt): end with a partial report."""
+class Interrupted(BaseException):
+    """Raised in the main thread by SIGTERM (SIGINT raises KeyboardInterrupt): end with a partial report.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (a fault that
+    fails to apply is logged and the run goes on) can swallow the signal and keep the run going."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import TextIO
 from harness.live import LiveView
 from harness.report import RunResult, write_reports
 from harness.report.table import print_verdicts
-from harness.runner import Runner, RunOptions
+from harness.runner import Interrupted, Runner, RunOptions
 from harness.scenario import Scenario
 from harness.scenario_load import load_scenario
 
@@ -44,7 +44,7 @@ def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scal
     try:
         result, paths = run_scenario(scenario, report_dir=report_dir, junit=junit, png=png, stream=out,
                                      clear_leftovers=clear_leftovers)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         # Interrupted while the agent or proxy was starting: they were stopped on the way out, and
         # no traffic ran, so there is nothing to report.
         print("interrupted before the run started; everything started was stopped", file=sys.stderr)
