@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -92,24 +93,31 @@ class _Itimerspec(ctypes.Structure):
 
 
 _CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC, _TFD_TIMER_ABSTIME = 1, 0o4000, 0o2000000, 1
+_PR_SET_TIMERSLACK = 29
 
 
 class TimerfdClock(MonotonicClock):
     """Linux: wake the event loop with a timerfd armed at the absolute deadline (ns precision).
 
     asyncio's own timers round the epoll timeout up to whole milliseconds, which is why
-    MonotonicClock spins; a timerfd in the same epoll set wakes within the kernel's timer slack
-    (~50 us) with no spinning, so the client CPU goes to sending, not waiting. `spin_ns` (default
-    50 us) still covers the slack. Falls back to MonotonicClock when timerfd is unavailable.
+    MonotonicClock spins; a timerfd in the same epoll set wakes within the kernel's timer slack.
+    That slack (50 us by default, per thread) is set to 1 ns for the loop's thread
+    (prctl PR_SET_TIMERSLACK) when the clock first sleeps there, so the timer fires on time and
+    there is nothing to spin for: each spin step is a whole event-loop iteration (an epoll_wait),
+    which costs more client CPU than the few microseconds of wake-up latency it hides. `spin_ns`
+    (default 0) spins anyway; with the slack left at 50 us (prctl refused) it defaults to 50 us.
+    Falls back to MonotonicClock when timerfd is unavailable.
     """
 
-    def __init__(self, spin_ns: int = 50_000) -> None:
-        super().__init__(spin_ns)
+    def __init__(self, spin_ns: int | None = None) -> None:
+        super().__init__(0 if spin_ns is None else spin_ns)
+        self._default_spin = spin_ns is None
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._fd = self._libc.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
         if self._fd < 0:
             raise OSError(ctypes.get_errno(), "timerfd_create failed")
         self._waiter: asyncio.Future[None] | None = None
+        self._on_fire: Callable[[], None] | None = None  # run_ticks' step, called from _fired
         self._loop: asyncio.AbstractEventLoop | None = None
         # One spec reused for every arm (this runs once per send): no ctypes objects built per call.
         self._spec = _Itimerspec()
@@ -128,22 +136,70 @@ class TimerfdClock(MonotonicClock):
             os.read(self._fd, 8)
         except BlockingIOError:
             return
-        if self._waiter is not None and not self._waiter.done():
+        if self._on_fire is not None:
+            fire, self._on_fire = self._on_fire, None
+            fire()
+        elif self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def sleep_until(self, deadline_ns: int) -> None:
         wake = deadline_ns - self.spin_ns
         if wake > time.monotonic_ns():
-            loop = self._loop
-            if loop is None or loop.is_closed():  # asking asyncio costs a getpid() per call: once per loop
-                loop = asyncio.get_running_loop()
-                loop.add_reader(self._fd, self._fired)
-                self._loop = loop
+            loop = self._attach()
             self._waiter = loop.create_future()
             self._arm(wake)
             await self._waiter
         while time.monotonic_ns() < deadline_ns:
             await asyncio.sleep(0)
+
+    async def run_ticks(self, tick: Callable[[], int | None]) -> None:
+        """Call `tick()` now and then at each absolute deadline (ns) it returns, until it returns
+        None. At a deadline `tick` runs inside the timerfd's own reader callback: no future to
+        resolve, no task to wake, so what it sends goes out one event-loop iteration earlier than
+        after `await sleep_until(...)`, and each wake-up costs one iteration instead of two.
+        With a spin configured, it falls back to sleep_until (which spins). `tick`'s exceptions
+        propagate from here."""
+        if self.spin_ns:
+            while (wake := tick()) is not None:
+                await self.sleep_until(wake)
+            return
+        loop = self._attach()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def step() -> None:
+            try:
+                wake = tick()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                done.set_exception(exc)
+                return
+            if wake is None:
+                done.set_result(None)
+            elif wake > time.monotonic_ns():
+                self._on_fire = step
+                self._arm(wake)
+            else:
+                loop.call_soon(step)  # already due: run again after the I/O that is ready
+
+        self._on_fire = None
+        step()
+        try:
+            await done
+        finally:
+            self._on_fire = None
+
+    def _attach(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None or loop.is_closed():  # asking asyncio costs a getpid() per call: once per loop
+            loop = asyncio.get_running_loop()
+            loop.add_reader(self._fd, self._fired)
+            self._loop = loop
+            self._tighten_slack()
+        return loop
+
+    def _tighten_slack(self) -> None:
+        """1 ns timer slack for this (the loop's) thread; keep a 50 us spin where that is refused."""
+        if self._libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) != 0 and self._default_spin:
+            self.spin_ns = 50_000
 
     def close(self) -> None:
         """Unregister from the loop and close the timerfd (idempotent)."""
@@ -158,6 +214,6 @@ class TimerfdClock(MonotonicClock):
 def real_clock(spin_ns: int | None = None) -> MonotonicClock:
     """The most precise real clock here: TimerfdClock on Linux, else MonotonicClock."""
     try:
-        return TimerfdClock() if spin_ns is None else TimerfdClock(spin_ns)
+        return TimerfdClock(spin_ns)
     except (OSError, AttributeError):
         return MonotonicClock() if spin_ns is None else MonotonicClock(spin_ns)

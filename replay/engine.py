@@ -1,7 +1,8 @@
 """The open-loop replayer: every send at its intended time, however slow the target is.
 
     plan (lazy) --lookahead--> heap of timed events --sleep_until/spin--> dispatch every overdue event
-                                  start call: in-flight cap check -> task(sender.call) -> CallResult
+                                  start call: in-flight cap check -> sender.start (written now)
+                                              or task(sender.call) -> CallResult
                                   stream message: released into its call's request queue
 
 One loop sleeps; everything due goes out on each wake-up, so a slow response never delays a later
@@ -45,7 +46,7 @@ class ReplayOptions:
     timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
     lookahead_s: how far ahead of now the plan is read (bounds memory).
     spin_us: the real clock spins this long before each send (accuracy vs client CPU; 0: never;
-        -1: the clock's default, 50 us with a timerfd, 300 us without).
+        -1: the clock's default, none with a timerfd at 1 ns slack, 300 us without).
     start_at_ns: t0 on the clock (workers pass a shared one); None: now.
     compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
         against recorded ones, or None.
@@ -70,8 +71,10 @@ class _Live:
     intended_ns: int
     sent_ns: int
     queue: asyncio.Queue[PlannedMessage | None] | None
-    task: asyncio.Task[None] | None = None
-    timed_out: bool = False  # set by the backstop sweep just before it cancels the task
+    task: asyncio.Task[None] | None = None  # the call's task (Sender.call) ...
+    cancel: Callable[[], None] | None = None  # ... or its cancel function (Starter.start)
+    timed_out: bool = False  # set by the backstop sweep just before it cancels the call
+    aborted: bool = False  # cancelled by the engine: the outcome says why, not the sender
     finished: bool = False  # its backstop entry is stale (dropped lazily, see _compact)
 
 
@@ -109,6 +112,7 @@ class ReplayRun:
         self._backstops: list[tuple[float, int, _Live]] = []  # (loop time, seq, call): the backstop heap
         self._stale = 0  # finished calls still in _backstops
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Future[None] | None = None  # set when the last in-flight call ends (_drain)
         self.t0_ns = 0
         self.end_ns = 0
 
@@ -177,30 +181,43 @@ class ReplayRun:
 
     # ---- the scheduling loop ----------------------------------------------------------------
     async def _schedule_loop(self, plan: Iterator[PlannedCall]) -> None:
-        heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
-        pending = next(plan, None)
-        lookahead = int(self.options.lookahead_s * 1e9)
-        while not self._stop.is_set():
-            self._sweep()
-            now = self.clock.now_ns() - self.t0_ns
-            while pending is not None and (pending.due_ns <= now + lookahead or not heap):
-                heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
-                self.stats.scheduled += 1
-                self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
-                self._prepare(pending)
-                pending = next(plan, None)
-            if not heap:
-                return
-            if heap[0][0] > now:
-                await self.clock.sleep_until(self.t0_ns + min(heap[0][0], now + _WAKE_NS))
-                continue
-            while heap and heap[0][0] <= now:
-                due, _, item, msg = heapq.heappop(heap)
-                if isinstance(item, PlannedCall):
-                    self._start(item, heap)
-                elif item.task is not None and not item.task.done():
-                    self._release(item, msg, heap)
-        self._count_unsent(heap, pending, plan)
+        self._heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
+        self._plan, self._pending = plan, next(plan, None)
+        run_ticks = getattr(self.clock, "run_ticks", None)  # see clock.TimerfdClock.run_ticks
+        if run_ticks is not None:
+            await run_ticks(self._tick)
+        else:
+            while (wake := self._tick()) is not None:
+                await self.clock.sleep_until(wake)
+        if self._stop.is_set():
+            self._count_unsent(self._heap, self._pending, self._plan)
+
+    def _tick(self) -> int | None:
+        """One wake-up: dispatch everything due, read the plan ahead; the next wake-up (clock ns), or
+        None when the plan is done or the run stopped. Synchronous, so the clock may call it straight
+        from its timer callback: the sends go out in the very loop step that noticed they were due."""
+        if self._stop.is_set():
+            return None
+        self._sweep()
+        heap, lookahead = self._heap, int(self.options.lookahead_s * 1e9)
+        now = self.clock.now_ns() - self.t0_ns
+        pending = self._pending
+        while pending is not None and (pending.due_ns <= now + lookahead or not heap):
+            heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
+            self.stats.scheduled += 1
+            self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
+            self._prepare(pending)
+            pending = next(self._plan, None)
+        self._pending = pending
+        while heap and heap[0][0] <= now:
+            due, _, item, msg = heapq.heappop(heap)
+            if isinstance(item, PlannedCall):
+                self._start(item, heap)
+            elif item.task is not None and not item.task.done():
+                self._release(item, msg, heap)
+        if not heap:
+            return None if pending is None else self.t0_ns + now
+        return self.t0_ns + min(heap[0][0], now + _WAKE_NS)
 
     def _count_unsent(self, heap: list, pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
         for _, _, item, msg in heap:
@@ -227,8 +244,13 @@ class ReplayRun:
         live = _Live(planned, self.t0_ns + planned.due_ns, 0, None)
         self._by_conn[planned.connection] += 1
         self._live.add(live)
+        assert self._loop is not None
+        limit = self.options.timeout_s + planned.last_offset_ns / 1e9 + 1.0
+        heapq.heappush(self._backstops, (self._loop.time() + limit, next(self._seq), live))
+        if planned.last_offset_ns == 0 and self._started(sender, live):
+            return
         if planned.last_offset_ns == 0:
-            requests: AsyncIterator[PlannedMessage] = _Ready(planned.messages)  # fast path: no queue
+            requests: AsyncIterator[PlannedMessage] = _Ready(planned.messages)  # no queue
         else:
             live.queue = asyncio.Queue()
             requests = _drain_queue(live.queue)
@@ -237,10 +259,46 @@ class ReplayRun:
                     self._release(live, msg, heap)
                 else:
                     heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
-        assert self._loop is not None
-        limit = self.options.timeout_s + planned.last_offset_ns / 1e9 + 1.0
-        heapq.heappush(self._backstops, (self._loop.time() + limit, next(self._seq), live))
         live.task = self._loop.create_task(self._call(sender, live, requests))
+
+    def _started(self, sender: Sender, live: _Live) -> bool:
+        """The fast path (senders.base.Starter): the sender writes the call right here, in this loop
+        step, and reports its end through a callback: no task, and no loop hop between deciding to
+        send and sending. False: the sender declined; use a task."""
+        start = getattr(sender, "start", None)
+        if start is None:
+            return False
+        live.sent_ns = now = self.clock.now_ns()
+        try:
+            cancel = start(live.planned, self.options.timeout_s, lambda out: self._done(live, out))
+        except Exception as exc:  # a sender bug must not lose the call from the accounting
+            log.exception("sender failed on call %s", live.planned.index)
+            cancel, out = None, SendOutcome("error", type(exc).__name__, detail=str(exc))
+            self._done(live, out)
+        if cancel is None and not live.finished:
+            live.sent_ns = 0
+            return False
+        self.stats.on_sent(live.intended_ns, now)
+        live.cancel = cancel
+        return True
+
+    def _done(self, live: _Live, out: SendOutcome) -> None:
+        if not live.finished:
+            self._finish(live, self._cancelled(live) if live.aborted else out)
+
+    def _abort(self, live: _Live) -> None:
+        """Cancel an in-flight call (backstop or stop); it is counted as its outcome says."""
+        live.aborted = True
+        if live.cancel is not None:
+            cancel, live.cancel = live.cancel, None
+            cancel()
+        elif live.task is not None:
+            live.task.cancel()
+
+    @staticmethod
+    def _cancelled(live: _Live) -> SendOutcome:
+        return (SendOutcome("timeout", "CLIENT_TIMEOUT") if live.timed_out  # the backstop (_sweep)
+                else SendOutcome("error", "CANCELLED", detail="stopped while in flight"))
 
     def _sweep(self) -> None:
         """Cancel calls past their backstop (on the loop's clock, like asyncio's own timeouts)."""
@@ -252,9 +310,9 @@ class ReplayRun:
             live = heapq.heappop(heap)[2]
             if live.finished:
                 self._stale -= 1
-            elif live.task is not None and not live.task.done():
+            else:
                 live.timed_out = True
-                live.task.cancel()
+                self._abort(live)
 
     def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:
         assert live.queue is not None
@@ -294,8 +352,7 @@ class ReplayRun:
         except (asyncio.TimeoutError, TimeoutError):
             out = SendOutcome("timeout", "CLIENT_TIMEOUT")
         except asyncio.CancelledError:
-            out = (SendOutcome("timeout", "CLIENT_TIMEOUT") if live.timed_out  # the backstop (_sweep)
-                   else SendOutcome("error", "CANCELLED", detail="stopped while in flight"))
+            out = self._cancelled(live)
         except Exception as exc:  # a sender bug must not lose the call from the accounting
             log.exception("sender failed on call %s", p.index)
             out = SendOutcome("error", type(exc).__name__, detail=str(exc))
@@ -317,6 +374,8 @@ class ReplayRun:
         p = live.planned
         self._by_conn[p.connection] -= 1
         self._live.discard(live)
+        if not self._live and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
         result = CallResult(p.index, p.method, p.connection, p.flow_id, live.intended_ns, live.sent_ns,
                             self.clock.now_ns(), out.outcome, out.code)
         if self.options.compare is not None and out.outcome in ("ok", "error", "rejected"):
@@ -341,16 +400,23 @@ class ReplayRun:
 
     async def _drain(self) -> None:
         """Wait for in-flight calls (each bounded by its own timeout); after stop(), only the grace."""
-        tasks = {lv.task for lv in self._live if lv.task is not None}
-        while tasks and not self._stop.is_set():
-            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+        while self._live and not self._stop.is_set():
+            await self._quiet(0.1)
             self._sweep()
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=self.options.stop_grace_s)
-            for t in late:
-                t.cancel()
-            if late:
-                await asyncio.wait(late)
+        if self._live:
+            await self._quiet(self.options.stop_grace_s)
+            late = list(self._live)
+            for live in late:
+                self._abort(live)
+            tasks = [lv.task for lv in late if lv.task is not None and not lv.task.done()]
+            if tasks:
+                await asyncio.wait(tasks)
+
+    async def _quiet(self, timeout: float) -> None:
+        """Until no call is in flight, or `timeout` seconds."""
+        assert self._loop is not None
+        self._idle = self._loop.create_future()
+        await asyncio.wait([self._idle], timeout=timeout)
 
 
 async def _drain_queue(queue: asyncio.Queue[PlannedMessage | None]) -> AsyncIterator[PlannedMessage]:

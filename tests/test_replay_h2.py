@@ -185,3 +185,62 @@ def test_stream_messages_go_out_in_order_at_their_offsets(tmp_path: Path) -> Non
     t0 = server.received[0][0]
     for (t, _, _), want in zip(server.received, offsets, strict=True):
         assert abs((t - t0) - want) < 50 * MS  # tolerance 50 ms: a shared, noisy 2-core host
+
+
+def _started(address: str, calls: list[PlannedCall], timeout_s: float = 5.0) -> tuple[list[bool], list[SendOutcome]]:
+    """Each call through H2Sender.start (the engine's synchronous fast path) once the connection is
+    ready; returns whether start() took it, and the outcomes (call() for those it declined)."""
+    async def go() -> tuple[list[bool], list[SendOutcome]]:
+        loop = asyncio.get_running_loop()
+        sender = get_sender("h2", address)
+        try:
+            assert sender.start(calls[0], timeout_s, print) is None  # type: ignore[attr-defined]  # not connected yet
+            await asyncio.wait_for(asyncio.shield(sender._conn(calls[0].connection).ready), 5)  # type: ignore[attr-defined]
+            futs: list[asyncio.Future[SendOutcome] | None] = []
+            for p in calls:
+                fut = loop.create_future()
+                futs.append(fut if sender.start(p, timeout_s, fut.set_result) is not None else None)  # type: ignore[attr-defined]
+            outs = [await (f if f is not None else sender.call(p, _requests(p), timeout_s))
+                    for f, p in zip(futs, calls, strict=True)]
+            return [f is not None for f in futs], outs
+        finally:
+            await sender.close()
+    return asyncio.run(go())
+
+
+def test_start_sends_synchronously_with_the_same_outcomes_as_call() -> None:
+    calls = [_planned(DECIDE, [snapshot_bytes(i)], index=i) for i in range(6)]
+    calls += [_planned(f"/{SERVICE}/NoSuchMethod", [b"x"], index=6),
+              _planned(f"/{SERVICE}/Fanout", [snapshot_bytes(7)], "server_stream", 7),
+              _planned(DECIDE_STREAM, [snapshot_bytes(8)], "bidi", 8)]
+    with EchoServer() as server:
+        taken, outs = _started(server.address, calls)
+        reference = _call("grpc", server.address, calls)
+    with EchoServer(reject_every=1) as server:
+        _, shed = _started(server.address, calls[:2])
+    assert taken == [True] * 8 + [False]  # a bidi call needs its request stream: call() handles it
+    for got, want in zip(outs, reference, strict=True):
+        # the echo server stamps its own latency into each decision: compare shape, not bytes
+        assert (got.outcome, got.code, got.status, len(got.responses)) == (want.outcome, want.code, want.status,
+                                                                            len(want.responses))
+    assert [o.code for o in outs] == ["OK"] * 6 + ["UNIMPLEMENTED", "OK", "OK"]
+    assert [(o.outcome, o.code, o.detail) for o in shed] == [("rejected", "RESOURCE_EXHAUSTED", "shed")] * 2
+
+
+def test_engine_fast_path_times_out_and_stops_cleanly(tmp_path: Path) -> None:
+    """Calls the engine sent through start() still time out at their deadline, and a stop() while
+    they are in flight counts them as CANCELLED within the grace (none are lost)."""
+    n = write_unary_recording(tmp_path / "r.rec", [i * 20 * MS for i in range(20)])  # 0.4 s of calls
+    with EchoServer(delay_s=3.0) as server:
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2", timeout_s=0.2)).run()
+        assert rep.invariant_ok and rep.scheduled == n
+        assert rep.timeouts == n, rep  # every call: DEADLINE_EXCEEDED at 0.2 s, not the 3 s reply
+        run = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2", timeout_s=10.0,
+                                                                         stop_grace_s=0.2))
+        threading.Timer(0.6, run.stop).start()
+        started = time.monotonic()
+        rep = run.run()
+        elapsed = time.monotonic() - started
+    assert rep.invariant_ok and rep.scheduled == n
+    assert rep.errors.get("CANCELLED", 0) == n, rep  # all were in flight (the server takes 3 s)
+    assert elapsed < 0.6 + 0.2 + 1.5  # tolerance: stop at 0.6 s + grace 0.2 s + 1.5 s for a noisy host

@@ -51,6 +51,17 @@ class Preparer(Protocol):
     def prepare(self, connection: str) -> None: ...
 
 
+class Starter(Protocol):
+    """Optional ability: send `planned` synchronously, now, and call `done(outcome)` exactly once
+    when it ends (from the sender's own I/O callbacks). Returns a function that abandons the call
+    (`done` then gets a cancelled outcome; the sender tells the target if it can), or None when this
+    call needs `Sender.call` (the engine then falls back to it). Only asked for calls whose request
+    messages are all due at their start."""
+
+    def start(self, planned: PlannedCall, timeout_s: float,
+              done: Callable[[SendOutcome], None]) -> Callable[[], None] | None: ...
+
+
 SenderFactory = Callable[..., Sender]
 _REGISTRY: dict[str, str | SenderFactory] = {
     "grpc": "replay.senders.grpc:GrpcSender",

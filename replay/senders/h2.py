@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import ERROR, SendOutcome, replayable_metadata
@@ -34,6 +34,49 @@ def _wire(m: PlannedMessage) -> bytes:
         except OSError:
             pass
     return b"\x00" + len(data).to_bytes(4, "big") + data  # the gRPC length prefix, uncompressed
+
+
+class _Started:
+    """A call sent by `H2Sender.start`: its stream, or the retry task after the server refused it."""
+
+    __slots__ = ("sender", "conn", "planned", "payload", "deadline", "done", "st", "retry")
+
+    def __init__(self, sender: H2Sender, conn: H2Connection, planned: PlannedCall, payload: bytes,
+                 deadline: float, done: Callable[[SendOutcome], None]) -> None:
+        self.sender, self.conn, self.planned, self.payload = sender, conn, planned, payload
+        self.deadline = deadline
+        self.done: Callable[[SendOutcome], None] | None = done  # None once reported
+        self.st: Stream | None = None
+        self.retry: asyncio.Task[SendOutcome] | None = None
+
+    def end(self, out: SendOutcome) -> None:
+        """The stream's outcome. Refused (rare): retry on the task path within the deadline."""
+        loop = self.conn.loop
+        if out.detail == REFUSED and self.done is not None and loop.time() < self.deadline:
+            block = self.sender._block(self.planned, self.deadline - loop.time())
+            self.retry = loop.create_task(self.sender._unary(self.conn, block, self.payload, self.deadline))
+            self.retry.add_done_callback(self._retried)
+            return
+        self._report(out)
+
+    def _retried(self, task: asyncio.Task[SendOutcome]) -> None:
+        if task.cancelled():
+            return  # cancel() reported it
+        exc = task.exception()
+        self._report(task.result() if exc is None else SendOutcome(ERROR, type(exc).__name__, detail=str(exc)))
+
+    def _report(self, out: SendOutcome) -> None:
+        done, self.done = self.done, None
+        if done is not None:
+            done(out)
+
+    def cancel(self) -> None:
+        """Abandon the call: reset its stream (or stop its retry); `done` gets a CANCELLED outcome."""
+        if self.retry is not None:
+            self.retry.cancel()
+        elif self.st is not None:
+            self.conn.cancel(self.st, outcome(1, "cancelled"))
+        self._report(outcome(1, "cancelled"))  # no-op when the stream's end already reported
 
 
 class H2Sender:
@@ -86,6 +129,27 @@ class H2Sender:
             md = tuple(replayable_metadata(planned.metadata))
             block = self._blocks[key] = request_block(key[0], self.target, md, timeout)
         return block
+
+    def start(self, planned: PlannedCall, timeout_s: float,
+              done: Callable[[SendOutcome], None]) -> Callable[[], None] | None:
+        """Send a call now, synchronously; `done(outcome)` follows once, from the connection's
+        callbacks (the engine's `senders.base.Starter` fast path). Returns the call's cancel
+        function, or None when the call must take `call()` instead.
+
+        Taken by a unary or server-streaming call with its one request message due at its start, on a
+        connection that is ready with a stream slot free: HEADERS and DATA are written before this
+        returns, and no future, task, generator or timeout context is made per call. Cancelling
+        resets the stream (RST_STREAM CANCEL); a stream the server refuses is retried as `call()`
+        retries it."""
+        if planned.kind in ("client_stream", "bidi") or len(planned.messages) != 1 or planned.last_offset_ns:
+            return None
+        conn = self._conn(planned.connection)
+        ready = conn.ready
+        if not ready.done() or not ready.result() or not conn.usable or len(conn.streams) >= conn.peer_max_streams:
+            return None
+        started = _Started(self, conn, planned, _wire(planned.messages[0]), conn.loop.time() + timeout_s, done)
+        started.st = conn.open(self._block(planned, timeout_s), started.payload, started.deadline, started.end)
+        return started.cancel
 
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         conn = self._conn(planned.connection)
@@ -149,7 +213,7 @@ class H2Sender:
     @staticmethod
     async def _pump(conn: H2Connection, st: Stream, requests: AsyncIterator[PlannedMessage]) -> None:
         async for m in requests:  # each message when the engine releases it (its own offset)
-            if st.fut.done():
+            if st.fut is None or st.fut.done():
                 return
             conn.send(st, _wire(m), False)
         conn.send(st, b"", True)
@@ -157,6 +221,7 @@ class H2Sender:
     @staticmethod
     async def _wait(conn: H2Connection, st: Stream) -> SendOutcome:
         try:
+            assert st.fut is not None  # opened without on_end
             return await st.fut
         except asyncio.CancelledError:  # the engine stopped us: tell the server too
             conn.cancel(st, outcome(1, "cancelled"))

@@ -15,6 +15,7 @@ import asyncio
 import gzip
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 import hpack
@@ -63,13 +64,14 @@ _PAIR = struct.Struct(">HL")
 
 
 class Stream:
-    """One call's state on a connection; `fut` resolves to its SendOutcome."""
+    """One call's state on a connection; its SendOutcome goes to `on_end` if given, else to `fut`."""
 
-    __slots__ = ("sid", "fut", "responses", "buf", "http_status", "got_headers", "window", "unacked", "half_closed",
-                 "timer")
+    __slots__ = ("sid", "fut", "on_end", "responses", "buf", "http_status", "got_headers", "window", "unacked",
+                 "half_closed", "timer")
 
-    def __init__(self, sid: int, fut: asyncio.Future[SendOutcome], window: int) -> None:
-        self.sid, self.fut, self.window = sid, fut, window
+    def __init__(self, sid: int, fut: asyncio.Future[SendOutcome] | None, window: int,
+                 on_end: Callable[[SendOutcome], None] | None = None) -> None:
+        self.sid, self.fut, self.window, self.on_end = sid, fut, window, on_end
         self.responses: list[bytes] = []
         self.buf: bytearray | None = None  # a gRPC message split over DATA frames
         self.http_status: int | None = None
@@ -163,10 +165,14 @@ class H2Connection(asyncio.Protocol):
             self.slot_waiters.append(waiter)
             await waiter
 
-    def open(self, block: bytes, payload: bytes | None, deadline: float) -> Stream:
-        """Start a stream: HEADERS, then (if given) one DATA payload with END_STREAM; arm the deadline."""
+    def open(self, block: bytes, payload: bytes | None, deadline: float,
+             on_end: Callable[[SendOutcome], None] | None = None) -> Stream:
+        """Start a stream: HEADERS, then (if given) one DATA payload with END_STREAM; arm the deadline.
+        Its outcome is passed to `on_end` (called once, from this connection's callbacks) or, without
+        one, set on the stream's `fut`."""
         sid, self.next_sid = self.next_sid, self.next_sid + 2
-        st = self.streams[sid] = Stream(sid, self.loop.create_future(), self.peer_window)
+        fut = self.loop.create_future() if on_end is None else None
+        st = self.streams[sid] = Stream(sid, fut, self.peer_window, on_end)
         st.timer = self.loop.call_at(deadline, self._deadline, st)
         head = headers_frames(sid, block, self.peer_max_frame)
         if payload is None:
@@ -230,7 +236,10 @@ class H2Connection(asyncio.Protocol):
             st.timer.cancel()
         if reset is not None and not self.closed:
             self.transport.write(rst_stream(st.sid, reset))  # type: ignore[union-attr]
-        if not st.fut.done():
+        if st.on_end is not None:
+            on_end, st.on_end = st.on_end, None
+            on_end(out)
+        elif st.fut is not None and not st.fut.done():
             st.fut.set_result(out)
         if self.slot_waiters:
             self._wake_waiters()
