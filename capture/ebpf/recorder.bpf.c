@@ -9,7 +9,9 @@
  *
  * Overhead: one hash lookup on every read/write-family syscall of the traced processes
  * (early return for sockets that are not ours); payload copies only for matching
- * connections, at most MAX_BYTES per syscall in CHUNK-sized ring-buffer records.
+ * connections, at most MAX_BYTES per syscall in CHUNK-sized ring-buffer records (one record
+ * for a syscall of at most CHUNK bytes, however many iovecs it used). Records are written
+ * without waking user space (BPF_RB_NO_WAKEUP): the loader drains the ring on a timer.
  *
  *   accept4/connect --(port, pid, cgroup filter)--> socks[(tgid,fd)] --> OPEN event
  *   read/write/readv/writev/sendto/recvfrom/sendmsg/recvmsg on socks --> DATA events
@@ -59,7 +61,9 @@ struct ev_hdr {               /* every ring-buffer record starts with this */
 
 struct ev_buf {
     struct ev_hdr h;
-    u8 data[CHUNK];
+    /* Twice CHUNK: an append of up to CHUNK bytes at any fill below CHUNK is provably in bounds,
+     * which the verifier cannot see from `fill + n <= CHUNK` (it does not track that relation). */
+    u8 data[2 * CHUNK];
 };
 
 struct active_io {            /* syscall arguments kept from enter to exit */
@@ -133,7 +137,7 @@ static __always_inline void emit_open(u32 tgid, u32 fd, struct sock_info *si) {
         return;
     __builtin_memcpy(&b->h.si, si, sizeof(*si));
     bpf_get_current_comm(&b->h.comm, sizeof(b->h.comm));
-    if (events.ringbuf_output(&b->h, sizeof(b->h), 0))
+    if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
         count(lost.lookup(&zero));
 }
 
@@ -261,7 +265,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct ev_buf *b = new_event(tgid, (u32)args->fd, EV_CLOSE);
     if (!b)
         return 0;
-    if (events.ringbuf_output(&b->h, sizeof(b->h), 0))
+    if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
         count(lost.lookup(&zero));
     return 0;
 }
@@ -278,7 +282,8 @@ static __always_inline int io_enter(u32 fd, u64 ptr, u64 cnt, u32 kind) {
     return 0;
 }
 
-/* Send the payload gathered so far in b as one record; returns the next offset. */
+/* Send the payload gathered so far in b as one record; returns the next offset. No wake-up:
+ * one per record would cost the traced service an irq_work per syscall. */
 static __always_inline u32 flush(struct ev_buf *b, u32 fill, u32 offset) {
     int zero = 0;
     if (fill == 0)
@@ -286,7 +291,7 @@ static __always_inline u32 flush(struct ev_buf *b, u32 fill, u32 offset) {
     b->h.len = fill;
     b->h.offset = offset;
     u32 size = sizeof(b->h) + (((fill - 1) & (CHUNK - 1)) + 1);
-    if (events.ringbuf_output(b, size, 0))
+    if (events.ringbuf_output(b, size, BPF_RB_NO_WAKEUP))
         count(lost.lookup(&zero));
     return offset + fill;
 }
@@ -305,6 +310,31 @@ static __always_inline u32 copy_buf(struct ev_buf *b, u64 base, u32 n, u32 offse
         n -= size;
     }
     return offset;
+}
+
+/* A syscall that moved at most CHUNK bytes, from up to MAX_IOV iovecs, as ONE record: gRPC writes
+ * a message as many small iovecs (frame headers, length prefixes, payload), and a record per iovec
+ * cost user space a callback each. No flush inside the loop (everything fits, as `remaining` <=
+ * CHUNK), so the verifier walks one path. Returns the bytes not copied (more than MAX_IOV
+ * iovecs). */
+static __always_inline u32 copy_small(struct ev_buf *b, u64 iov, u64 iovcnt, u32 remaining) {
+    u32 fill = 0;
+    for (int i = 0; i < MAX_IOV; i++) {
+        if (remaining == 0 || i >= iovcnt)
+            break;
+        struct user_iovec v = {};
+        bpf_probe_read_user(&v, sizeof(v), (void *)(iov + i * sizeof(v)));
+        u32 n = v.len > remaining ? remaining : v.len;
+        if (n == 0)
+            continue;
+        u32 at = fill & (CHUNK - 1);             /* == fill: fill + n <= CHUNK */
+        u32 size = ((n - 1) & (CHUNK - 1)) + 1;  /* == n */
+        bpf_probe_read_user(b->data + at, size, (void *)v.base);
+        fill = (fill + size) & (2 * CHUNK - 1);  /* a no-op that keeps every iteration's range alike */
+        remaining -= n;
+    }
+    flush(b, fill, 0);
+    return remaining;
 }
 
 /* Copy `remaining` bytes from up to MAX_IOV iovecs (or one buffer). Every branch either goes on
@@ -382,7 +412,8 @@ static __always_inline int io_exit(long ret, const int vec) {
         iov = m.iov;
         iovcnt = m.iovlen;
     }
-    if (copy_out(b, &io, iov, iovcnt, want) && !b->h.truncated)
+    u32 left = want <= CHUNK ? copy_small(b, iov, iovcnt, want) : copy_out(b, &io, iov, iovcnt, want);
+    if (left && !b->h.truncated)
         count(truncated.lookup(&zero));   /* more iovecs than MAX_IOV: counted, never silent */
     return 0;
 }
