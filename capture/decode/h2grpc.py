@@ -1,4 +1,4 @@
-"""HTTP/2 and gRPC decoding with `hyperframe` (frames) and `hpack` (headers).
+"""HTTP/2 and gRPC decoding: frames split here, headers with `hpack` (capture/decode/hpack_tolerant.py).
 
     c2s bytes --frames--> HEADERS (:path, metadata) / DATA (5-byte-prefixed messages) --+
     s2c bytes --frames--> HEADERS (status) / DATA (messages) / trailers (grpc-status) ---+--> Call
@@ -8,20 +8,47 @@ directions ended (END_STREAM) or the stream was reset. On a connection joined mi
 bytes may start inside a frame: each direction stays unsynchronised until a chunk parses as whole
 frames, and header fields that refer to dynamic-table entries we never saw are skipped and the call
 is marked `method_unknown` when its :path was among them.
+
+Frames are split on their 9-byte header and unpadded here rather than through `hyperframe` objects:
+this runs for every frame a production service sends while it is being recorded, and a frame object
+per frame was a third of the recorder's CPU. The rules are hyperframe's: a frame whose padding or
+RST_STREAM body is malformed, or a stream frame on stream 0, is skipped (the raw chunks keep it).
 """
 
 from __future__ import annotations
 
 import struct
 
-from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame
-
 from capture.decode.hpack_tolerant import HpackBlockError, TolerantDecoder
 from capture.recording import Call, Direction, Message
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _MAX_FRAME = 1 << 24
-_CALL_FRAMES = frozenset((0, 1, 3, 9))   # DATA, HEADERS, RST_STREAM, CONTINUATION
+_DATA, _HEADERS, _RST_STREAM, _CONTINUATION = 0, 1, 3, 9
+_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
+_HEADER = struct.Struct(">HBBBI")   # length (24 bits as 16 + 8), type, flags, stream id
+
+
+def frame_body(ftype: int, flags: int, body: bytes) -> bytes | None:
+    """The data or header-block fragment of a DATA/HEADERS frame without padding and priority
+    fields; None where hyperframe would raise (padding too long, fields cut short)."""
+    if not flags & (_PADDED | _PRIORITY):
+        return body                      # the usual case: nothing to strip
+    start = pad = 0
+    if flags & _PADDED:
+        if not body:
+            return None
+        pad, start = body[0], 1
+    body_len = len(body)                 # hyperframe compares DATA padding with the whole body...
+    if ftype == _HEADERS:
+        body_len -= start                # ...and HEADERS padding with what follows the pad length
+        if flags & _PRIORITY:
+            if body_len < 5:
+                return None
+            start += 5
+    if pad and pad >= body_len:
+        return None
+    return body[start:len(body) - pad]
 
 
 def plausible_frames(data: bytes) -> bool:
@@ -45,7 +72,7 @@ class _Side:
     """One direction's frame parser state."""
 
     def __init__(self, synced: bool) -> None:
-        self.buf = bytearray()
+        self.buf = b""                 # a partial frame carried to the next chunk
         self.synced = synced
         self.hpack = TolerantDecoder()
         self.block: tuple[int, bytearray, int] | None = None   # (stream, fragment, flags)
@@ -83,56 +110,59 @@ class H2Decoder:
                 side.skipped += len(data)   # wait for a chunk that starts on a frame boundary
                 return []
             side.synced = True
-        side.buf += data
+        buf = side.buf + data if side.buf else bytes(data)
         if direction == "c2s" and not self.saw_preface:
-            if len(side.buf) < len(PREFACE):
+            if len(buf) < len(PREFACE):
+                side.buf = buf
                 return []
-            if side.buf.startswith(PREFACE):
-                del side.buf[:len(PREFACE)]
+            if buf.startswith(PREFACE):
+                buf = buf[len(PREFACE):]
             self.saw_preface = True
         done: list[Call] = []
-        while len(side.buf) >= 9:
-            length = int.from_bytes(side.buf[:3], "big")
-            if len(side.buf) < 9 + length:
+        pos, end, unpack = 0, len(buf), _HEADER.unpack_from
+        while pos + 9 <= end:
+            hi, lo, ftype, flags, stream_id = unpack(buf, pos)
+            nxt = pos + 9 + (hi << 8 | lo)
+            if nxt > end:
                 break
-            raw = bytes(side.buf[:9 + length])
-            del side.buf[:9 + length]
-            done += self._frame(direction, ts_ns, raw)
+            # SETTINGS, PING, WINDOW_UPDATE, ...: no call content, not worth a look
+            if ftype in (_DATA, _HEADERS, _CONTINUATION, _RST_STREAM) and stream_id & 0x7FFFFFFF:
+                done += self._frame(direction, ts_ns, ftype, flags, stream_id & 0x7FFFFFFF, buf[pos + 9:nxt])
+            pos = nxt
+        # Only a partial last frame stays behind (at most the peer's maximum frame size).
+        side.buf = buf[pos:] if pos < end else b""
         return done
 
-    def _frame(self, direction: Direction, ts_ns: int, raw: bytes) -> list[Call]:
-        if raw[3] not in _CALL_FRAMES:
-            return []   # SETTINGS, PING, WINDOW_UPDATE, ...: no call content, not worth an object
-        try:
-            frame, length = Frame.parse_frame_header(memoryview(raw[:9]))
-            frame.parse_body(memoryview(raw[9:9 + length]))
-        except Exception:  # noqa: BLE001 - hyperframe raises several types for junk
-            return []   # unknown extension frames and junk: skip, the raw chunks keep them
-        if isinstance(frame, HeadersFrame):
-            return self._headers_start(direction, ts_ns, frame)
-        if isinstance(frame, ContinuationFrame):
-            return self._continuation(direction, ts_ns, frame)
-        if isinstance(frame, DataFrame):
-            return self._data(direction, ts_ns, frame)
-        if isinstance(frame, RstStreamFrame):
-            return self._reset(ts_ns, frame)
-        return []
+    def _frame(self, direction: Direction, ts_ns: int, ftype: int, flags: int, stream_id: int,
+               body: bytes) -> list[Call]:
+        if ftype == _RST_STREAM:
+            return self._reset(ts_ns, stream_id, int.from_bytes(body, "big")) if len(body) == 4 else []
+        if ftype == _CONTINUATION:
+            return self._continuation(direction, ts_ns, stream_id, flags, body)
+        payload = frame_body(ftype, flags, body)
+        if payload is None:
+            return []   # malformed padding: skip, the raw chunks keep it
+        if ftype == _HEADERS:
+            return self._headers_start(direction, ts_ns, stream_id, flags, payload)
+        return self._data(direction, ts_ns, stream_id, flags, payload)
 
     # -- headers ----------------------------------------------------------------------------
 
-    def _headers_start(self, direction: Direction, ts_ns: int, frame: HeadersFrame) -> list[Call]:
+    def _headers_start(self, direction: Direction, ts_ns: int, stream_id: int, flags: int,
+                       fragment: bytes) -> list[Call]:
         side = self.sides[direction]
-        side.block = (frame.stream_id, bytearray(frame.data), 1 if "END_STREAM" in frame.flags else 0)
-        if "END_HEADERS" in frame.flags:
+        side.block = (stream_id, bytearray(fragment), flags & _END_STREAM)
+        if flags & _END_HEADERS:
             return self._headers_done(direction, ts_ns)
         return []
 
-    def _continuation(self, direction: Direction, ts_ns: int, frame: ContinuationFrame) -> list[Call]:
+    def _continuation(self, direction: Direction, ts_ns: int, stream_id: int, flags: int,
+                      fragment: bytes) -> list[Call]:
         side = self.sides[direction]
-        if side.block is None or side.block[0] != frame.stream_id:
+        if side.block is None or side.block[0] != stream_id:
             return []
-        side.block[1].extend(frame.data)
-        if "END_HEADERS" in frame.flags:
+        side.block[1].extend(fragment)
+        if flags & _END_HEADERS:
             return self._headers_done(direction, ts_ns)
         return []
 
@@ -198,10 +228,10 @@ class H2Decoder:
             st = self.streams[stream_id] = _Stream(call)
         return st
 
-    def _data(self, direction: Direction, ts_ns: int, frame: DataFrame) -> list[Call]:
-        st = self._stream(frame.stream_id, ts_ns, direction)
+    def _data(self, direction: Direction, ts_ns: int, stream_id: int, flags: int, payload: bytes) -> list[Call]:
+        st = self._stream(stream_id, ts_ns, direction)
         buf = st.buf[direction]
-        buf += frame.data
+        buf += payload
         msgs = st.call.requests if direction == "c2s" else st.call.responses
         while len(buf) >= 5:
             size = int.from_bytes(buf[1:5], "big")
@@ -211,7 +241,7 @@ class H2Decoder:
             del buf[:5 + size]
         if direction == "s2c" and st.call.response_ts_ns is None:
             st.call.response_ts_ns = ts_ns
-        if "END_STREAM" in frame.flags:
+        if flags & _END_STREAM:
             return self._end(st, direction, ts_ns)
         return []
 
@@ -223,13 +253,13 @@ class H2Decoder:
             return [self._close(st)]
         return []
 
-    def _reset(self, ts_ns: int, frame: RstStreamFrame) -> list[Call]:
-        st = self.streams.get(frame.stream_id)
+    def _reset(self, ts_ns: int, stream_id: int, error_code: int) -> list[Call]:
+        st = self.streams.get(stream_id)
         if st is None:
             return []
         st.call.end_ts_ns = ts_ns
         if st.call.status is None:
-            st.call.status_message = f"RST_STREAM error code {frame.error_code}"
+            st.call.status_message = f"RST_STREAM error code {error_code}"
         return [self._close(st)]
 
     def _close(self, st: _Stream) -> Call:
@@ -245,7 +275,7 @@ class H2Decoder:
     def gap(self, direction: Direction) -> None:
         """Bytes went missing: drop partial frames and messages, wait for a frame boundary."""
         side = self.sides[direction]
-        side.buf.clear()
+        side.buf = b""
         side.block = None
         side.synced = False
         for st in self.streams.values():
