@@ -82,7 +82,7 @@ class FlowSink:
             self.stats.bytes += len(data)
             calls = st.decoder.feed(direction, ts_ns, data)   # first: it detects the protocol
             for ts, chunk in self._masked(st, direction, ts_ns, data):
-                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
+                self.writer.add_chunk_data(st.flow_id, direction, ts, chunk)
                 self.stats.chunks += 1
             self._store_calls(st, calls)
 

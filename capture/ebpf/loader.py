@@ -15,6 +15,7 @@ import collections
 import ctypes
 import ipaddress
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
 from capture.errors import CaptureError, PrivilegeError
-from capture.recording import Flow
+from capture.recording import Direction, Flow
 from capture.sink import FlowSink
 
 BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
@@ -49,6 +50,9 @@ class EvHdr(ctypes.Structure):
 
 
 HDR_SIZE = ctypes.sizeof(EvHdr)
+# The leading fields of EvHdr (ts_ns .. is_write): struct reads them from a record's bytes in one call,
+# where a ctypes copy of the whole header cost more than everything else done per DATA record.
+_HDR_HEAD = struct.Struct("<QIIIIIBB")
 
 
 def cgroup_filter(path: str | None) -> tuple[int, bool, set[int]]:
@@ -138,6 +142,7 @@ class EbpfBackend:
         chunk = chunk_size(options.max_bytes)
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
+        self._server_side = options.side == "server"
 
     def describe(self) -> dict[str, object]:
         return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
@@ -241,17 +246,23 @@ class EbpfBackend:
         self._queue.append(ctypes.string_at(data, size))
 
     def _handle(self, raw: bytes) -> None:
-        h = EvHdr.from_buffer_copy(raw[:HDR_SIZE])
-        key = (h.tgid, h.fd)
-        if h.type == EV_DATA:
-            self._data(key, h, raw[HDR_SIZE:HDR_SIZE + h.len])
-        elif h.type == EV_OPEN:
-            self._open(key, h)
-        elif h.type == EV_CLOSE:
-            for direction in ("c2s", "s2c"):
-                self._flush_pending((key, direction), force=True)
+        ts_ns, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
+        key = (tgid, fd)
+        if etype == EV_DATA:
+            direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
+            payload = raw[HDR_SIZE:HDR_SIZE + length]
+            if offset == 0 and length == total and not self._pending:
+                assert self.sink is not None
+                self.sink.data(key, direction, ts_ns, payload)   # a whole syscall in one record: the usual case
+            else:
+                self._data(key, direction, ts_ns, offset, total, payload)
+        elif etype == EV_OPEN:
+            self._open(key, EvHdr.from_buffer_copy(raw[:HDR_SIZE]))
+        elif etype == EV_CLOSE:
+            for d in ("c2s", "s2c"):
+                self._flush_pending((key, d), force=True)
             assert self.sink is not None
-            self.sink.close_flow(key, h.ts_ns)
+            self.sink.close_flow(key, ts_ns)
 
     def _open(self, key: tuple[int, int], h: EvHdr) -> None:
         assert self.sink is not None
@@ -265,16 +276,15 @@ class EbpfBackend:
         self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
                                       opened_ns=h.ts_ns, joined_midstream=False))
 
-    def _data(self, key: tuple[int, int], h: EvHdr, payload: bytes) -> None:
+    def _data(self, key: tuple[int, int], direction: Direction, ts_ns: int, offset: int, total: int,
+              payload: bytes) -> None:
         """Reassemble one syscall's records (they may interleave with other CPUs' records)."""
-        is_server = self.options.side == "server"
-        direction = "s2c" if bool(h.is_write) == is_server else "c2s"
         pkey = (key, direction)
         pending = self._pending.get(pkey)
-        if h.offset == 0 or pending is None or pending[0] != h.ts_ns:
+        if offset == 0 or pending is None or pending[0] != ts_ns:
             self._flush_pending(pkey, force=True)
-            expected = min(h.total, self._max_bytes)
-            pending = self._pending[pkey] = [h.ts_ns, bytearray(), expected, h.total, time.monotonic()]
+            expected = min(total, self._max_bytes)
+            pending = self._pending[pkey] = [ts_ns, bytearray(), expected, total, time.monotonic()]
         pending[1] += payload
         if len(pending[1]) >= pending[2]:
             self._flush_pending(pkey)
