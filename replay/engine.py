@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _WAKE_NS = 100_000_000  # the longest sleep between stop checks
 # Plain HTTP/2 (not gRPC) has no sender yet: such calls are counted not_sent "no_sender:http2".
 _PROTOCOL_SENDER = {"grpc": "grpc", "http1": "http1", "tcp": "tcp"}
+_LEAN_SENDERS = frozenset({"h2", "http1", "tcp"})  # no grpcio: safe on uvloop
 
 
 @dataclass
@@ -50,6 +51,9 @@ class ReplayOptions:
     start_at_ns: t0 on the clock (workers pass a shared one); None: now.
     compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
         against recorded ones, or None.
+    event_loop: "auto", "asyncio" or "uvloop" (for `run()`). auto: uvloop when it is installed and
+        the run uses only the lean senders (h2, http1, tcp) without compare; grpcio's asyncio layer
+        (the grpc sender, reflection) stays on the standard loop it is tested with.
     """
 
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
@@ -63,6 +67,7 @@ class ReplayOptions:
     spin_us: int = -1
     allow_targets: tuple[str, ...] = ()
     compare: object | None = None
+    event_loop: str = "auto"
 
 
 @dataclass(eq=False)  # identity hashing: live calls sit in a set
@@ -119,8 +124,25 @@ class ReplayRun:
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> report_mod.ReplayReport:
         """Replay to completion (or stop) and return the report; safe to call from any thread."""
-        asyncio.run(self.run_async())
+        with asyncio.Runner(loop_factory=self._loop_factory()) as runner:
+            runner.run(self.run_async())
         return self.report()
+
+    def _loop_factory(self) -> Callable[[], asyncio.AbstractEventLoop] | None:
+        """uvloop's factory when options.event_loop asks for it (see ReplayOptions), else None."""
+        choice = self.options.event_loop
+        if choice not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"event_loop must be auto, asyncio or uvloop, not {choice!r}")
+        lean = self.options.sender in _LEAN_SENDERS and self.options.compare is None
+        if choice == "asyncio" or (choice == "auto" and not lean):
+            return None
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ValueError("event_loop uvloop: uvloop is not installed (pip install uvloop)") from None
+            return None
+        return uvloop.new_event_loop  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         """Ask a running replay to end early (thread-safe, idempotent)."""

@@ -22,6 +22,26 @@ def _hist() -> HdrHistogram:
     return HdrHistogram(1, _MAX_US, 3)
 
 
+# Three values are recorded per call, and hdrh's record_value spends ~3 us of Python on finding the
+# counts index. Every histogram here has the same layout, so the index of a value is the same in all
+# of them: memoised for values under 64 ms (where nearly all lag and latency values fall), bounded.
+_FAST_US = 1 << 16
+_INDEX: dict[int, int] = {}
+
+
+def record_fast(hist: HdrHistogram, us: int) -> None:
+    """`hist.record_value(us)` for 0 <= us < 65536 on a `_hist()` histogram, with the same effect."""
+    idx = _INDEX.get(us)
+    if idx is None:
+        idx = _INDEX[us] = hist._counts_index_for(us)
+    hist.counts[idx] += 1
+    hist.total_count += 1
+    if us < hist.min_value:
+        hist.min_value = us
+    if us > hist.max_value:
+        hist.max_value = us
+
+
 @dataclass
 class CallResult:
     """One call's fate, delivered to `on_result` as it happens. Times are clock ns (0 when not sent)."""
@@ -56,7 +76,10 @@ class RunStats:
         self.last_done = 0
 
     def _record(self, hist: HdrHistogram, ns: int) -> None:
-        us = max(0, ns) // 1000
+        us = ns // 1000 if ns > 0 else 0
+        if us < _FAST_US:
+            record_fast(hist, us)
+            return
         if us > _MAX_US:
             us, self.clamped = _MAX_US, self.clamped + 1
         hist.record_value(us)

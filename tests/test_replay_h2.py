@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from replay.engine import ReplayOptions, ReplayRun
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders import SendOutcome, get_sender
@@ -244,3 +246,20 @@ def test_engine_fast_path_times_out_and_stops_cleanly(tmp_path: Path) -> None:
     assert rep.invariant_ok and rep.scheduled == n
     assert rep.errors.get("CANCELLED", 0) == n, rep  # all were in flight (the server takes 3 s)
     assert elapsed < 0.6 + 0.2 + 1.5  # tolerance: stop at 0.6 s + grace 0.2 s + 1.5 s for a noisy host
+
+
+def test_lean_sender_runs_on_uvloop_and_grpc_stays_on_asyncio(tmp_path: Path) -> None:
+    import uvloop
+
+    write_unary_recording(tmp_path / "r.rec", [i * MS for i in range(5)])
+    loops: dict[str, set[type]] = {}
+    with EchoServer() as server:
+        for sender, choice in (("h2", "auto"), ("grpc", "auto"), ("h2", "asyncio")):
+            seen = loops.setdefault(f"{sender}/{choice}", set())
+            rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender=sender, event_loop=choice),
+                            on_result=lambda _r, seen=seen: seen.add(type(asyncio.get_running_loop()))).run()
+            assert rep.ok == 5
+    assert loops == {"h2/auto": {uvloop.Loop}, "grpc/auto": {asyncio.new_event_loop().__class__},
+                     "h2/asyncio": {asyncio.new_event_loop().__class__}}
+    with pytest.raises(ValueError, match="event_loop"):
+        ReplayRun(tmp_path / "r.rec", "127.0.0.1:1", ReplayOptions(event_loop="trio")).run()

@@ -38,6 +38,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
               help="per connection; beyond it calls are not sent (counted)")
 @click.option("--sender", default="auto", show_default=True,
               help="auto (by protocol), grpc, h2 (lean gRPC over HTTP/2, no grpcio), http1 or tcp")
+@click.option("--event-loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
+              help="auto: uvloop with the lean senders (h2, http1, tcp) when installed")
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
 @click.option("--descriptors", default="reflection", show_default=True,
               help="for --compare: reflection, bytes, FILE.protoset or module names")
@@ -48,7 +50,7 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
               help="write the report as JSON to this file ('-' for stdout)")
 def command(file: Path, target: str, speed: float, loop: int, workers: int, window: tuple[float, float] | None,
             methods: tuple[str, ...], flows: tuple[int, ...], rate: float, seed: int, timeout_s: float,
-            max_in_flight: int, sender: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
+            max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
             allow: tuple[str, ...], dry_run: bool, json_out: Path | None) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
@@ -73,7 +75,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
         raise click.BadParameter("must be at least 1", param_hint="--workers")
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
                             loop=loop, rate=rate, seed=seed)
-    opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight,
+    opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
                          allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None)
     try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
         sched.validate()
