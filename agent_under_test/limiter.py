@@ -12,6 +12,8 @@ The `gradient` formula, its defaults and why are in docs/protection.md.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -133,34 +135,43 @@ class SeedLimiter(_BucketLimiter):
 
 @dataclass(frozen=True)
 class GradientParams:
+    window: int = 3             # periods in the smoothed P99 (their median): one noisy period alone never moves it
+    low: float = 0.5            # grow while this period's and the smoothed P99 are both below low x T
+    high: float = 0.75          # trim while both are above high x T; in between hold (Vegas' alpha/beta band)
+    step: float = 0.10          # most change per period outside an overload (trim >= x0.9, growth <= x1.1)
+    surge: float = 3.0          # P99 above surge x T while the median call waits: overload, cut deep at once
+    queue_p50: float = 0.5      # P50 above this x T: the median call waits, so the breach is our own queue
     min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
-    max_cut: float = 0.95       # mildest cut on a breach
-    draining: float = 0.8       # a breach with p99 below this x the last period's is a queue draining: hold
-    max_growth: float = 0.10    # most growth per period (as seed's x1.1), scaled by latency headroom
-    probe: float = 0.01         # first probe step above the known-good rate; doubles each healthy period
-    knee: float = 0.95          # approach knee x good by halving the gap
+    max_cut: float = 0.95       # mildest deep cut
+    draining: float = 0.8       # P99 below this x the last period's: the last cut is working, hold
+    futile: float = 0.9         # cut by step+ and P99 not below this x what it was: not our rate, stop
+    knee: float = 0.95          # below knee x good, return by halving the gap
+    probe: float = 0.01         # above it, probe 1 %, 2 %, 4 % ... (at most `step`) per healthy period
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
-    decay: float = 0.9          # the mild cut, and how fast a good rate that keeps breaching is forgotten
-    queue_p50: float = 0.5      # P50 above this x T: the median call waits, so the breach is our queue
 
 
 class GradientLimiter(_BucketLimiter):
-    """Rate-based Gradient2/Vegas controller with a known-good rate (formula in docs/protection.md).
+    """Rate-based Gradient2/Vegas controller: smoothed signal, a deadband, bounded steps (docs/protection.md).
 
-    T threshold, P period, done = completed calls/s, h = 1 - p99/T, good = highest rate seen healthy
-    insufficient period (fewer than min_samples calls): calls refused -> rate*(1 + max_growth), else hold
-    breach (p99 > T):
-        p99 < draining x last p99:  hold (the queue from an earlier overload is draining; cutting more
-                                    would only lose goodput)
-        p50 <= queue_p50 x T, or rate <= good after a deep cut this episode:  rate = rate*decay
-                                    (not our queue: a hiccup or outside contention; cut like seed)
-        else (deep):  base = min(rate, done, good);  g = clamp(1 - (p99-T)/P, min_cut, max_cut)
-               rate = base*g    (Little's law: done*(p99-T) calls wait beyond T; drain them in a period)
-               if the limit was at or below good (capacity fell): good = max(good*decay, rate)
-    healthy: good = max(good, done)
-        limiting, rate < knee*good:  rate = max(rate*(1 + max_growth*h), rate + (knee*good - rate)/2)
-        limiting, else (probe):      rate = rate*(1 + min(max_growth, probe*2^k)*h), k = probes so far
-        not limiting:                rate = min(rate*(1 + max_growth*h), headroom*offered)
+    T threshold, P period, done = completed calls/s, p = this period's P99, s = median P99 of the last
+    `window` periods (its low/high median while fewer), lo/hi = min/max(p, s), good = highest completed
+    rate seen with hi <= high x T
+    insufficient period (fewer than min_samples calls): calls refused -> rate*(1 + step), else hold
+    queueing: p > T and p50 > queue_p50 x T;  overload: queueing and (p > surge x T or the last period queued)
+    overload or lo > high x T (a cutting episode; it ends at the first period with hi <= high x T):
+        in an episode and p < draining x last p:  hold (the last cut is draining the queue)
+        overload, and rate > good or no deep cut at or below good yet in this episode:
+            deep cut:  rate = min(rate, done, good) * clamp(1 - (p-T)/P, min_cut, max_cut)
+        else, if the rate is step+ below where the episode began and hi >= futile x hi then:
+            hold (cutting does not lower the latency: it is not our rate)
+        else trim: rate = min(rate, done*(1 + step)) * g,
+                   g = 1 - step * min(1, (lo - high T) / ((1 - high) T))
+        every cut lowers good to at most the rate that breached
+    hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
+    else grow, h = 1 - hi / (low x T):
+        not limiting:                  rate = min(rate*(1 + step*h), headroom x offered)
+        limiting, rate < knee x good:  rate = max(rate*(1 + step*h), rate + (knee x good - rate)/2)
+        limiting, else (probe k):      rate = rate*(1 + min(step, probe*2^k)*h), k = 0, 1, 2 ...
     """
 
     policy = "gradient"
@@ -169,9 +180,12 @@ class GradientLimiter(_BucketLimiter):
         super().__init__(settings)
         self.p = params or GradientParams()
         self.good: float | None = None
-        self.probes = 0
+        self.recent: deque[float] = deque(maxlen=self.p.window)
         self.last_p99: float | None = None
-        self.deep_cut = False   # a deep cut at or below the good rate in this breach episode
+        self.queued = False                           # the last period was a queueing breach
+        self.cutting: tuple[float, float] | None = None   # (rate, hi) when this cutting episode began
+        self.deep_cut = False                         # a deep cut at or below good in this episode
+        self.probes = 0
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -181,59 +195,97 @@ class GradientLimiter(_BucketLimiter):
             # refused, never cut: cutting on no evidence is how a limiter starves itself at its floor.
             if summary.rejected == 0:
                 return None
-            return self._move(self.rate * (1 + self.p.max_growth), "too few calls to judge and calls refused: "
-                                                                     f"x{1 + self.p.max_growth:g}")
-        p99, last = summary.p99_ms, self.last_p99
+            return self._move(self.rate * (1 + self.p.step), f"too few calls to judge and calls refused: "
+                                                               f"x{1 + self.p.step:g}")
+        p99, last, t = summary.p99_ms, self.last_p99, self.s.threshold_ms
         self.last_p99 = p99
-        done = summary.count / summary.seconds
-        if p99 > self.s.threshold_ms:
+        self.recent.append(p99)
+        # The window's median (low and high median while it is not full: two periods that disagree
+        # are no evidence either way); lo/hi: the current period and the window must agree to act.
+        lo = min(p99, statistics.median_low(self.recent))
+        hi = max(p99, statistics.median_high(self.recent))
+        queueing = p99 > t and summary.p50_ms is not None and summary.p50_ms > self.p.queue_p50 * t
+        overload, self.queued = queueing and (p99 > self.p.surge * t or self.queued), queueing
+        if overload or lo > self.p.high * t:
             self.probes = 0
-            if last is not None and p99 < self.p.draining * last:
+            if self.cutting is not None and last is not None and p99 < self.p.draining * last:
+                return None      # our last cut is draining the queue: cutting again would overshoot
+            return self._cut(p99, lo, hi, summary, overload)
+        self.cutting, self.deep_cut = None, False
+        if hi <= self.p.high * t:
+            done = summary.count / summary.seconds
+            self.good = done if self.good is None else max(self.good, done)
+        if hi >= self.p.low * t:
+            self.probes = 0
+            return self._cap(summary)
+        return self._grow(summary, 1.0 - hi / (self.p.low * t))
+
+    def _cut(self, p99: float, lo: float, hi: float, summary: PeriodSummary, overload: bool) -> Adjustment | None:
+        t, old, done = self.s.threshold_ms, self.rate, summary.count / summary.seconds
+        if self.cutting is None:
+            self.cutting, self.deep_cut = (old, hi), False
+        above_good = self.good is None or old > self.good
+        if overload and (above_good or not self.deep_cut):
+            # Little's law: done x (p99 - T) calls wait beyond T; admitting that much less drains them in a
+            # period. At or below a rate known to be good only once per episode: if the queue stays after
+            # that, the rate is not what drives it, and cutting deep again would only starve the server.
+            g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - (p99 - t) / 1000.0 / summary.seconds))
+            base = min(old, done, self.good if self.good is not None else old)
+            self.recent.clear()      # the window saw the old rate; judge the new one on its own periods
+            self.deep_cut = self.deep_cut or not above_good
+            reason = f"p99 {p99:.3f} ms > {t:g} ms, our queue: {base:.1f}/s x{g:.3f}"
+        else:
+            if self._futile(hi):
                 return None
-            queueing = summary.p50_ms is not None and summary.p50_ms > self.p.queue_p50 * self.s.threshold_ms
-            return self._breach(p99, done, summary.seconds, queueing)
-        self.deep_cut = False
-        self.good = done if self.good is None else max(self.good, done)
-        headroom = max(0.0, 1.0 - p99 / self.s.threshold_ms)
-        if summary.rejected > 0:
-            return self._grow_limited(headroom)
-        self.probes = 0
+            # In proportion to how far into the band's top (high x T .. T) the signal is: latency rises
+            # steeply with rate near the knee, so a cut as large as the latency excess would overshoot.
+            # From what was admitted, not from an unused limit; but `done` undercounts while calls are
+            # still in flight at the period's end, so allow it `step` of slack (a trim stays a trim).
+            g = 1.0 - self.p.step * min(1.0, (lo - self.p.high * t) / ((1.0 - self.p.high) * t))
+            base = min(old, done * (1.0 + self.p.step))
+            reason = f"p99 {lo:.3f} ms (smoothed) > {self.p.high * t:g} ms: {base:.1f}/s x{g:.3f}"
+        if self.good is not None:
+            self.good = min(self.good, old)   # a rate that breached is not good
+        return self._move(base * g, reason)
+
+    def _futile(self, hi: float) -> bool:
+        """True when this episode has cut the rate by `step`+ and the latency did not follow (judged on
+        the pessimistic signal, so one lucky period does not count as success): the latency is not
+        driven by our rate (outside contention, the cost of refusing calls, noise), and cutting on
+        would only starve the server."""
+        if self.cutting is None:
+            return False
+        rate0, p99_0 = self.cutting
+        if self.rate > rate0 * (1 - self.p.step) + 1e-9:
+            return False
+        if hi < self.p.futile * p99_0:
+            self.cutting = (self.rate, hi)    # it worked: the next cuts are judged from here
+            return False
+        return True
+
+    def _cap(self, summary: PeriodSummary) -> Adjustment | None:
+        """Hold, but when not limiting never sit above headroom x the offered rate (no runaway to the ceiling)."""
         offered = (summary.count + summary.rejected) / summary.seconds
-        cap = self.p.headroom * offered
-        grown = self.rate * (1.0 + self.p.max_growth * headroom)
-        if grown > cap:
-            return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
-        return self._move(grown, f"not limiting, headroom {headroom:.2f}: x{grown / self.rate:.3f}")
+        if summary.rejected > 0 or self.rate <= self.p.headroom * offered:
+            return None
+        return self._move(self.p.headroom * offered, f"not limiting: {self.p.headroom:g}x offered {offered:.1f}/s")
 
-    def _breach(self, p99: float, done: float, seconds: float, queueing: bool) -> Adjustment | None:
-        limit, good = self.rate, self.good
-        above_good = good is None or limit > good
-        # Deep cuts are for our own queue: the median call waits (Vegas' signal). At or below a rate
-        # known to be good, only one per episode: if latency stays high after it, the rate is not
-        # what drives it (outside contention), and cutting deep again would only starve the server.
-        if not queueing or not (above_good or not self.deep_cut):
-            return self._move(limit * self.p.decay, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms, "
-                                                    f"not our queue: x{self.p.decay:g}")
-        excess_s = (p99 - self.s.threshold_ms) / 1000.0
-        g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - excess_s / seconds))
-        base = min(limit, done, good if good is not None else limit)
-        adj = self._move(base * g, f"p99 {p99:.3f} ms > {self.s.threshold_ms:g} ms, queueing: "
-                                   f"{base:.1f}/s x{g:.3f}")
-        if good is not None and not above_good:
-            # Our queue at a rate once good: capacity fell (e.g. CPU contention). Forget it slowly.
-            self.good = max(good * self.p.decay, self.rate)
-            self.deep_cut = True
-        return adj
-
-    def _grow_limited(self, headroom: float) -> Adjustment | None:
+    def _grow(self, summary: PeriodSummary, h: float) -> Adjustment | None:
+        grown = self.rate * (1.0 + self.p.step * h)
+        if summary.rejected == 0:
+            self.probes = 0
+            cap = self.p.headroom * (summary.count + summary.rejected) / summary.seconds
+            if grown > cap:
+                return self._move(cap, f"not limiting: {self.p.headroom:g}x offered {cap / self.p.headroom:.1f}/s")
+            return self._move(grown, f"not limiting, headroom {h:.2f}: x{grown / self.rate:.3f}")
         knee = None if self.good is None else self.p.knee * self.good
         if knee is not None and self.rate < knee:
             self.probes = 0
-            new = max(self.rate * (1 + self.p.max_growth * headroom), self.rate + (knee - self.rate) / 2)
+            new = max(grown, self.rate + (knee - self.rate) / 2)
             return self._move(new, f"limiting, below the {knee:.1f}/s knee: halve the gap")
-        step = min(self.p.max_growth, self.p.probe * 2 ** self.probes) * headroom
+        step = min(self.p.step, self.p.probe * 2 ** self.probes) * h
         self.probes += 1
-        return self._move(self.rate * (1 + step), f"limiting, headroom {headroom:.2f}: probe x{1 + step:.4f}")
+        return self._move(self.rate * (1 + step), f"limiting, headroom {h:.2f}: probe x{1 + step:.4f}")
 
 
 class OffLimiter:

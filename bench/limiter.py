@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -164,6 +167,9 @@ class PolicyResult:
     rejected_share: float          # of calls offered during the overload
     oscillation_pct: float | None  # +- % of the mean limiter rate, last half of the overload
     mean_rate: float | None
+    recover_held_s: float | None = None   # stricter: back under and still under for hold_s + 2 more seconds
+    trace: dict[str, list[float | None]] | None = None   # per period/second, for reading a run afterwards
+    server_recover_s: float | None = None  # the agent's own P99 of admitted calls, 3 periods in a row <= T
 
 
 def window_p99(rows: np.ndarray, start: float, end: float, width: float = 1.0) -> list[tuple[float, float]]:
@@ -188,10 +194,37 @@ def recovery(rows: np.ndarray, start: float, end: float, threshold_ms: float, ho
     return None
 
 
+def recovery_held(rows: np.ndarray, start: float, end: float, threshold_ms: float, hold_s: float = 3.0,
+                  k: int = 3) -> float | None:
+    """Seconds from `start` until `k` consecutive pooled `hold_s` windows (sliding by 1 s) are all under
+    the threshold: P99 back under and staying there, not one lucky window (stricter than `recovery`)."""
+    ok = [p99 <= threshold_ms for _, p99 in window_p99(rows, start, end - hold_s + 1e-9, hold_s)]
+    return next((float(i) for i in range(len(ok) - k + 1) if all(ok[i:i + k])), None)
+
+
+def _cpu_sampler(agent: AgentProcess, at_s: list[float]) -> list[float]:
+    """The agent process's CPU seconds (all threads) sampled at `at_s` from now, filled in by timers:
+    shows when the step's refusals alone saturate the agent, whatever the limiter does."""
+    proc = psutil.Process(agent.proc.pid) if agent.proc is not None else None
+    out: list[float] = []
+
+    def sample() -> None:
+        with contextlib.suppress(psutil.Error):
+            if proc is not None:
+                out.append(sum(proc.cpu_times()[:2]))
+
+    for at in at_s:
+        timer = threading.Timer(at, sample)
+        timer.daemon = True
+        timer.start()
+    return out
+
+
 def run_policy(policy: str, capacity: float, args: argparse.Namespace) -> PolicyResult:
     t_step, t_end = args.baseline_s, args.baseline_s + args.overload_s
     with AgentProcess(device="cpu", limiter=policy, p99_threshold_ms=args.threshold_ms, period_s=1.0) as agent:
         mono0 = time.monotonic()
+        cpu = _cpu_sampler(agent, [t_step, t_end])
         rows = drive(agent.grpc_address, [(capacity, args.baseline_s), (2 * capacity, args.overload_s),
                                           (capacity, args.after_s)], args.seed)
         with urllib.request.urlopen(f"{agent.metrics_url}/events?follow=0", timeout=10) as resp:
@@ -201,21 +234,34 @@ def run_policy(policy: str, capacity: float, args: argparse.Namespace) -> Policy
     windows = window_p99(rows, t_step, t_end)
     rec = recovery(rows, t_step, t_end, args.threshold_ms)
     rec_after = recovery(rows, t_end, t_end + args.after_s, args.threshold_ms)
+    held = recovery_held(rows, t_step, t_end, args.threshold_ms)
     # Limiter rate per period over the last half of the overload (agent events, monotonic clock).
     lo, hi = mono0 + t_step + args.overload_s / 2, mono0 + t_end
     rates = [e["rate"] for e in events if e["type"] == "period" and lo <= e["mono"] <= hi and e["rate"]]
+    periods = [e for e in events if e["type"] == "period" and mono0 <= e["mono"] <= mono0 + t_end + args.after_s + 1]
     osc = mean = None
     if rates:
         mean = float(np.mean(rates))
         osc = 100.0 * (max(rates) - min(rates)) / 2 / mean
+    srv = [e for e in periods if mono0 + t_step < e["mono"] <= mono0 + t_end]
+    under = [e["p99_ms"] is not None and e["p99_ms"] <= args.threshold_ms for e in srv]
+    srv_rec = next((srv[i]["mono"] - 1.0 - mono0 - t_step for i in range(len(under) - 2) if all(under[i:i + 3])), None)
+    agent_cores = (cpu[1] - cpu[0]) / args.overload_s if len(cpu) == 2 else None
+    print(f"  {policy}: agent CPU during the overload {fmt(agent_cores, ' cores')} for "
+          f"{len(over) / args.overload_s:.0f} calls/s offered, {len(ok) / args.overload_s:.0f}/s served", flush=True)
     print(f"  {policy}: client p99 (ms) by second of the overload: " + " ".join(f"{p:.0f}" for _, p in windows),
           flush=True)
     print(f"  {policy}: limiter rate by period of the overload: " + " ".join(
         f"{e['rate']:.0f}" for e in events if e["type"] == "period" and e["rate"]
         and mono0 + t_step <= e["mono"] <= hi + 1), flush=True)
+    trace = {"agent_cpu_cores_overload": [agent_cores], "t": [round(e["mono"] - mono0, 3) for e in periods], "rate": [e["rate"] for e in periods],
+             "server_p50_ms": [e["p50_ms"] for e in periods], "server_p99_ms": [e["p99_ms"] for e in periods],
+             "count": [e["count"] for e in periods], "rejected": [e["rejected"] for e in periods],
+             "client_p99_ms_by_second": [None if np.isnan(p) else round(p, 2) for _, p in window_p99(
+                 rows, 0.0, t_end + args.after_s)]}
     return PolicyResult(policy, rec, rec_after, len(ok) / args.overload_s / capacity,
                         float(np.sum(ok[:, 1] * 1000 <= args.threshold_ms)) / args.overload_s / capacity,
-                        float(np.mean(over[:, 3])) if len(over) else 0.0, osc, mean)
+                        float(np.mean(over[:, 3])) if len(over) else 0.0, osc, mean, held, trace, srv_rec)
 
 
 def model_run(policy: str, args: argparse.Namespace, capacity: float = 1000.0) -> PolicyResult:
@@ -240,32 +286,81 @@ def model_run(policy: str, args: argparse.Namespace, capacity: float = 1000.0) -
         rows.append((n, p99, done, offered - admitted, offered, lim.rate))
     over = [r for r in rows if step <= r[0] < end]
     rec = next((r[0] - step for r in over if r[1] <= args.threshold_ms), None)
+    under = [r[1] <= args.threshold_ms for r in over]
+    held = next((float(i) for i in range(len(under) - 4) if all(under[i:i + 5])), None)
     rates = [r[5] for r in over[len(over) // 2:]]
     mean = float(np.mean(rates))
     return PolicyResult(policy, rec, None, sum(r[2] for r in over) / len(over) / capacity,
                         sum(r[2] for r in over if r[1] <= args.threshold_ms) / len(over) / capacity,
                         sum(r[3] for r in over) / sum(r[4] for r in over),
-                        100.0 * (max(rates) - min(rates)) / 2 / mean, mean)
+                        100.0 * (max(rates) - min(rates)) / 2 / mean, mean, held, server_recover_s=held)
 
 
 def report(title: str, results: dict[str, PolicyResult], overload_s: float) -> None:
     print(title)
-    print(f"{'policy':9} {'recover':>9} {'after end':>9} {'ok/C':>6} {'goodput/C':>9} {'rejected':>8} "
-          f"{'osc':>7} {'mean rate':>9}")
+    print(f"{'policy':9} {'recover':>9} {'held':>7} {'server':>7} {'after end':>9} {'ok/C':>6} {'goodput/C':>9} "
+          f"{'rejected':>8} {'osc':>7} {'mean rate':>9}")
     for r in results.values():
-        print(f"{r.policy:9} {fmt(r.recover_s):>9} {fmt(r.recover_after_end_s):>9} {r.goodput_share:6.2f} "
-              f"{r.slo_goodput_share:9.2f} {r.rejected_share:8.2f} {fmt(r.oscillation_pct, '%'):>7} "
-              f"{(r.mean_rate or 0):9.0f}")
-    s, g = results["seed"], results["gradient"]
-    seed_rec = s.recover_s if s.recover_s is not None else overload_s
-    faster = g.recover_s is not None and g.recover_s <= seed_rec / 2
-    print(f"  recover seed/gradient: {seed_rec:.1f} s / {fmt(g.recover_s)} (seed 'never' counted as "
-          f"{overload_s:g} s) -> gradient <= 1/2 of seed: {'met' if faster else 'MISSED'}")
+        print(f"{r.policy:9} {fmt(r.recover_s):>9} {fmt(r.recover_held_s):>7} {fmt(r.server_recover_s):>7} "
+              f"{fmt(r.recover_after_end_s):>9} "
+              f"{r.goodput_share:6.2f} {r.slo_goodput_share:9.2f} {r.rejected_share:8.2f} "
+              f"{fmt(r.oscillation_pct, '%'):>7} {(r.mean_rate or 0):9.0f}")
+    for line in verdicts(results["seed"], results["gradient"], overload_s):
+        print("  " + line)
+
+
+def verdicts(s: PolicyResult, g: PolicyResult, overload_s: float) -> list[str]:
+    """The issue's three targets, with 'never' (no recovery within the overload) counted as the whole step
+    for seed and as a miss for gradient; recovery judged both ways (first window, and held)."""
+    out = []
+    for name, sv, gv in (("recover", s.recover_s, g.recover_s), ("recover held", s.recover_held_s, g.recover_held_s),
+                         ("server-side recover", s.server_recover_s, g.server_recover_s)):
+        seed_v = sv if sv is not None else overload_s
+        ok = gv is not None and gv <= seed_v / 2
+        out.append(f"{name} seed/gradient: {seed_v:.1f} s / {fmt(gv)} (seed 'never' counted as {overload_s:g} s)"
+                   f" -> gradient <= 1/2 of seed: {'met' if ok else 'MISSED'}")
     ratio = f"{g.slo_goodput_share / s.slo_goodput_share:.2f}x" if s.slo_goodput_share >= 0.01 else "seed ~0"
-    print(f"  goodput (ok within the threshold) gradient/seed: {ratio} -> "
-          f"{'met' if g.slo_goodput_share >= s.slo_goodput_share else 'MISSED'}; ok calls gradient/seed "
-          f"{g.goodput_share / max(s.goodput_share, 1e-9):.2f}x; gradient oscillation "
-          f"{fmt(g.oscillation_pct, '%')} -> {'met' if (g.oscillation_pct or 0) <= 10 else 'MISSED'} (<= 10 %)")
+    out.append(f"goodput (ok within the threshold) gradient/seed: {ratio} -> "
+               f"{'met' if g.slo_goodput_share >= s.slo_goodput_share else 'MISSED'}; ok calls gradient/seed "
+               f"{g.goodput_share / max(s.goodput_share, 1e-9):.2f}x; gradient oscillation "
+               f"{fmt(g.oscillation_pct, '%')} -> {'met' if (g.oscillation_pct or 0) <= 10 else 'MISSED'} (<= 10 %)")
+    return out
+
+
+def summarize(paths: list[Path]) -> None:
+    """Medians over several runs' JSON files (the machine is noisy: judge the targets on the medians).
+
+    A recovery that never happened counts as the whole overload for the median, shown as '-' only when
+    the median itself is 'never'."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    overload = float(runs[0]["args"]["overload_s"])
+    print(f"medians over {len(runs)} runs, C = {' '.join(str(round(r['capacity'])) for r in runs)}")
+    for part in ("results", "model"):
+        med: dict[str, PolicyResult] = {}
+        for policy in ("seed", "gradient"):
+            rs = [r[part][policy] for r in runs]
+
+            med[policy] = PolicyResult(policy, _median(rs, "recover_s", overload),
+                                       _median(rs, "recover_after_end_s", 1e9),
+                                       _median(rs, "goodput_share") or 0.0, _median(rs, "slo_goodput_share") or 0.0,
+                                       _median(rs, "rejected_share") or 0.0, _median(rs, "oscillation_pct"),
+                                       _median(rs, "mean_rate"), _median(rs, "recover_held_s", overload),
+                                       None, _median(rs, "server_recover_s", overload))
+            print(f"  {part} {policy}: recover " + " ".join(fmt(x.get("recover_s")) for x in rs) +
+                  " | held " + " ".join(fmt(x.get("recover_held_s")) for x in rs) +
+                  " | server " + " ".join(fmt(x.get("server_recover_s")) for x in rs) +
+                  " | goodput/C " + " ".join(f"{x['slo_goodput_share']:.2f}" for x in rs) +
+                  " | osc " + " ".join(fmt(x.get("oscillation_pct"), "%") for x in rs))
+        report(f"{part}: medians", med, overload)
+
+
+def _median(rows: list[dict[str, float | None]], key: str, never: float | None = None) -> float | None:
+    """Median of `key` over runs; a None counts as `never` (then a median at `never` is None again)."""
+    vals = [float(v) for v in ((x.get(key) if x.get(key) is not None else never) for x in rows) if v is not None]
+    if not vals:
+        return None
+    v = float(np.median(vals))
+    return None if never is not None and v >= never else v
 
 
 def fmt(v: float | None, unit: str = "s") -> str:
@@ -281,7 +376,12 @@ def main() -> int:
     ap.add_argument("--after-s", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="print the medians of earlier runs' --json files and exit (runs nothing)")
     args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return 0
     print(f"bench/limiter.py seed={args.seed} threshold={args.threshold_ms} ms", flush=True)
     capacity = args.capacity or calibrate(args.threshold_ms, args.seed,
                                           [150, 250, 350, 500, 650, 800, 1000, 1250, 1500], 2.5)

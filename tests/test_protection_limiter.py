@@ -91,40 +91,91 @@ def test_off_admits_everything_and_unknown_names_are_refused():
         make_limiter("nope", LimiterSettings())
 
 
-def test_gradient_cut_drains_the_queue_beyond_the_threshold_in_one_period():
-    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=1000.0, max_rate=1e5))
-    adj = lim.on_period(period(200.0, count=800, rejected=0))
+def gradient(rate: float, good: float | None = None, **kw) -> GradientLimiter:
+    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=rate, max_rate=1e5, **kw))
+    lim.good = good
+    return lim
+
+
+def test_gradient_surge_cuts_deep_from_what_completed_and_holds_while_the_queue_drains():
+    lim = gradient(1000.0)
+    adj = lim.on_period(period(200.0, count=800))
     # 180 ms over T at 800/s done: drain factor 1 - 0.18 = 0.82, applied to what completed, not the rate.
-    assert adj.new_rate == pytest.approx(800.0 * 0.82)
-    lim.on_period(period(900.0, count=600, rejected=10))     # worse: 1 - 0.88 is clamped to the deepest cut
-    assert lim.rate == pytest.approx(600.0 * 0.5)
-    assert lim.on_period(period(300.0, count=300, rejected=10)) is None   # 300 < 0.8 x 900: draining, hold
-    lim.on_period(period(290.0, count=300, rejected=10))     # no longer improving fast: cut again
-    assert lim.rate == pytest.approx(300.0 * 0.73)
-    lim.on_period(period(21.0, count=200, rejected=10))      # a mild breach (21 < 0.8 x 290 drains: hold)
-    lim.on_period(period(21.0, count=200, rejected=10))      # a mild breach that stays: the mildest cut
-    assert lim.rate == pytest.approx(200.0 * 0.95)
+    assert adj.new_rate == pytest.approx(800.0 * 0.82) and "our queue" in adj.reason
+    assert lim.on_period(period(150.0, count=600, rejected=10)) is None   # 150 < 0.8 x 200: draining, hold
+    lim.on_period(period(140.0, count=600, rejected=10))     # no longer draining fast: deep cut again
+    assert lim.rate == pytest.approx(600.0 * 0.88)
+    lim.on_period(period(900.0, count=500, rejected=10))     # 1 - 0.88 clamps to the deepest cut, x0.5
+    assert lim.rate == pytest.approx(500.0 * 0.5)
 
 
-def test_gradient_remembers_the_good_rate_and_forgets_it_when_it_breaches():
-    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=2000.0, max_rate=1e5))
+def test_gradient_holds_inside_the_band_and_one_noisy_period_moves_nothing():
+    lim = gradient(500.0, good=500.0)
+    # Between low x T = 10 ms and high x T = 15 ms: hold. A single 40 ms tail spike (the median call
+    # quick) leaves the window's median at 12 ms: still hold.
+    for p99, p50 in ((12.0, 4.0), (12.0, 4.0), (40.0, 4.0), (13.0, 4.0)):
+        assert lim.on_period(period(p99, count=500, rejected=200, p50=p50)) is None
+    assert lim.rate == 500.0
+
+
+def test_gradient_trims_in_proportion_once_the_smoothed_p99_agrees():
+    lim = gradient(500.0, good=500.0)
+    for p99 in (12.0, 40.0):
+        assert lim.on_period(period(p99, count=500, rejected=200, p50=4.0)) is None
+    adj = lim.on_period(period(16.0, count=500, rejected=200, p50=4.0))   # window 12, 40, 16: median 16
+    # lo = min(16, 16) = 16: 1/5 of the way from high x T (15) to T (20): trim 1/5 of a step, x0.98.
+    assert adj.new_rate == pytest.approx(500.0 * 0.98) and "smoothed" in adj.reason
+    assert lim.good == 500.0
+    lim.on_period(period(30.0, count=490, rejected=200, p50=4.0))          # window 40, 16, 30: lo 30 -> x0.9
+    assert lim.rate == pytest.approx(490.0 * 0.9)
+
+
+def test_gradient_trims_from_what_was_admitted_with_slack_for_calls_still_in_flight():
+    lim = gradient(2000.0, good=1500.0)
+    lim.recent.extend([30.0, 30.0])
+    lim.on_period(period(30.0, count=1000, rejected=0, p50=4.0))   # limit 2000 but 1000 done: from 1100
+    assert lim.rate == pytest.approx(1000.0 * 1.1 * 0.9)
+
+
+def test_gradient_stops_cutting_when_cutting_does_not_lower_the_latency():
+    lim = gradient(1000.0, good=1000.0)
+    lim.recent.extend([30.0, 30.0])
+    rates = []
+    for _ in range(4):           # tail latency that does not follow the rate (outside contention)
+        lim.on_period(period(30.0, count=int(lim.rate), rejected=100, p50=4.0))
+        rates.append(lim.rate)
+    # One full trim (x0.9) takes the rate a step below where the episode began; P99 is still 30 ms, not
+    # below 0.9 x 30: futile, so it holds instead of starving the server.
+    assert rates == pytest.approx([900.0, 900.0, 900.0, 900.0])
+    lim.on_period(period(25.0, count=900, rejected=100, p50=4.0))   # window 30, 30, 25: hi still 30, hold
+    assert lim.rate == pytest.approx(900.0)
+    lim.on_period(period(24.0, count=900, rejected=100, p50=4.0))
+    lim.on_period(period(24.0, count=900, rejected=100, p50=4.0))   # hi 25 < 0.9 x 30: cutting works, on
+    assert lim.rate == pytest.approx(900.0 * (1 - 0.1))
+
+
+def test_gradient_cuts_deep_at_or_below_the_good_rate_only_once_per_episode():
+    lim = gradient(1000.0, good=1000.0)
+    lim.on_period(period(400.0, count=1000, rejected=5))     # a queue at the good rate: deep cut x0.62
+    assert lim.rate == pytest.approx(1000.0 * 0.62) and lim.good == 1000.0
+    # Still queueing, not draining: no second deep cut at or below the good rate, and a 38 % cut that
+    # did not lower P99 says the rate is not the cause: hold (cutting on would starve the server).
+    assert lim.on_period(period(420.0, count=620, rejected=5)) is None and lim.rate == pytest.approx(620.0)
+    lim.on_period(period(5.0, count=620, rejected=5))        # healthy: the episode ends
+    assert lim.cutting is None and not lim.deep_cut
+
+
+def test_gradient_remembers_the_good_rate_and_lowers_it_to_a_rate_that_breached():
+    lim = gradient(2000.0)
     lim.on_period(period(5.0, count=1000))                   # healthy at 1000/s: good = 1000, rate = 2000
     assert lim.good == 1000.0 and lim.rate == 2000.0
     lim.on_period(period(400.0, count=1900))                 # the step: cut from the good rate, not from 1900
     assert lim.rate == pytest.approx(1000.0 * 0.62) and lim.good == 1000.0
-    lim.bucket.set_rate(1000.0)
-    lim.on_period(period(420.0, count=1000, rejected=5))     # growing breach at the good rate: deep cut,
-    assert lim.rate == pytest.approx(1000.0 * 0.6) and lim.good == pytest.approx(900.0)   # good decays
-    lim.on_period(period(450.0, count=600, rejected=5))      # still growing: the rate is not the cause,
-    assert lim.rate == pytest.approx(600.0 * 0.9)             # so no second deep cut in this episode
-
-
-def test_gradient_cuts_like_seed_when_latency_is_high_but_not_from_our_queue():
-    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=800.0, max_rate=1e5))
-    lim.good, lim.last_p99 = 1000.0, 400.0
-    # P99 high but the median call is quick (4 ms): not our queue, so x0.9 like seed, no deep cut.
-    adj = lim.on_period(period(380.0, count=800, rejected=5, p50=4.0))
-    assert adj.new_rate == pytest.approx(720.0) and lim.good == 1000.0 and "not our queue" in adj.reason
+    lim.bucket.set_rate(950.0)
+    lim.recent.extend([30.0, 30.0])
+    lim.last_p99 = 30.0
+    lim.on_period(period(30.0, count=950, rejected=5, p50=4.0))
+    assert lim.good == 950.0                                  # breached at 950: no longer good
 
 
 def test_gradient_never_cuts_on_too_few_calls_and_climbs_off_its_floor():
@@ -134,26 +185,25 @@ def test_gradient_never_cuts_on_too_few_calls_and_climbs_off_its_floor():
 
 
 def test_gradient_halves_the_gap_to_the_knee_then_probes_with_doubling_steps():
-    lim = GradientLimiter(LimiterSettings(threshold_ms=T, initial_rate=500.0, max_rate=1e5))
-    lim.good = 1000.0
+    lim = gradient(500.0, good=1000.0)
     knee = 950.0
     rates = []
-    for _ in range(4):
+    for _ in range(4):            # P99 5 ms: headroom h = 1 - 5/10 = 0.5 below the band
         lim.on_period(period(5.0, count=int(lim.rate), rejected=50))
         rates.append(lim.rate)
     want, r = [], 500.0
     for _ in range(4):
-        r = max(r * (1 + 0.1 * 0.75), r + (knee - r) / 2)
+        r = max(r * (1 + 0.1 * 0.5), r + (knee - r) / 2)
         want.append(r)
     assert rates == pytest.approx(want)
     lim.bucket.set_rate(knee)
     steps = []
-    for _ in range(5):                                   # headroom 0.5: 1 %, 2 %, 4 %, 8 %, 10 % (cap) x 0.5
+    for _ in range(5):                                   # h = 1 - 5/10: 1 %, 2 %, 4 %, 8 %, 10 % (cap) x 0.5
         before = lim.rate
-        lim.on_period(period(10.0, count=int(before), rejected=50))
+        lim.on_period(period(5.0, count=int(before), rejected=50))
         steps.append(lim.rate / before - 1)
     assert steps == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.05])
-    lim.on_period(period(30.0, count=1000, rejected=50))  # a breach restarts probing from 1 %
+    lim.on_period(period(12.0, count=1000, rejected=50))  # inside the band: hold, and probing restarts at 1 %
     assert lim.probes == 0
 
 
