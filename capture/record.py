@@ -6,6 +6,10 @@
 
 A ticker commits the file every 0.25 s, so a recorder killed with SIGKILL leaves a readable file
 that misses at most the last second.
+
+`RecordOptions(decode="at-stop")` stores masked chunks only while recording and decodes them into
+calls in `stop()` (see capture/sink.py); a recording whose recorder was killed before that has its
+chunks but no calls, which `finish_recording(path)` (`shadowtest record --finish -o FILE`) decodes.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import os
 import platform
 import socket
 import threading
+import time
 from dataclasses import asdict
 
 from capture import backends
 from capture.backends import RecordOptions
 from capture.clock import Clock, MonotonicClock
+from capture.errors import CaptureError
 from capture.recording import RecordingWriter
 from capture.redact import DEFAULT_RULES, Redactor, parse_rule
 from capture.sink import FlowSink, SinkStats
@@ -55,11 +61,15 @@ class Recorder:
                 "started_wall_ns": self.clock.wall_ns(), "started_mono_ns": self.clock.now_ns(),
                 "clock": "CLOCK_MONOTONIC", "backend": self.options.backend,
                 "filters": {k: opts[k] for k in ("port", "pid", "cgroup", "side", "max_bytes")},
-                "redaction_rules": self.redactor.specs, "recorder_pid": os.getpid()}
+                "redaction_rules": self.redactor.specs, "recorder_pid": os.getpid(), "decode": self.options.decode}
 
     def start(self) -> Recorder:
         writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
-        self.sink = FlowSink(writer, self.redactor)
+        try:
+            self.sink = FlowSink(writer, self.redactor, self.options.decode)
+        except BaseException:
+            writer.close()
+            raise
         try:
             self.backend.start(self.sink)
         except BaseException:
@@ -85,6 +95,7 @@ class Recorder:
         """Stop the backend, finish open flows, write counters; returns the final stats. Idempotent."""
         if self.result is not None or self.sink is None:
             return self.result or {}
+        cpu0 = time.process_time()   # what stopping costs (the at-stop decode runs here)
         self._stop.set()
         if self._ticker:
             self._ticker.join(timeout=2)   # no commit may race the final close below
@@ -95,7 +106,9 @@ class Recorder:
             stats = self.sink.close(meta={"stopped_wall_ns": self.clock.wall_ns(),
                                           "capture_duration_s": duration})
             self.sink.writer.close()
-        self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output}
+        self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output,
+                                         "decode": self.options.decode,
+                                         "stop_cpu_s": round(time.process_time() - cpu0, 4)}
         return self.result
 
     def __enter__(self) -> Recorder:
@@ -103,3 +116,22 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def finish_recording(path: str) -> dict[str, object]:
+    """Decode the calls of an at-stop recording whose recorder was killed before its stop.
+
+    Its chunks are masked already; the rules it lists in meta are applied to the calls. Raises
+    CaptureError when the file is not such a recording (it was decoded live, or is finished)."""
+    writer = RecordingWriter(path, existing=True)
+    try:
+        if writer.meta_value("decode") != "at-stop" or writer.meta_value("calls_decoded"):
+            raise CaptureError(f"{path}: nothing to finish (its calls were decoded while recording or at stop)")
+        specs = [str(s) for s in writer.meta_value("redaction_rules", [])]
+        user = [s for s in specs if not s.startswith("default:")]
+        sink = FlowSink(writer, build_redactor(len(user) < len(specs), user), "at-stop")
+        sink.decode_stored()
+        writer.set_meta({"unknown_method_calls": sink.stats.unknown_method_calls})
+    finally:
+        writer.close()
+    return {"calls": sink.stats.calls, "unknown_method_calls": sink.stats.unknown_method_calls, "output": path}

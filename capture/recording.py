@@ -168,15 +168,20 @@ class RecordingWriter:
         path: the file to create (mode 0600). Fails if it exists unless `overwrite`.
         meta: initial metadata (JSON-serialisable values).
         flush_interval_s: the longest time between commits; bounds the loss on SIGKILL.
+        existing: append to a recording that exists (e.g. to decode its chunks afterwards).
 
     Raises RecordingError when the file cannot be created or written. Use as a context manager;
     `close()` commits everything written so far.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
-                 overwrite: bool = False, flush_interval_s: float = 0.5) -> None:
+                 overwrite: bool = False, flush_interval_s: float = 0.5, existing: bool = False) -> None:
         self.path = Path(path)
-        _create_private(self.path, overwrite)
+        if existing:
+            if not self.path.is_file():
+                raise RecordingError(f"{self.path}: no such recording")
+        else:
+            _create_private(self.path, overwrite)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -193,7 +198,7 @@ class RecordingWriter:
         self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
         self._next_call_id = 1 + int(self._db.execute("SELECT coalesce(max(id), 0) FROM calls").fetchone()[0])
         self._meta_json: dict[tuple[tuple[str, str], ...], str] = {}
-        base = {"schema_version": SCHEMA_VERSION, "created_wall_ns": time.time_ns()}
+        base = {} if existing else {"schema_version": SCHEMA_VERSION, "created_wall_ns": time.time_ns()}
         self.set_meta(base | (meta or {}))
         self.flush()
 
@@ -255,6 +260,28 @@ class RecordingWriter:
                 self._meta_json.clear()
             text = self._meta_json[key] = json.dumps(metadata)
         return text
+
+    def meta_value(self, key: str, default: Any = None) -> Any:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def flow_rows(self) -> list[tuple[int, bool, int | None]]:
+        """(id, joined_midstream, closed_ns) of every flow written so far."""
+        return [(int(r[0]), bool(r[1]), r[2])
+                for r in self._db.execute("SELECT id, joined_midstream, closed_ns FROM flows ORDER BY id")]
+
+    def chunks_of(self, flow_id: int, batch: int = 2048) -> Iterator[tuple[Direction, int, bytes]]:
+        """(direction, ts_ns, data) of one flow's committed chunks in order, fetched in batches so
+        that rows may be written between them (and memory stays bounded)."""
+        last = 0
+        while True:
+            rows = self._db.execute("SELECT id, direction, ts_ns, data FROM chunks WHERE flow_id = ? AND id > ?"
+                                    " ORDER BY id LIMIT ?", (flow_id, last, batch)).fetchall()
+            if not rows:
+                return
+            for _, direction, ts_ns, data in rows:
+                yield direction, ts_ns, data
+            last = rows[-1][0]
 
     def _maybe_commit(self) -> None:
         if time.monotonic() - self._last_commit >= self._flush_interval:

@@ -8,6 +8,12 @@
         '---counters (flows, calls, bytes, lost, truncated, unknown methods) --> meta, live line
 
 Thread-safe: backends call it from their own threads; one lock serialises writes.
+
+`decode="at-stop"` (the recorder's `--decode at-stop`): while capturing, only the protocol is
+detected (the masking needs it) and the masked chunks are stored; `close()` then decodes the stored
+chunks into calls. The production host pays for copying and masking bytes only; credentials are
+masked before anything reaches the disk either way. Gaps are kept in meta (`undecoded_gaps`) as
+they happen, so `decode_stored` can also finish a file whose recorder was killed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from capture.decode import FlowDecoder
 from capture.decode.h2mask import H2ChunkMasker
+from capture.errors import CaptureError
 from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
 from capture.redact import Redactor, mask_http1_headers
 
@@ -39,25 +46,35 @@ class SinkStats:
         return asdict(self)
 
 
+DECODE_MODES = ("live", "at-stop")
+
+
 class _FlowState:
-    def __init__(self, flow_id: int, joined: bool) -> None:
+    def __init__(self, flow_id: int, joined: bool, calls: bool = True) -> None:
         self.flow_id = flow_id
         self.joined = joined
-        self.decoder = FlowDecoder(flow_id, joined)
+        self.decoder = FlowDecoder(flow_id, joined, calls)
         self.maskers: dict[str, H2ChunkMasker] = {}
         self.protocol_written: str | None = None
+        self.stored = {"c2s": 0, "s2c": 0}   # chunks written per direction (where at-stop gaps go)
 
 
 class FlowSink:
     """Collect flows from a backend into `writer`, decoding and redacting as bytes arrive."""
 
-    def __init__(self, writer: RecordingWriter, redactor: Redactor | None = None) -> None:
+    def __init__(self, writer: RecordingWriter, redactor: Redactor | None = None, decode: str = "live") -> None:
+        if decode not in DECODE_MODES:
+            raise CaptureError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.writer = writer
         self.redactor = redactor if redactor is not None else Redactor([])
         self._header_rule = self.redactor.header_rule()
         self.stats = SinkStats()
         self._flows: dict[Hashable, _FlowState] = {}
         self._lock = threading.Lock()
+        self._live = decode == "live"
+        self._gaps: list[tuple[int, str, int]] = []   # at-stop: (flow, direction, chunks before it)
+        if not self._live:
+            writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
 
     def open_flow(self, key: Hashable, flow: Flow) -> int:
         """Start a flow (replacing one with the same key, which must have closed unseen)."""
@@ -65,7 +82,7 @@ class FlowSink:
             if key in self._flows:
                 self._close_locked(key, flow.opened_ns)
             flow_id = self.writer.add_flow(flow)
-            self._flows[key] = _FlowState(flow_id, flow.joined_midstream)
+            self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live)
             self.stats.flows += 1
             self.stats.joined_flows += int(flow.joined_midstream)
             return flow_id
@@ -84,6 +101,7 @@ class FlowSink:
             for ts, chunk in self._masked(st, direction, ts_ns, data):
                 self.writer.add_chunk_data(st.flow_id, direction, ts, chunk)
                 self.stats.chunks += 1
+                st.stored[direction] += 1
             self._store_calls(st, calls)
 
     def _masked(self, st: _FlowState, direction: Direction, ts_ns: int,
@@ -125,8 +143,12 @@ class FlowSink:
             if masker is not None:
                 for ts, chunk in masker.flush():
                     self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
+                    st.stored[direction] += 1
                 st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
             st.decoder.gap(direction)
+            if not self._live:
+                self._gaps.append((st.flow_id, direction, st.stored[direction]))
+                self.writer.set_meta({"undecoded_gaps": self._gaps})
 
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
         with self._lock:
@@ -139,9 +161,26 @@ class FlowSink:
         for direction, masker in st.maskers.items():
             for ts, chunk in masker.flush():
                 self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))  # type: ignore[arg-type]
+                st.stored[direction] += 1
         self._store_calls(st, st.decoder.finish(ts_ns))
         if ts_ns is not None:
             self.writer.update_flow(st.flow_id, closed_ns=ts_ns)
+
+    def decode_stored(self) -> None:
+        """at-stop: decode every flow's stored (already masked) chunks into calls, in one pass per
+        flow that streams the chunks back in batches. Masked header values decode as '*' and the
+        redaction rules then give the same calls as live decoding."""
+        self.writer.flush()
+        gaps = {(f, d, n) for f, d, n in self.writer.meta_value("undecoded_gaps", [])}
+        for flow_id, joined, closed_ns in self.writer.flow_rows():
+            st = _FlowState(flow_id, joined)
+            for direction, ts_ns, data in self.writer.chunks_of(flow_id):
+                if (flow_id, direction, st.stored[direction]) in gaps:
+                    st.decoder.gap(direction)
+                st.stored[direction] += 1
+                self._store_calls(st, st.decoder.feed(direction, ts_ns, data))
+            self._store_calls(st, st.decoder.finish(closed_ns))
+        self.writer.set_meta({"calls_decoded": True})
 
     def add_loss(self, lost: int = 0, truncated: int = 0) -> None:
         with self._lock:
@@ -158,6 +197,8 @@ class FlowSink:
         with self._lock:
             for key in list(self._flows):
                 self._close_locked(key, None)
+            if not self._live:
+                self.decode_stored()
             self.writer.set_meta({"lost_events": self.stats.lost_events,
                                   "truncated_events": self.stats.truncated_events,
                                   "unknown_method_calls": self.stats.unknown_method_calls,

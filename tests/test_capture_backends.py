@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -156,3 +159,61 @@ def test_truncated_recording_is_salvaged_up_to_the_cut(server: int, tmp_path: Pa
     # export reads the same intact part and says what it lost
     res = CliRunner().invoke(cli, ["export", str(cut), "-o", str(tmp_path / "cut.pcapng")])
     assert res.exit_code == 1 and (tmp_path / "cut.pcapng").stat().st_size > 0
+
+
+def _call_view(path: Path) -> list[tuple[object, ...]]:
+    with Recording(path) as r:
+        # grpc-timeout is the time left when the client sent the call: it differs between runs
+        return sorted((c.method, c.kind, c.status, c.status_message,
+                       tuple(kv for kv in c.request_metadata if kv[0] != "grpc-timeout"),
+                       tuple(m.data for m in c.requests), tuple(m.data for m in c.responses)) for c in r.calls())
+
+
+def _chunk_bytes(path: Path) -> bytes:
+    with Recording(path) as r:
+        return b"".join(c.data for c in r.chunks())
+
+
+def test_decode_at_stop_stores_the_same_calls_as_live_and_no_secret(server: int, tmp_path: Path) -> None:
+    views = {}
+    for mode in ("live", "at-stop"):
+        out = tmp_path / f"{mode}.rec"
+        with Recorder(RecordOptions(output=str(out), backend="proxy", port=server, decode=mode)) as rec:
+            sent = _traffic(rec.backend.address[1])  # type: ignore[attr-defined]
+        assert rec.result["calls"] == 21 and rec.result["decode"] == mode
+        views[mode] = _call_view(out)
+        assert b"top-secret" not in _chunk_bytes(out)          # chunks are masked as they are stored
+        with Recording(out) as r:
+            assert [m.data for c in r.calls() for m in c.requests] == sent
+            assert r.meta.get("calls_decoded") is (True if mode == "at-stop" else None)
+    assert views["live"] == views["at-stop"]
+    assert all(dict(v[4]).get("authorization") == "<redacted>" for v in views["at-stop"] if v[0] == DECIDE)
+
+
+def test_killed_at_stop_recorder_leaves_masked_chunks_that_finish_decodes(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "kill.rec"
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        import grpc
+        from capture.backends import RecordOptions
+        from capture.record import Recorder
+        rec = Recorder(RecordOptions(output={str(out)!r}, backend="proxy", port={server},
+                                     decode="at-stop")).start()
+        with grpc.insecure_channel("127.0.0.1:%d" % rec.backend.address[1]) as ch:
+            for i in range(5):
+                ch.unary_unary({DECIDE!r})(b"", timeout=5, metadata=[("authorization", "Bearer top-secret")])
+        time.sleep(1.0)                    # committed: the ticker runs every 0.25 s
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], timeout=60)
+    assert proc.returncode == -9
+    with Recording(out) as r:
+        assert r.count("calls") == 0 and r.count("chunks") > 0 and r.meta["decode"] == "at-stop"
+    assert b"top-secret" not in _chunk_bytes(out)              # safe on disk even though it never stopped
+    res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)])
+    assert res.exit_code == 0 and "decoded 5 calls" in res.output
+    with Recording(out) as r:
+        calls = list(r.calls())
+    assert len(calls) == 5 and all(dict(c.request_metadata)["authorization"] == "<redacted>" for c in calls)
+    res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)])
+    assert res.exit_code != 0 and "nothing to finish" in res.output

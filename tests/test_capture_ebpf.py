@@ -226,3 +226,14 @@ def test_client_side_records_the_callers_connections_with_both_ends(agent: Agent
         (flow,) = list(r.flows())
     assert flow.pid == os.getpid() and flow.src[0] == "127.0.0.1" and flow.src[1] > 0
     assert flow.dst == ("127.0.0.1", _port(agent))
+
+
+def test_decode_at_stop_records_every_sent_call_with_identical_bytes(agent: AgentProcess, tmp_path: Path) -> None:
+    out, log = tmp_path / "stop.rec", tmp_path / "sent.jsonl"
+    with Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144, decode="at-stop")) as rec:
+        run_traffic(agent.grpc_address, 150, 1.0, seed=6, stream_share=0.2, log_sent=str(log))
+        time.sleep(0.3)
+        assert rec.stats.calls == 0          # nothing decoded while recording
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert _requests(out) == Counter((s["method"], base64.b64decode(s["request_b64"])) for s in sent)
+    assert rec.result["calls"] > 0 and rec.result["lost_events"] == 0

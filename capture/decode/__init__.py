@@ -54,12 +54,29 @@ def detect(direction: Direction, data: bytes, joined: bool, chunk: bytes = b"") 
     return "tcp"
 
 
-class FlowDecoder:
-    """Pick a decoder from a flow's first bytes, then decode; holds back chunks until it knows."""
+class _Detected:
+    """What `FlowDecoder(calls=False)` keeps once the protocol is known: its name, no decoding."""
 
-    def __init__(self, flow_id: int | None = None, joined: bool = False) -> None:
+    def __init__(self, protocol: str) -> None:
+        self.protocol = protocol
+
+    def feed(self, direction: Direction, ts_ns: int, data: bytes) -> list[Call]:
+        return []
+
+    def finish(self, ts_ns: int | None = None) -> list[Call]:
+        return []
+
+
+class FlowDecoder:
+    """Pick a decoder from a flow's first bytes, then decode; holds back chunks until it knows.
+
+    With `calls=False` it only detects the protocol (which the chunk masking needs) and decodes
+    nothing: the recorder's `--decode at-stop` decodes the stored chunks afterwards."""
+
+    def __init__(self, flow_id: int | None = None, joined: bool = False, calls: bool = True) -> None:
         self.flow_id = flow_id
         self.joined = joined
+        self.calls = calls
         self.inner: StreamDecoder | None = None
         self._held: list[tuple[Direction, int, bytes]] = []
         self._first = {"c2s": bytearray(), "s2c": bytearray()}
@@ -80,6 +97,10 @@ class FlowDecoder:
         name = detect(direction, bytes(self._first[direction]), self.joined, data)
         if name is None:
             return []
+        if not self.calls:
+            self.inner = _Detected(name)
+            self._held.clear()
+            return []
         self.inner = DECODERS[name](self.flow_id, self.joined)
         done: list[Call] = []
         for d, t, b in self._held:
@@ -98,5 +119,5 @@ class FlowDecoder:
 
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         if self.inner is None:
-            self.inner = DECODERS["tcp"](self.flow_id, self.joined)
+            self.inner = DECODERS["tcp"](self.flow_id, self.joined) if self.calls else _Detected("tcp")
         return self.inner.finish(ts_ns)

@@ -11,9 +11,10 @@ import time
 import click
 
 
-def _live_line(stats: object, elapsed: float) -> str:
+def _live_line(stats: object, elapsed: float, at_stop: bool = False) -> str:
     s = stats
-    return (f"{elapsed:6.1f}s  flows {s.flows} (joined {s.joined_flows})  calls {s.calls}  "  # type: ignore[attr-defined]
+    calls = "at stop" if at_stop else s.calls  # type: ignore[attr-defined]
+    return (f"{elapsed:6.1f}s  flows {s.flows} (joined {s.joined_flows})  calls {calls}  "  # type: ignore[attr-defined]
             f"bytes {s.bytes:,}  lost {s.lost_events}  truncated {s.truncated_events}  "  # type: ignore[attr-defined]
             f"unknown-method {s.unknown_method_calls}")  # type: ignore[attr-defined]
 
@@ -35,13 +36,18 @@ def _live_line(stats: object, elapsed: float) -> str:
 @click.option("--redact", "redact", multiple=True, metavar="RULE",
               help="extra rule: header:NAME[,NAME], body-regex:PATTERN, json-field:PATH")
 @click.option("--no-default-redaction", is_flag=True, help="keep credentials (authorization, cookies, ...)")
+@click.option("--decode", type=click.Choice(["live", "at-stop"]), default="live", show_default=True,
+              help="decode calls while recording, or store masked chunks only and decode them at stop "
+                   "(least CPU on the recorded host; a killed recorder leaves chunks without calls: see --finish)")
+@click.option("--finish", is_flag=True,
+              help="decode the calls of OUTPUT, an --decode at-stop recording whose recorder was killed, and exit")
 @click.option("--print-bpf", is_flag=True, help="print the generated eBPF program and exit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
-            print_bpf: bool, output: str | None, force: bool, as_json: bool) -> None:
+            decode: str, finish: bool, print_bpf: bool, output: str | None, force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
     Stops cleanly on Ctrl-C / SIGTERM or after --duration, then prints flows, calls, bytes and loss.
@@ -54,13 +60,23 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 50051 --pid 4242 --max-bytes 65536 -o prod.rec
       shadowtest record --port 50051 --backend proxy --listen-port 6000 -o prod.rec
       shadowtest record --port 50051 --redact header:x-session --redact json-field:user.ssn -o prod.rec
+      shadowtest record --port 50051 --decode at-stop -o prod.rec
+      shadowtest record --finish -o prod.rec
       shadowtest record --port 50051 --print-bpf
     """
     from capture.backends import RecordOptions
 
     opts = RecordOptions(output=output or "", backend=backend, port=port, pid=pid, cgroup=cgroup, side=side,
                          max_bytes=max_bytes, interface=interface, listen_port=listen_port, redact=list(redact),
-                         default_redaction=not no_default_redaction, overwrite=force)
+                         default_redaction=not no_default_redaction, overwrite=force, decode=decode)
+    if finish:
+        from capture.record import finish_recording
+
+        if not output:
+            raise click.UsageError("--finish needs -o/--output FILE: the recording to finish")
+        done = finish_recording(output)
+        click.echo(json.dumps(done, indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")
+        return
     if print_bpf:
         from capture.ebpf.loader import cgroup_filter, render_program
 
@@ -106,7 +122,7 @@ def _wait(rec: object, stop: threading.Event, duration: float | None, quiet: boo
             break
         if quiet:
             continue
-        line = _live_line(rec.stats, elapsed)  # type: ignore[attr-defined]
+        line = _live_line(rec.stats, elapsed, rec.options.decode == "at-stop")  # type: ignore[attr-defined]
         if tty:
             click.echo("\r" + line, nl=False, err=True)
         elif elapsed - last_print >= 5:   # plain lines, not a flood, when not on a terminal
