@@ -26,7 +26,7 @@ from capture.decode import FlowDecoder
 from capture.decode.h2mask import H2ChunkMasker
 from capture.errors import CaptureError
 from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
-from capture.redact import Redactor, mask_http1_headers
+from capture.redact import BodyRegexRule, Redactor, mask_http1_headers
 
 
 @dataclass
@@ -68,6 +68,8 @@ class FlowSink:
         self.writer = writer
         self.redactor = redactor if redactor is not None else Redactor([])
         self._header_rule = self.redactor.header_rule()
+        # None without body rules: the masker then leaves DATA frames alone instead of copying them
+        self._body_mask = self.redactor.body if any(isinstance(r, BodyRegexRule) for r in self.redactor.rules) else None
         self.stats = SinkStats()
         self._flows: dict[Hashable, _FlowState] = {}
         self._lock = threading.Lock()
@@ -115,7 +117,7 @@ class FlowSink:
         masker = st.maskers.get(direction)
         if masker is None:
             masker = st.maskers[direction] = H2ChunkMasker(
-                rule.matches if rule else (lambda _n: False), self.redactor.body,
+                rule.matches if rule else (lambda _n: False), self._body_mask,
                 direction == "c2s", st.joined)
         return masker.feed(ts_ns, data)
 

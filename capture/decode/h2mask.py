@@ -3,7 +3,8 @@
 Header values are HPACK literals: a masked value keeps its length prefix, loses its Huffman flag and
 becomes '*' bytes, so the chunk stream stays valid HTTP/2 that decodes (and exports) as before, minus
 the secret. DATA payloads get the body rules' same-length masks. Chunks are held back only while a
-frame that spans them is incomplete, then released with their own timestamps.
+frame that spans them is incomplete, then released with their own timestamps. A chunk that starts
+on a frame boundary (the usual case) is read in place and copied only when something in it is masked.
 """
 
 from __future__ import annotations
@@ -12,6 +13,20 @@ from collections.abc import Callable
 
 from capture.decode.h2grpc import PREFACE, plausible_frames
 from capture.decode.hpack_tolerant import HpackBlockError, TolerantDecoder
+
+_MASKED_TYPES = frozenset((0, 1, 9))   # DATA, HEADERS, CONTINUATION
+# (payload start, payload end, new payload or None, header value spans to blank)
+_Edit = tuple[int, int, bytes | None, list[tuple[int, int, int]]]
+
+
+def _apply(buf: bytearray, edit: _Edit) -> None:
+    """Mask one frame in place; every length stays as it was."""
+    lo, hi, body, spans = edit
+    if body is not None:
+        buf[lo:hi] = body                                  # body rules keep lengths
+    for prefix_at, vstart, vend in spans:
+        buf[lo + prefix_at] &= 0x7F                        # drop the Huffman flag
+        buf[lo + vstart:lo + vend] = b"*" * (vend - vstart)
 
 
 class H2ChunkMasker:
@@ -33,6 +48,8 @@ class H2ChunkMasker:
             if not plausible_frames(data):
                 return [(ts_ns, data)]   # we cannot parse it, so it holds nothing we could mask
             self.synced = True
+        if not self.held and not self.need_preface:
+            return self._feed_fresh(ts_ns, data)
         self.held.append((ts_ns, bytearray(data)))
         self.buf += data
         if self.need_preface:
@@ -45,31 +62,60 @@ class H2ChunkMasker:
             end = self.pos + 9 + length
             if end > len(self.buf):
                 break
-            self._mask_frame(self.pos, end)
+            edit = self._edit(self.buf, self.pos, end)
+            if edit is not None:
+                _apply(self.buf, edit)
             self.pos = end
         return self._release()
 
-    def _mask_frame(self, start: int, end: int) -> None:
-        ftype, flags = self.buf[start + 3], self.buf[start + 4]
-        body = start + 9
-        if ftype == 0 and self.body_mask:                      # DATA
-            pad = self.buf[body] if flags & 0x8 else 0
-            lo, hi = body + (1 if flags & 0x8 else 0), end - pad
-            self.buf[lo:hi] = self.body_mask(bytes(self.buf[lo:hi]))
-        elif ftype in (1, 9):                                   # HEADERS, CONTINUATION
-            lo, hi = body, end
-            if ftype == 1:
-                if flags & 0x8:
-                    lo, hi = lo + 1, hi - self.buf[body]
-                if flags & 0x20:
-                    lo += 5
+    def _feed_fresh(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        """A chunk that starts on a frame boundary with nothing held: the usual case. Its frames are
+        read in place and the chunk is copied only when one of them has something to mask."""
+        out: bytearray | None = None
+        pos, end = 0, len(data)
+        while pos + 9 <= end:
+            nxt = pos + 9 + int.from_bytes(data[pos:pos + 3], "big")
+            if nxt > end:
+                break
+            if data[pos + 3] in _MASKED_TYPES:
+                edit = self._edit(data, pos, nxt)
+                if edit is not None:
+                    if out is None:
+                        out = bytearray(data)
+                    _apply(out, edit)
+            pos = nxt
+        chunk = data if out is None else bytes(out)
+        if pos == end:
+            return [(ts_ns, chunk)]
+        # A frame continues in the next chunk: hold this one (frames before `pos` are done).
+        self.held.append((ts_ns, bytearray(chunk)))
+        self.buf += chunk
+        self.pos = pos
+        return []
+
+    def _edit(self, buf: bytes | bytearray, start: int, end: int) -> _Edit | None:
+        """What masking the frame at buf[start:end] changes, or None. A header block is decoded
+        here exactly once (decoding updates the HPACK table)."""
+        ftype, flags = buf[start + 3], buf[start + 4]
+        lo, hi = start + 9, end
+        if ftype in (0, 1) and flags & 0x8 and lo < hi:       # PADDED
+            lo, hi = lo + 1, hi - buf[lo]
+        if ftype == 1 and flags & 0x20:                        # HEADERS with PRIORITY
+            lo += 5
+        hi = max(lo, hi)
+        if ftype == 0:                                         # DATA
+            if not self.body_mask:
+                return None
+            block = bytes(buf[lo:hi])
+            masked = self.body_mask(block)
+            return None if masked == block else (lo, hi, masked, [])
+        if ftype in (1, 9):                                    # HEADERS, CONTINUATION
             try:
-                spans = self.hpack.decode(bytes(self.buf[lo:hi]), self.header_mask).spans
+                spans = self.hpack.decode(bytes(buf[lo:hi]), self.header_mask).spans
             except HpackBlockError:
-                return                 # a block split over CONTINUATION frames: left as is
-            for prefix_at, vstart, vend in spans:
-                self.buf[lo + prefix_at] &= 0x7F               # drop the Huffman flag
-                self.buf[lo + vstart:lo + vend] = b"*" * (vend - vstart)
+                return None            # a block split over CONTINUATION frames: left as is
+            return (lo, hi, None, spans) if spans else None
+        return None
 
     def _release(self) -> list[tuple[int, bytes]]:
         """Give back every held chunk that lies wholly before the incomplete frame at `pos`."""
