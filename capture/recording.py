@@ -397,9 +397,11 @@ class Recording:
         for r in self._rows(sql, args):
             yield Chunk(flow_id=r["flow_id"], direction=r["direction"], ts_ns=r["ts_ns"], data=r["data"])
 
-    def calls(self, *, with_messages: bool = True) -> Iterator[Call]:
-        """Calls ordered by request time, each with its messages. Streamed in batches of 256 calls
-        whose messages one query fetches, so memory stays bounded and long recordings read fast."""
+    def calls(self, *, with_messages: bool = True, batch_size: int = _BATCH) -> Iterator[Call]:
+        """Calls ordered by request time, each with its messages. Streamed in batches of
+        `batch_size` calls whose messages one query fetches, so memory stays bounded and long
+        recordings read fast (a reader that must not stall for long, like the replayer reading
+        ahead between sends, asks for small batches)."""
         batch: list[Call] = []
         for r in self._rows(_CALLS_SQL):
             batch.append(Call(
@@ -409,7 +411,7 @@ class Recording:
                 response_metadata=_metadata(r["response_metadata"]), status=r["status"],
                 status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
                 end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"]))
-            if len(batch) == _BATCH:
+            if len(batch) >= batch_size:
                 yield from self._with_messages(batch, with_messages)
                 batch = []
         yield from self._with_messages(batch, with_messages)
