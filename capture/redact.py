@@ -52,10 +52,24 @@ class HeaderRule:
         changed = False
         for attr in ("request_metadata", "response_metadata"):
             meta = getattr(call, attr)
-            new = [(k, MASK if self.matches(k) else v) for k, v in meta]
+            new = self._masked(meta)
             changed |= new != meta
             setattr(call, attr, new)
         return changed
+
+    def _masked(self, meta: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        # The recorder applies this to every call, whose header sets repeat: remember each result.
+        cache = self.__dict__.setdefault("_sets", {})
+        try:
+            key = tuple(meta)
+            hit = cache.get(key)
+        except TypeError:                 # pairs given as lists
+            return [(k, MASK if self.matches(k) else v) for k, v in meta]
+        if hit is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            hit = cache[key] = tuple((k, MASK if self.matches(k) else v) for k, v in meta)
+        return list(hit)
 
 
 @dataclass

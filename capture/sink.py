@@ -47,6 +47,7 @@ class SinkStats:
 
 
 DECODE_MODES = ("live", "at-stop")
+_SETTLED = frozenset(("grpc", "http1", "tcp"))   # protocols a flow keeps once written (http2 may become grpc)
 
 
 class _FlowState:
@@ -122,6 +123,8 @@ class FlowSink:
         return masker.feed(ts_ns, data)
 
     def _store_calls(self, st: _FlowState, calls: list[Call]) -> None:
+        if not calls and st.protocol_written in _SETTLED:
+            return                    # most chunks: nothing completed, the protocol is known
         proto = st.decoder.protocol
         if proto and proto != st.protocol_written:
             self.writer.update_flow(st.flow_id, protocol=proto)

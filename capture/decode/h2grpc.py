@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 
-from capture.decode.hpack_tolerant import HpackBlockError, TolerantDecoder
+from capture.decode.hpack_tolerant import DecodedBlock, HpackBlockError, TolerantDecoder
 from capture.recording import Call, Direction, Message
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -173,44 +173,48 @@ class H2Decoder:
         side.block = None
         try:
             decoded = side.hpack.decode(bytes(block))
-            headers, missing = decoded.headers, decoded.missing
         except HpackBlockError:
-            headers, missing = [], 1
+            decoded = DecodedBlock(missing=1)
         st = self._stream(stream_id, ts_ns, direction)
         if direction == "c2s":
-            self._request_headers(st, headers, missing)
+            self._request_headers(st, decoded)
         else:
-            self._response_headers(st, ts_ns, headers)
+            self._response_headers(st, ts_ns, decoded)
         if end_stream:
             return self._end(st, direction, ts_ns)
         return []
 
-    def _request_headers(self, st: _Stream, headers: list[tuple[str, str]], missing: int) -> None:
+    def _request_headers(self, st: _Stream, decoded: DecodedBlock) -> None:
         call = st.call
-        path = next((v for k, v in headers if k == ":path"), None)
+        if decoded.view is None:
+            headers = decoded.headers
+            path = next((v for k, v in headers if k == ":path"), None)
+            ctype = next((v for k, v in headers if k == "content-type"), "")
+            decoded.view = (path, ctype.startswith("application/grpc"),
+                            tuple((k, v) for k, v in headers if not k.startswith(":")))
+        path, grpc, meta = decoded.view
         if path is not None:
             call.method, call.method_unknown = path, False
-        elif missing and call.method is None:
+        elif decoded.missing and call.method is None:
             call.method_unknown = True
-        ctype = next((v for k, v in headers if k == "content-type"), "")
-        if ctype.startswith("application/grpc"):
+        if grpc:
             self.grpc_seen = True
-        call.request_metadata = [(k, v) for k, v in headers if not k.startswith(":")]
+        call.request_metadata = list(meta)
 
-    def _response_headers(self, st: _Stream, ts_ns: int, headers: list[tuple[str, str]]) -> None:
+    def _response_headers(self, st: _Stream, ts_ns: int, decoded: DecodedBlock) -> None:
         call = st.call
         st.headers_seen += 1
-        meta = [(k, v) for k, v in headers if not k.startswith(":")]
-        status = next((v for k, v in headers if k == "grpc-status"), None)
+        if decoded.view is None:
+            decoded.view = _response_view(decoded.headers)
+        status, message, trailer_meta, http, meta = decoded.view
         if status is not None:                      # trailers (or trailers-only)
             call.status = int(status) if status.isdigit() else None
-            call.status_message = next((v for k, v in headers if k == "grpc-message"), None)
+            call.status_message = message
             call.end_ts_ns = ts_ns
             if call.response_ts_ns is None:
                 call.response_ts_ns = ts_ns
-            call.response_metadata += [(k, v) for k, v in meta if k not in ("grpc-status", "grpc-message")]
+            call.response_metadata += trailer_meta
             return
-        http = next((v for k, v in headers if k == ":status"), None)
         if http is not None and not http.startswith("2"):
             call.status = int(http) if http.isdigit() else None
         call.response_ts_ns = call.response_ts_ns or ts_ns
@@ -284,6 +288,16 @@ class H2Decoder:
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         """Calls still open when the flow ended or capture stopped (status None)."""
         return [self._close(st) for st in list(self.streams.values())]
+
+
+def _response_view(headers: list[tuple[str, str]]) -> tuple[str | None, str | None, tuple[tuple[str, str], ...],
+                                                            str | None, tuple[tuple[str, str], ...]]:
+    """(grpc-status, grpc-message, trailer metadata, :status, metadata) of a response header block."""
+    meta = tuple((k, v) for k, v in headers if not k.startswith(":"))
+    return (next((v for k, v in headers if k == "grpc-status"), None),
+            next((v for k, v in headers if k == "grpc-message"), None),
+            tuple((k, v) for k, v in meta if k not in ("grpc-status", "grpc-message")),
+            next((v for k, v in headers if k == ":status"), None), meta)
 
 
 def _kind(n_req: int, n_resp: int) -> str:

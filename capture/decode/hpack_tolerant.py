@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpack.hpack import decode_huffman, decode_integer
 from hpack.table import HeaderTable
@@ -26,6 +27,9 @@ class DecodedBlock:
     headers: list[tuple[str, str]] = field(default_factory=list)
     missing: int = 0          # header fields that referred to dynamic-table entries we never saw
     spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # What a decoder derived from these headers: blocks repeat (and are cached above), so a
+    # decoder may keep its interpretation here and skip redoing it on the next identical block.
+    view: Any = None
 
 
 class TolerantDecoder:
