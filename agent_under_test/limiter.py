@@ -144,7 +144,7 @@ class GradientParams:
     min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
     max_cut: float = 0.95       # mildest deep cut
     draining: float = 0.8       # P99 below this x the last period's: the last cut is working, hold
-    futile: float = 0.9         # cut by step+ and P99 not below this x what it was: not our rate, stop
+    futile: float = 0.9         # cut by step+ and P99 not below this x what it was: not our rate, undo
     knee: float = 0.95          # below knee x good, return by halving the gap
     probe: float = 0.01         # above it, probe 1 %, 2 %, 4 % ... (at most `step`) per healthy period
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
@@ -161,9 +161,12 @@ class GradientLimiter(_BucketLimiter):
     overload or lo > high x T (a cutting episode; it ends at the first period with hi <= high x T):
         in an episode and p < draining x last p:  hold (the last cut is draining the queue)
         overload, and rate > good or no deep cut at or below good yet in this episode:
-            deep cut:  rate = min(rate, done, good) * clamp(1 - (p-T)/P, min_cut, max_cut)
+            deep cut:  rate = min(rate, done) * clamp(1 - (p-T)/P, min_cut, max_cut)
         else, if the rate is step+ below where the episode began and hi >= futile x hi then:
-            hold (cutting does not lower the latency: it is not our rate)
+            after a deep cut in this episode: hold; else back to the rate the episode began at,
+            min(rate, done*(1 + step)) then (cutting does not lower the latency: it is not our rate;
+            undo rather than starve, and test again)
+        else, fewer than `window` periods since this episode's last cut: hold (wait for evidence)
         else trim: rate = min(rate, done*(1 + step)) * g,
                    g = 1 - step * min(1, (lo - high T) / ((1 - high) T))
         every cut lowers good to at most the rate that breached
@@ -184,8 +187,9 @@ class GradientLimiter(_BucketLimiter):
         self.last_p99: float | None = None
         self.queued = False                           # the last period was a queueing breach
         self.cutting: tuple[float, float] | None = None   # (rate, hi) when this cutting episode began
-        self.deep_cut = False                         # a deep cut at or below good in this episode
+        self.deep_cut = False                         # a deep cut was made in this episode
         self.probes = 0
+        self.since_cut = 0      # periods since the last cut (or undo) of this episode
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -199,6 +203,7 @@ class GradientLimiter(_BucketLimiter):
                                                                f"x{1 + self.p.step:g}")
         p99, last, t = summary.p99_ms, self.last_p99, self.s.threshold_ms
         self.last_p99 = p99
+        self.since_cut += 1
         self.recent.append(p99)
         # The window's median (low and high median while it is not full: two periods that disagree
         # are no evidence either way); lo/hi: the current period and the window must agree to act.
@@ -223,20 +228,30 @@ class GradientLimiter(_BucketLimiter):
     def _cut(self, p99: float, lo: float, hi: float, summary: PeriodSummary, overload: bool) -> Adjustment | None:
         t, old, done = self.s.threshold_ms, self.rate, summary.count / summary.seconds
         if self.cutting is None:
-            self.cutting, self.deep_cut = (old, hi), False
+            self.cutting, self.deep_cut = (min(old, done * (1.0 + self.p.step)), hi), False
+            self.since_cut = self.p.window   # the first trim of an episode needs no wait
         above_good = self.good is None or old > self.good
         if overload and (above_good or not self.deep_cut):
             # Little's law: done x (p99 - T) calls wait beyond T; admitting that much less drains them in a
             # period. At or below a rate known to be good only once per episode: if the queue stays after
             # that, the rate is not what drives it, and cutting deep again would only starve the server.
             g = min(self.p.max_cut, max(self.p.min_cut, 1.0 - (p99 - t) / 1000.0 / summary.seconds))
-            base = min(old, done, self.good if self.good is not None else old)
+            base = min(old, done)    # in a queue, `done` is what the server can do now
             self.recent.clear()      # the window saw the old rate; judge the new one on its own periods
-            self.deep_cut = self.deep_cut or not above_good
+            self.deep_cut = True
             reason = f"p99 {p99:.3f} ms > {t:g} ms, our queue: {base:.1f}/s x{g:.3f}"
         else:
+            if self.since_cut < self.p.window:
+                return None          # the window still holds periods from before the last cut: wait
             if self._futile(hi):
-                return None
+                if self.deep_cut:
+                    return None      # a queue we cut deep for may still be draining slowly: hold, never undo
+                # Cutting did not lower the latency: the rate is not what drives it (outside contention,
+                # the cost of refusing calls, noise). Undo the cuts rather than starve the server, and
+                # test again from there: the rate then swings one step, never drifts to the floor.
+                rate0 = self.cutting[0] if self.cutting is not None else old
+                self.cutting, self.since_cut = (rate0, hi), 0
+                return self._move(rate0, f"cuts to {old:.1f}/s did not lower p99 ({hi:.3f} ms): back to {rate0:.1f}/s")
             # In proportion to how far into the band's top (high x T .. T) the signal is: latency rises
             # steeply with rate near the knee, so a cut as large as the latency excess would overshoot.
             # From what was admitted, not from an unused limit; but `done` undercounts while calls are
@@ -246,13 +261,12 @@ class GradientLimiter(_BucketLimiter):
             reason = f"p99 {lo:.3f} ms (smoothed) > {self.p.high * t:g} ms: {base:.1f}/s x{g:.3f}"
         if self.good is not None:
             self.good = min(self.good, old)   # a rate that breached is not good
+        self.since_cut = 0
         return self._move(base * g, reason)
 
     def _futile(self, hi: float) -> bool:
         """True when this episode has cut the rate by `step`+ and the latency did not follow (judged on
-        the pessimistic signal, so one lucky period does not count as success): the latency is not
-        driven by our rate (outside contention, the cost of refusing calls, noise), and cutting on
-        would only starve the server."""
+        the pessimistic signal, so one lucky period does not count as success)."""
         if self.cutting is None:
             return False
         rate0, p99_0 = self.cutting

@@ -245,7 +245,8 @@ def run_policy(policy: str, capacity: float, args: argparse.Namespace) -> Policy
         osc = 100.0 * (max(rates) - min(rates)) / 2 / mean
     srv = [e for e in periods if mono0 + t_step < e["mono"] <= mono0 + t_end]
     under = [e["p99_ms"] is not None and e["p99_ms"] <= args.threshold_ms for e in srv]
-    srv_rec = next((srv[i]["mono"] - 1.0 - mono0 - t_step for i in range(len(under) - 2) if all(under[i:i + 3])), None)
+    srv_rec = next((max(0.0, srv[i]["mono"] - 1.0 - mono0 - t_step) for i in range(len(under) - 2)
+                    if all(under[i:i + 3])), None)
     agent_cores = (cpu[1] - cpu[0]) / args.overload_s if len(cpu) == 2 else None
     print(f"  {policy}: agent CPU during the overload {fmt(agent_cores, ' cores')} for "
           f"{len(over) / args.overload_s:.0f} calls/s offered, {len(ok) / args.overload_s:.0f}/s served", flush=True)
