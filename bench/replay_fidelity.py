@@ -8,7 +8,7 @@ Prints send lag p50/p99/max and total drift at the end for R = 1,000, 2,000 and 
 the ratio of the peer's drift to ours. Targets (issue 5): at 2,000 calls/s lag p99 <= 500 us and
 drift <= 0.1 % over 60 s (`--duration 60`). Default: 8 s per rate, about a minute in all.
 
-    .venv/bin/python bench/replay_fidelity.py [--duration S] [--rates 1000,2000,4000]
+    .venv/bin/python bench/replay_fidelity.py [--duration S] [--rates 1000,2000,4000] [--senders grpc,h2]
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _timing(stats: RunStats) -> dict[str, float]:
             "end_lag_us": (stats.last_sent - stats.last_intended) / 1000}
 
 
-def ours(path: Path, target: str) -> dict[str, float]:
-    run = ReplayRun(path, target, ReplayOptions())
+def ours(path: Path, target: str, sender: str) -> dict[str, float]:
+    run = ReplayRun(path, target, ReplayOptions(sender=sender))
     rep = run.run()
     assert rep.invariant_ok, rep
     return _timing(run.stats) | {"achieved_rate": rep.achieved_rate, "not_ok": rep.scheduled - rep.ok}
@@ -83,23 +83,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of recording per rate")
     ap.add_argument("--rates", default="1000,2000,4000")
+    ap.add_argument("--senders", default="grpc,h2", help="shadowtest senders to run (grpc: grpcio, h2: lean)")
     args = ap.parse_args()
     proc, target = start_echo()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"target {target}, {args.duration:g} s per rate; lag in us, drift in % of the span")
-            print(f"{'rate':>6} {'who':<11} {'lag p50':>8} {'lag p99':>8} {'lag max':>9} {'drift %':>9} {'end lag':>9}")
+            print(f"{'rate':>6} {'who':<16} {'lag p50':>8} {'lag p99':>8} {'lag max':>9} {'drift %':>9} {'end lag':>9}")
             for rate in (int(r) for r in args.rates.split(",")):
                 path = Path(tmp) / f"r{rate}.rec"
                 n = int(rate * args.duration)
                 write_unary_recording(path, [i * 1_000_000_000 // rate for i in range(n)], flows=4)
-                a, b = ours(path, target), asyncio.run(peer_replay(path, target))
-                for who, r in (("shadowtest", a), ("peer-sleep", b)):
-                    print(f"{rate:>6} {who:<11} {r['lag_p50_us']:>8.0f} {r['lag_p99_us']:>8.0f} "
+                mine = {f"shadowtest-{s}": ours(path, target, s) for s in args.senders.split(",")}
+                b = asyncio.run(peer_replay(path, target))
+                for who, r in (*mine.items(), ("peer-sleep", b)):
+                    print(f"{rate:>6} {who:<16} {r['lag_p50_us']:>8.0f} {r['lag_p99_us']:>8.0f} "
                           f"{r['lag_max_us']:>9.0f} {r['drift_pct']:>9.4f} {r['end_lag_us']:>9.0f}")
-                ratio = abs(b["drift_pct"]) / max(abs(a["drift_pct"]), 1e-4)
-                print(f"{rate:>6} ratio: peer drift / shadowtest drift = {ratio:.1f}x; achieved "
-                      f"{a['achieved_rate']:.0f}/s of {rate}; not ok (target overloaded): {a['not_ok']}")
+                for who, a in mine.items():
+                    ratio = abs(b["drift_pct"]) / max(abs(a["drift_pct"]), 1e-4)
+                    print(f"{rate:>6} {who}: peer drift / our drift = {ratio:.1f}x; achieved "
+                          f"{a['achieved_rate']:.0f}/s of {rate}; not ok (target overloaded): {a['not_ok']}")
     finally:
         proc.terminate()
         proc.wait(10)

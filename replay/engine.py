@@ -16,6 +16,7 @@ not_sent/in_flight_cap -- shedding instead of queueing keeps memory bounded and 
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import itertools
 import logging
@@ -34,6 +35,7 @@ from replay.target import check_target
 
 log = logging.getLogger(__name__)
 _WAKE_NS = 100_000_000  # the longest sleep between stop checks
+_READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away than this
 # Plain HTTP/2 (not gRPC) has no sender yet: such calls are counted not_sent "no_sender:http2".
 _PROTOCOL_SENDER = {"grpc": "grpc", "http1": "http1", "tcp": "tcp"}
 _LEAN_SENDERS = frozenset({"h2", "http1", "tcp"})  # no grpcio: safe on uvloop
@@ -118,6 +120,7 @@ class ReplayRun:
         self._stale = 0  # finished calls still in _backstops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Future[None] | None = None  # set when the last in-flight call ends (_drain)
+        self._spawned = False  # this tick started a call as a task (it sends after the tick)
         self.t0_ns = 0
         self.end_ns = 0
 
@@ -164,6 +167,10 @@ class ReplayRun:
         """The run itself, for callers that already have an event loop."""
         from replay.compare import CompareSpec
         self._loop = asyncio.get_running_loop()
+        # Everything alive now (modules, the plan reader, senders' caches) will outlive the run:
+        # keep it out of the collector's full passes, each of which would stall every send due
+        # meanwhile (a pass over grpc/protobuf's objects takes milliseconds).
+        gc.freeze()
         try:
             if isinstance(self.options.compare, CompareSpec):
                 self.options.compare = self.options.compare.build(self.target)
@@ -174,6 +181,7 @@ class ReplayRun:
             await self._schedule_loop(itertools.chain([first] if first is not None else [], plan))
             await self._drain()
         finally:
+            gc.unfreeze()
             self.end_ns = self.clock.now_ns()
             for sender in self._senders.values():
                 await sender.close()
@@ -217,29 +225,47 @@ class ReplayRun:
     def _tick(self) -> int | None:
         """One wake-up: dispatch everything due, read the plan ahead; the next wake-up (clock ns), or
         None when the plan is done or the run stopped. Synchronous, so the clock may call it straight
-        from its timer callback: the sends go out in the very loop step that noticed they were due."""
+        from its timer callback: the sends go out in the very loop step that noticed they were due.
+
+        Reading the plan is what could delay a send (a batch of calls from SQLite), so calls due now
+        are read and sent first, and the lookahead is filled only while the next send is more than
+        `_READ_MARGIN_NS` away: a read can then be late by at most one small batch. Calls started
+        as tasks send only when this returns, so after those the reading waits for the next tick."""
         if self._stop.is_set():
             return None
         self._sweep()
-        heap, lookahead = self._heap, int(self.options.lookahead_s * 1e9)
+        heap = self._heap
         now = self.clock.now_ns() - self.t0_ns
-        pending = self._pending
-        while pending is not None and (pending.due_ns <= now + lookahead or not heap):
-            heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
-            self.stats.scheduled += 1
-            self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
-            self._prepare(pending)
-            pending = next(self._plan, None)
-        self._pending = pending
+        self._read_plan(now)
+        self._spawned = False
         while heap and heap[0][0] <= now:
             due, _, item, msg = heapq.heappop(heap)
             if isinstance(item, PlannedCall):
                 self._start(item, heap)
             elif item.task is not None and not item.task.done():
                 self._release(item, msg, heap)
+        horizon = now + int(self.options.lookahead_s * 1e9)
+        if self._spawned and self._pending is not None and self._pending.due_ns <= horizon:
+            return self.t0_ns + now  # read once the new tasks have sent: at once, after them
+        self._read_plan(horizon, budget=True)
         if not heap:
-            return None if pending is None else self.t0_ns + now
+            return None if self._pending is None else self.t0_ns + now
         return self.t0_ns + min(heap[0][0], now + _WAKE_NS)
+
+    def _read_plan(self, until: int, budget: bool = False) -> None:
+        """Move planned calls due by `until` (run-relative ns) into the heap; always those due before
+        the heap's first entry. With `budget`, stop once the next send is within the margin."""
+        heap, pending, clock, t0 = self._heap, self._pending, self.clock, self.t0_ns
+        while pending is not None and (pending.due_ns <= until or not heap):
+            if budget and heap and pending.due_ns > heap[0][0] \
+                    and clock.now_ns() - t0 > heap[0][0] - _READ_MARGIN_NS:
+                break
+            heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
+            self.stats.scheduled += 1
+            self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
+            self._prepare(pending)
+            pending = next(self._plan, None)
+        self._pending = pending
 
     def _count_unsent(self, heap: list, pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
         for _, _, item, msg in heap:
@@ -282,6 +308,7 @@ class ReplayRun:
                 else:
                     heapq.heappush(heap, (planned.due_ns + msg.offset_ns, next(self._seq), live, msg))
         live.task = self._loop.create_task(self._call(sender, live, requests))
+        self._spawned = True
 
     def _started(self, sender: Sender, live: _Live) -> bool:
         """The fast path (senders.base.Starter): the sender writes the call right here, in this loop

@@ -32,11 +32,16 @@ def tcp_calls(rec: Recording, starts: list[tuple[int, int]]) -> Iterator[Call]:
                    requests=msgs, id=None)
 
 
+_READ_BATCH = 16
+
+
 def recording_calls(rec: Recording) -> Iterator[Call]:
     """All replayable calls of `rec` in request-time order (streamed; see module docstring)."""
     starts = tcp_flow_starts(rec)
     # TCP flows are replayed from their chunks (tcp_calls), not from any decoded call rows.
-    calls = (c for c in rec.calls() if c.protocol != "tcp")
+    # The engine reads ahead between sends, so one batch is one stall of the schedule: 256 calls
+    # took ~4 ms (lag p99 4.5 ms at 2,000 calls/s); 16 take ~0.3 ms for ~1 us more per call.
+    calls = (c for c in rec.calls(batch_size=_READ_BATCH) if c.protocol != "tcp")
     if not starts:
         yield from calls
         return
