@@ -160,15 +160,15 @@ class GradientLimiter(_BucketLimiter):
     queueing: p > T and p50 > queue_p50 x T;  overload: queueing and (p > surge x T or the last period queued)
     overload or lo > high x T (a cutting episode; it ends at the first period with hi <= high x T):
         in an episode and p < draining x last p:  hold (the last cut is draining the queue)
-        overload, and rate > good or no deep cut at or below good yet in this episode:
+        overload, and rate > good or no deep cut yet in this episode:
             deep cut:  rate = min(rate, done) * clamp(1 - (p-T)/P, min_cut, max_cut)
-        else, if the rate is step+ below where the episode began and hi >= futile x hi then:
-            after a deep cut in this episode: hold; else back to the rate the episode began at,
-            min(rate, done*(1 + step)) then (cutting does not lower the latency: it is not our rate;
-            undo rather than starve, and test again)
-        else, fewer than `window` periods since this episode's last cut: hold (wait for evidence)
-        else trim: rate = min(rate, done*(1 + step)) * g,
-                   g = 1 - step * min(1, (lo - high T) / ((1 - high) T))
+        overload otherwise (a confirmed queue is ours):  trim
+        tail-only breach:  fewer than `window` periods since this episode's last cut: hold (wait)
+            else if the rate is step+ below where the episode began and hi >= futile x hi then:
+                after a deep cut in this episode hold, else back to the rate the episode began at
+                (cutting did not lower the latency: not our rate; undo rather than starve, test again)
+            else trim
+        trim:  rate = min(rate, done*(1 + step)) * (1 - step * min(1, (lo - high T) / ((1 - high) T)))
         every cut lowers good to at most the rate that breached
     hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
     else grow, h = 1 - hi / (low x T):
@@ -241,9 +241,11 @@ class GradientLimiter(_BucketLimiter):
             self.deep_cut = True
             reason = f"p99 {p99:.3f} ms > {t:g} ms, our queue: {base:.1f}/s x{g:.3f}"
         else:
-            if self.since_cut < self.p.window:
+            # A confirmed queue (the median call waits, two periods running) is ours: trim on every
+            # period. Only a tail-only breach waits for evidence and may turn out not to be ours.
+            if not overload and self.since_cut < self.p.window:
                 return None          # the window still holds periods from before the last cut: wait
-            if self._futile(hi):
+            if not overload and self._futile(hi):
                 if self.deep_cut:
                     return None      # a queue we cut deep for may still be draining slowly: hold, never undo
                 # Cutting did not lower the latency: the rate is not what drives it (outside contention,
