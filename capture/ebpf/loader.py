@@ -239,11 +239,14 @@ class EbpfBackend:
         while q:
             self._handle(q.popleft())
 
-    def _on_event(self, ctx: object, data: int, size: int) -> None:
+    def _on_event(self, ctx: object, data: int, size: int) -> int:
+        # An int, always: bcc's wrapper turns any other return value into 0 by raising and
+        # catching a TypeError, which cost more than the rest of this callback.
         if len(self._queue) >= _MAX_QUEUED:
             self._user_lost += 1      # user space cannot keep up: counted as lost, never silent
-            return
+            return 0
         self._queue.append(ctypes.string_at(data, size))
+        return 0
 
     def _handle(self, raw: bytes) -> None:
         ts_ns, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
