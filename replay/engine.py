@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from replay.target import check_target
 
 log = logging.getLogger(__name__)
 _WAKE_NS = 100_000_000  # the longest sleep between stop checks
+_WARM_S = 1.0  # the longest wait for connections before the clock starts
 _READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away than this
 # Plain HTTP/2 (not gRPC) has no sender yet: such calls are counted not_sent "no_sender:http2".
 _PROTOCOL_SENDER = {"grpc": "grpc", "http1": "http1", "tcp": "tcp"}
@@ -121,6 +122,10 @@ class ReplayRun:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Future[None] | None = None  # set when the last in-flight call ends (_drain)
         self._spawned = False  # this tick started a call as a task (it sends after the tick)
+        self._heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
+        self._plan: Iterator[PlannedCall] = iter(())
+        self._pending: PlannedCall | None = None
+        self._warming: list[Awaitable[object]] | None = []  # connections opening before t0
         self.t0_ns = 0
         self.end_ns = 0
 
@@ -174,11 +179,14 @@ class ReplayRun:
         try:
             if isinstance(self.options.compare, CompareSpec):
                 self.options.compare = self.options.compare.build(self.target)
-            plan = self._open_plan()
-            # Read up to the first call before t0: skipping to a window must not count as lag.
-            first = next(plan, None)
+            self._heap, self._plan = [], self._open_plan()
+            self._pending = next(self._plan, None)
+            # Before the clock starts, read the first lookahead (skipping to a window, reading and
+            # connecting must not count as lag) and wait, briefly, for its connections to open.
+            self._read_plan(int(self.options.lookahead_s * 1e9))
+            await self._warm_up()
             self.t0_ns = self.options.start_at_ns or self.clock.now_ns()
-            await self._schedule_loop(itertools.chain([first] if first is not None else [], plan))
+            await self._schedule_loop()
             await self._drain()
         finally:
             gc.unfreeze()
@@ -210,9 +218,17 @@ class ReplayRun:
             rec.close()
 
     # ---- the scheduling loop ----------------------------------------------------------------
-    async def _schedule_loop(self, plan: Iterator[PlannedCall]) -> None:
-        self._heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
-        self._plan, self._pending = plan, next(plan, None)
+    async def _warm_up(self) -> None:
+        """Wait up to _WARM_S for the connections the first lookahead opened (senders that can say
+        when a connection is ready, see senders.base.Preparer); then no more waiting."""
+        waiting, self._warming = [asyncio.ensure_future(w) for w in self._warming or ()], None
+        if not waiting:
+            return
+        _, late = await asyncio.wait(waiting, timeout=_WARM_S)
+        for w in late:  # an unreachable target: its calls will say so
+            w.cancel()
+
+    async def _schedule_loop(self) -> None:
         run_ticks = getattr(self.clock, "run_ticks", None)  # see clock.TimerfdClock.run_ticks
         if run_ticks is not None:
             await run_ticks(self._tick)
@@ -380,7 +396,11 @@ class ReplayRun:
             return
         prepare = getattr(sender, "prepare", None)  # an optional ability (see senders.base.Preparer)
         if prepare is not None:
-            prepare(planned.connection)
+            ready = prepare(planned.connection)
+            if ready is not None and self._warming is not None:
+                self._warming.append(ready)
+            elif asyncio.iscoroutine(ready):
+                ready.close()  # after the warm-up nobody waits: an unawaited coroutine would warn
 
     def _sender_for(self, planned: PlannedCall) -> Sender:
         name = self.options.sender

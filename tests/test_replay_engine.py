@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,36 @@ def test_slow_plan_reads_never_delay_a_due_send() -> None:
     lags = [t - run.t0_ns - (20 * MS + i * MS) for t, i, _ in fake.sends]
     assert [i for _, i, _ in fake.sends] == list(range(400))
     assert max(lags) <= 300_000, max(lags)
+
+
+def test_connections_of_the_first_lookahead_open_before_the_clock_starts(tmp_path: Path) -> None:
+    """Connecting is not lag: t0 is taken once the first lookahead's connections are ready (here
+    each takes 5 ms of virtual time), and a connection that never becomes ready delays the start by
+    at most the warm-up bound (1 s) and is then left to fail on its own calls."""
+    write_unary_recording(tmp_path / "r.rec", [0, MS, 2 * MS], flows=3)
+    clock = FakeClock(start_ns=0)
+
+    class Connecting(FakeSender):
+        prepared: list[tuple[str, int]] = []
+        hang = False
+
+        def prepare(self, connection: str) -> object:
+            async def ready() -> None:
+                await asyncio.sleep(0)
+                if self.hang:
+                    await asyncio.Event().wait()
+                clock.advance(5 * MS)
+                self.prepared.append((connection, clock.now_ns()))
+            return ready()
+
+    fake = Connecting(clock)
+    run, _ = _run(tmp_path / "r.rec", clock, fake)
+    assert len(fake.prepared) == 3 and max(t for _, t in fake.prepared) <= run.t0_ns
+    assert [(t - run.t0_ns, i) for t, i, _ in fake.sends] == [(0, 0), (MS, 1), (2 * MS, 2)]  # no lag at all
+    Connecting.hang = True
+    started = time.monotonic()
+    run, _ = _run(tmp_path / "r.rec", FakeClock(start_ns=0), Connecting(FakeClock()))
+    assert run.stats.outcomes["ok"] == 3 and 1.0 <= time.monotonic() - started < 1.0 + 3.0  # tolerance: noisy host
 
 
 def test_a_protocol_without_sender_is_counted_not_sent() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,9 +46,11 @@ class Sender(Protocol):
 
 
 class Preparer(Protocol):
-    """Optional ability: start opening `connection` ahead of its first call (must not block)."""
+    """Optional ability: start opening `connection` ahead of its first call (must not block).
+    May return an awaitable that completes when the connection is ready (or has failed): the
+    engine waits, bounded, for those of the first lookahead before it starts the clock."""
 
-    def prepare(self, connection: str) -> None: ...
+    def prepare(self, connection: str) -> Awaitable[object] | None: ...
 
 
 class Starter(Protocol):

@@ -8,7 +8,7 @@ subchannel pool (grpc would otherwise share one TCP connection between identical
 from __future__ import annotations
 
 import gzip
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 import grpc.aio
@@ -67,9 +67,12 @@ class GrpcSender:
             ch = self._channels[key] = grpc.aio.insecure_channel(self.target, options=opts)
         return ch
 
-    def prepare(self, connection: str) -> None:
-        """Create the channel and start connecting now (non-blocking), ahead of the first call."""
-        self._channel(connection).get_state(try_to_connect=True)
+    def prepare(self, connection: str) -> Awaitable[None]:
+        """Create the channel and start connecting now (non-blocking), ahead of the first call;
+        the awaitable completes when the channel is READY (it never fails: bound its wait)."""
+        ch = self._channel(connection)
+        ch.get_state(try_to_connect=True)
+        return ch.channel_ready()
 
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         ch = self._channel(planned.connection)

@@ -116,9 +116,10 @@ class H2Sender:
         except OSError as exc:
             conn.connect_failed(exc)
 
-    def prepare(self, connection: str) -> None:
-        """Start connecting now (non-blocking), ahead of the first call."""
-        self._conn(connection)
+    def prepare(self, connection: str) -> asyncio.Future[bool]:
+        """Start connecting now (non-blocking), ahead of the first call; the future resolves when
+        the connection is ready (True) or has failed (False)."""
+        return self._conn(connection).ready
 
     def _block(self, planned: PlannedCall, timeout: float) -> bytes:
         key = (planned.method or "", tuple(planned.metadata), timeout)
