@@ -135,15 +135,16 @@ class SeedLimiter(_BucketLimiter):
 
 @dataclass(frozen=True)
 class GradientParams:
-    window: int = 3             # periods in the smoothed P99 (their median): one noisy period alone never moves it
+    window: int = 5             # periods in the smoothed P99 (their median): one or two noisy periods never move it
     low: float = 0.5            # grow while this period's and the smoothed P99 are both below low x T
-    high: float = 0.75          # trim while both are above high x T; in between hold (Vegas' alpha/beta band)
+    high: float = 0.9           # trim while both are above high x T; in between hold (Vegas' alpha/beta band)
     step: float = 0.10          # most change per period outside an overload (trim >= x0.9, growth <= x1.1)
     surge: float = 3.0          # P99 above surge x T while the median call waits: overload, cut deep at once
     queue_p50: float = 0.5      # P50 above this x T: the median call waits, so the breach is our own queue
     min_cut: float = 0.5        # deepest single cut (x0.5), like Gradient2's gradient floor
     max_cut: float = 0.95       # mildest deep cut
     draining: float = 0.8       # P99 below this x the last period's: the last cut is working, hold
+    trim_span: float = 0.25     # a full-step trim once lo is this x T above high x T; less in proportion
     futile: float = 0.9         # cut by step+ and P99 not below this x what it was: not our rate, undo
     knee: float = 0.95          # below knee x good, return by halving the gap
     probe: float = 0.01         # above it, probe 1 %, 2 %, 4 % ... (at most `step`) per healthy period
@@ -168,7 +169,7 @@ class GradientLimiter(_BucketLimiter):
                 after a deep cut in this episode hold, else back to the rate the episode began at
                 (cutting did not lower the latency: not our rate; undo rather than starve, test again)
             else trim
-        trim:  rate = min(rate, done*(1 + step)) * (1 - step * min(1, (lo - high T) / ((1 - high) T)))
+        trim:  rate = min(rate, done*(1 + step)) * (1 - step * min(1, (lo - high T) / (trim_span T)))
         every cut lowers good to at most the rate that breached
     hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
     else grow, h = 1 - hi / (low x T):
@@ -254,11 +255,11 @@ class GradientLimiter(_BucketLimiter):
                 rate0 = self.cutting[0] if self.cutting is not None else old
                 self.cutting, self.since_cut = (rate0, hi), 0
                 return self._move(rate0, f"cuts to {old:.1f}/s did not lower p99 ({hi:.3f} ms): back to {rate0:.1f}/s")
-            # In proportion to how far into the band's top (high x T .. T) the signal is: latency rises
+            # In proportion to how far above high x T the signal is (full step at trim_span x T): latency rises
             # steeply with rate near the knee, so a cut as large as the latency excess would overshoot.
             # From what was admitted, not from an unused limit; but `done` undercounts while calls are
             # still in flight at the period's end, so allow it `step` of slack (a trim stays a trim).
-            g = 1.0 - self.p.step * min(1.0, (lo - self.p.high * t) / ((1.0 - self.p.high) * t))
+            g = 1.0 - self.p.step * min(1.0, (lo - self.p.high * t) / (self.p.trim_span * t))
             base = min(old, done * (1.0 + self.p.step))
             reason = f"p99 {lo:.3f} ms (smoothed) > {self.p.high * t:g} ms: {base:.1f}/s x{g:.3f}"
         if self.good is not None:

@@ -120,15 +120,15 @@ def test_gradient_holds_inside_the_band_and_one_noisy_period_moves_nothing():
 
 def test_gradient_trims_in_proportion_once_the_smoothed_p99_agrees():
     lim = gradient(500.0, good=500.0)
-    for p99 in (12.0, 40.0):
+    for p99 in (12.0, 40.0, 12.0, 19.0):       # window medians 12: hold (a spike, then one period above)
         assert lim.on_period(period(p99, count=500, rejected=200, p50=4.0)) is None
-    adj = lim.on_period(period(16.0, count=500, rejected=200, p50=4.0))   # window 12, 40, 16: median 16
-    # lo = min(16, 16) = 16: 1/5 of the way from high x T (15) to T (20): trim 1/5 of a step, x0.98.
+    adj = lim.on_period(period(19.0, count=500, rejected=200, p50=4.0))   # window 12 40 12 19 19: median 19
+    # lo = min(19, 19) = 19: 1 ms over high x T (18), a fifth of trim_span x T (5 ms): x0.98.
     assert adj.new_rate == pytest.approx(500.0 * 0.98) and "smoothed" in adj.reason
     assert lim.good == 500.0
-    # The next trim waits until the window holds only periods at the new rate (3), then x0.9 for lo 30.
-    got = [lim.on_period(period(30.0, count=490, rejected=200, p50=4.0)) for _ in range(3)]
-    assert got[:2] == [None, None] and lim.rate == pytest.approx(490.0 * 0.9)
+    # The next trim waits until the window holds only periods at the new rate (5), then x0.9 for lo 30.
+    got = [lim.on_period(period(30.0, count=490, rejected=200, p50=4.0)) for _ in range(5)]
+    assert got[:4] == [None] * 4 and lim.rate == pytest.approx(490.0 * 0.9)
 
 
 def test_gradient_trims_from_what_was_admitted_with_slack_for_calls_still_in_flight():
@@ -142,25 +142,25 @@ def test_gradient_undoes_cuts_that_do_not_lower_a_tail_only_latency():
     lim = gradient(1000.0, good=1000.0)
     lim.recent.extend([30.0, 30.0])
     rates, reasons = [], []
-    for _ in range(4):           # tail latency that does not follow the rate (outside contention)
+    for _ in range(6):           # tail latency that does not follow the rate (outside contention)
         adj = lim.on_period(period(30.0, count=int(lim.rate), rejected=100, p50=4.0))
         rates.append(lim.rate)
         reasons.append(adj.reason if adj else "")
     # One full trim (x0.9) takes the rate a step below where the episode began; once the window holds
-    # only periods at 900/s (3), P99 is still 30 ms, not below 0.9 x 30: futile. It goes back rather than
+    # only periods at 900/s (5), P99 is still 30 ms, not below 0.9 x 30: futile. It goes back rather than
     # starve the server, and tests again: one step of swing, no drift towards the floor.
-    assert rates == pytest.approx([900.0, 900.0, 900.0, 1000.0])
-    assert "did not lower p99 (30.000 ms): back to 1000.0/s" in reasons[3]
+    assert rates == pytest.approx([900.0] * 5 + [1000.0])
+    assert "did not lower p99 (30.000 ms): back to 1000.0/s" in reasons[5]
 
 
 def test_gradient_keeps_trimming_while_the_latency_follows_the_cuts():
     lim = gradient(1000.0, good=1000.0)
     lim.recent.extend([30.0, 30.0])
     lim.on_period(period(30.0, count=1000, rejected=100, p50=4.0))        # trim x0.9: 900
-    for _ in range(3):
+    for _ in range(5):
         lim.on_period(period(20.0, count=900, rejected=100, p50=4.0))
-    # Window 20, 20, 20 -> hi 20 < 0.9 x 30: the cut worked; lo 20 is a full step over high x T: x0.9.
-    assert lim.rate == pytest.approx(900.0 * 0.9)
+    # Window all 20 -> hi 20 < 0.9 x 30: the cut worked; lo 20 is 2/5 of trim_span over high x T: x0.96.
+    assert lim.rate == pytest.approx(900.0 * 0.96)
 
 
 def test_gradient_cuts_deep_at_or_below_the_good_rate_only_once_per_episode():
