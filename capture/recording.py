@@ -264,6 +264,13 @@ class RecordingWriter:
             text = self._meta_json[key] = json.dumps(metadata)
         return text
 
+    def clear_calls(self) -> None:
+        """Drop every call and message (a decode that was cut short is redone from the chunks)."""
+        self._call_rows, self._message_rows = [], []
+        self._db.execute("DELETE FROM messages")
+        self._db.execute("DELETE FROM calls")
+        self._maybe_commit()
+
     def meta_value(self, key: str, default: Any = None) -> Any:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default

@@ -176,6 +176,7 @@ class FlowSink:
         flow that streams the chunks back in batches. Masked header values decode as '*' and the
         redaction rules then give the same calls as live decoding."""
         self.writer.flush()
+        self.writer.clear_calls()     # none while recording; some if an earlier decode was killed
         gaps = {(f, d, n) for f, d, n in self.writer.meta_value("undecoded_gaps", [])}
         for flow_id, joined, closed_ns in self.writer.flow_rows():
             st = _FlowState(flow_id, joined)

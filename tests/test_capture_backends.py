@@ -210,6 +210,10 @@ def test_killed_at_stop_recorder_leaves_masked_chunks_that_finish_decodes(server
     with Recording(out) as r:
         assert r.count("calls") == 0 and r.count("chunks") > 0 and r.meta["decode"] == "at-stop"
     assert b"top-secret" not in _chunk_bytes(out)              # safe on disk even though it never stopped
+    db = sqlite3.connect(out)                                    # as if a decode at stop had been killed
+    db.execute("INSERT INTO calls(protocol, request_ts_ns) VALUES ('grpc', 1)")
+    db.commit()
+    db.close()
     res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)])
     assert res.exit_code == 0 and "decoded 5 calls" in res.output
     with Recording(out) as r:
