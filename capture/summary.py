@@ -54,9 +54,17 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
         "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
-        "problems": list(rec.problems) + list(meta.get("import_problems", []) or []),
+        "problems": list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec),
     }
     return out
+
+
+def _undecoded(rec: Recording) -> list[str]:
+    """A `--decode at-stop` recording whose recorder was killed before decoding its chunks."""
+    if rec.meta.get("decode") != "at-stop" or rec.meta.get("calls_decoded"):
+        return []
+    return [f"calls not decoded yet (recorded with --decode at-stop and never stopped): "
+            f"run `shadowtest record --finish -o {rec.path}`"]
 
 
 def _span(rec: Recording, times: list[int]) -> int:

@@ -210,6 +210,8 @@ def test_killed_at_stop_recorder_leaves_masked_chunks_that_finish_decodes(server
     with Recording(out) as r:
         assert r.count("calls") == 0 and r.count("chunks") > 0 and r.meta["decode"] == "at-stop"
     assert b"top-secret" not in _chunk_bytes(out)              # safe on disk even though it never stopped
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
+    assert "record --finish" in " ".join(json.loads(res.output)["problems"])
     db = sqlite3.connect(out)                                    # as if a decode at stop had been killed
     db.execute("INSERT INTO calls(protocol, request_ts_ns) VALUES ('grpc', 1)")
     db.commit()
