@@ -36,7 +36,7 @@ class RecordOptions:
     default_redaction: bool = True
     overwrite: bool = False
     ring_pages: int = 8192             # eBPF ring buffer size in pages (32 MiB: absorbs bursts)
-    decode: str = "live"               # live | at-stop: decode calls while recording or from the chunks at stop
+    decode: str = "live"               # live | at-stop | later: decode calls while recording, at stop, or by --finish
 
 
 class Backend(Protocol):

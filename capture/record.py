@@ -10,6 +10,9 @@ that misses at most the last second.
 `RecordOptions(decode="at-stop")` stores masked chunks only while recording and decodes them into
 calls in `stop()` (see capture/sink.py); a recording whose recorder was killed before that has its
 chunks but no calls, which `finish_recording(path)` (`shadowtest record --finish -o FILE`) decodes.
+`RecordOptions(decode="later")` is at-stop without the decode in `stop()`: the file is closed with
+its chunks, flows and counters, marked `calls_decoded = false`, and `finish_recording` decodes it
+on any machine (it needs neither root nor bcc), so the recorded host pays for the capture only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import asdict
 from capture import backends
 from capture.backends import RecordOptions
 from capture.clock import Clock, MonotonicClock
+from capture.deferred import calls_pending, finish_command
 from capture.errors import CaptureError
 from capture.recording import RecordingWriter
 from capture.redact import DEFAULT_RULES, Redactor, parse_rule
@@ -109,6 +113,8 @@ class Recorder:
         self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output,
                                          "decode": self.options.decode,
                                          "stop_cpu_s": round(time.process_time() - cpu0, 4)}
+        if self.options.decode == "later":   # tell the caller the calls are still to be decoded, and how
+            self.result |= {"calls_decoded": False, "finish": finish_command(self.options.output)}
         return self.result
 
     def __enter__(self) -> Recorder:
@@ -119,19 +125,25 @@ class Recorder:
 
 
 def finish_recording(path: str) -> dict[str, object]:
-    """Decode the calls of an at-stop recording whose recorder was killed before its stop.
+    """Decode the calls of a `--decode later` recording, or of an at-stop one whose recorder was
+    killed before its stop. Needs no root and no bcc: it only reads and writes the file.
 
-    Its chunks are masked already; the rules it lists in meta are applied to the calls. Raises
-    CaptureError when the file is not such a recording (it was decoded live, or is finished)."""
+    Its chunks are masked already; the rules it lists in meta are applied to the calls. Returns the
+    calls decoded and `cpu_s`, the CPU the decode took. Raises CaptureError when the file has
+    nothing to finish (its calls were decoded live, at stop, or by an earlier finish)."""
+    cpu0 = time.process_time()
     writer = RecordingWriter(path, existing=True)
     try:
-        if writer.meta_value("decode") != "at-stop" or writer.meta_value("calls_decoded"):
-            raise CaptureError(f"{path}: nothing to finish (its calls were decoded while recording or at stop)")
+        meta = {k: writer.meta_value(k) for k in ("decode", "calls_decoded")}
+        if not calls_pending(meta):
+            raise CaptureError(f"{path}: nothing to finish (its calls were decoded while recording, at stop "
+                               "or by an earlier --finish)")
         specs = [str(s) for s in writer.meta_value("redaction_rules", [])]
         user = [s for s in specs if not s.startswith("default:")]
-        sink = FlowSink(writer, build_redactor(len(user) < len(specs), user), "at-stop")
+        sink = FlowSink(writer, build_redactor(len(user) < len(specs), user), str(meta["decode"]))
         sink.decode_stored()
         writer.set_meta({"unknown_method_calls": sink.stats.unknown_method_calls})
     finally:
         writer.close()
-    return {"calls": sink.stats.calls, "unknown_method_calls": sink.stats.unknown_method_calls, "output": path}
+    return {"calls": sink.stats.calls, "unknown_method_calls": sink.stats.unknown_method_calls, "output": path,
+            "cpu_s": round(time.process_time() - cpu0, 4)}

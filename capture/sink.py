@@ -14,6 +14,10 @@ detected (the masking needs it) and the masked chunks are stored; `close()` then
 chunks into calls. The production host pays for copying and masking bytes only; credentials are
 masked before anything reaches the disk either way. Gaps are kept in meta (`undecoded_gaps`) as
 they happen, so `decode_stored` can also finish a file whose recorder was killed.
+
+`decode="later"` (`--decode later`): the same while capturing, but `close()` does not decode: it
+marks the file `calls_decoded = false` and `shadowtest record --finish` runs `decode_stored`
+wherever convenient (see capture/deferred.py).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class SinkStats:
         return asdict(self)
 
 
-DECODE_MODES = ("live", "at-stop")
+DECODE_MODES = ("live", "at-stop", "later")
 _SETTLED = frozenset(("grpc", "http1", "tcp"))   # protocols a flow keeps once written (http2 may become grpc)
 
 
@@ -75,6 +79,7 @@ class FlowSink:
         self._flows: dict[Hashable, _FlowState] = {}
         self._lock = threading.Lock()
         self._live = decode == "live"
+        self._decode = decode
         self._gaps: list[tuple[int, str, int]] = []   # at-stop: (flow, direction, chunks before it)
         if not self._live:
             writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
@@ -203,8 +208,10 @@ class FlowSink:
         with self._lock:
             for key in list(self._flows):
                 self._close_locked(key, None)
-            if not self._live:
+            if self._decode == "at-stop":
                 self.decode_stored()
+            elif self._decode == "later":
+                self.writer.set_meta({"calls_decoded": False})   # `record --finish` decodes them
             self.writer.set_meta({"lost_events": self.stats.lost_events,
                                   "truncated_events": self.stats.truncated_events,
                                   "unknown_method_calls": self.stats.unknown_method_calls,

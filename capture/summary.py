@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from capture.deferred import calls_pending, pending_message
 from capture.recording import Recording
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -54,17 +55,15 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
         "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
+        "calls_pending": calls_pending(meta),
         "problems": list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec),
     }
     return out
 
 
 def _undecoded(rec: Recording) -> list[str]:
-    """A `--decode at-stop` recording whose recorder was killed before decoding its chunks."""
-    if rec.meta.get("decode") != "at-stop" or rec.meta.get("calls_decoded"):
-        return []
-    return [f"calls not decoded yet (recorded with --decode at-stop and never stopped): "
-            f"run `shadowtest record --finish -o {rec.path}`"]
+    """A `--decode later` recording, or an at-stop one whose recorder was killed, not finished yet."""
+    return [pending_message(rec.path, rec.meta)] if calls_pending(rec.meta) else []
 
 
 def _span(rec: Recording, times: list[int]) -> int:

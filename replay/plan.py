@@ -7,7 +7,9 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+from capture.deferred import calls_pending, pending_message
 from capture.recording import Call, Recording
+from replay.errors import PlanError
 from replay.schedule import PlannedCall, ScheduleOptions, build_plan
 from replay.source import recording_calls, tcp_calls, tcp_flow_starts
 
@@ -16,8 +18,12 @@ def plan_from_recording(path: str | Path, opts: ScheduleOptions,
                         rng: random.Random | None = None) -> tuple[Recording, Iterator[PlannedCall]]:
     """Open `path` and return it with its lazy plan; the caller closes the recording when done.
 
-    Raises capture's RecordingError/CorruptRecordingError when the file cannot be opened."""
+    Raises capture's RecordingError/CorruptRecordingError when the file cannot be opened, PlanError
+    when its calls are not decoded yet (`--decode later`): it would replay nothing, silently."""
     rec = Recording(path)
+    if calls_pending(rec.meta):
+        rec.close()
+        raise PlanError(f"cannot replay {path}: {pending_message(path, rec.meta)}")
     return rec, build_plan(lambda: recording_calls(rec), opts, rng)
 
 

@@ -223,3 +223,44 @@ def test_killed_at_stop_recorder_leaves_masked_chunks_that_finish_decodes(server
     assert len(calls) == 5 and all(dict(c.request_metadata)["authorization"] == "<redacted>" for c in calls)
     res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)])
     assert res.exit_code != 0 and "nothing to finish" in res.output
+
+
+def test_decode_later_stores_masked_chunks_only_and_finish_gives_the_live_calls(server: int, tmp_path: Path) -> None:
+    live, later = tmp_path / "live.rec", tmp_path / "later.rec"
+    sent = {}
+    for mode, out in (("live", live), ("later", later)):
+        with Recorder(RecordOptions(output=str(out), backend="proxy", port=server, decode=mode)) as rec:
+            sent[mode] = _traffic(rec.backend.address[1])  # type: ignore[attr-defined]
+    assert rec.result["calls"] == 0 and rec.result["calls_decoded"] is False
+    assert rec.result["finish"] == f"shadowtest record --finish -o {later}"
+    with Recording(later) as r:                                  # stop decoded nothing
+        assert r.count("calls") == 0 and r.count("chunks") > 0 and r.meta["calls_decoded"] is False
+        assert r.meta["decode"] == "later" and "stopped_wall_ns" in r.meta and r.meta["lost_events"] == 0
+    assert b"top-secret" not in _chunk_bytes(later) and (later.stat().st_mode & 0o777) == 0o600
+    res = CliRunner().invoke(cli, ["inspect", str(later), "--json"])
+    report = json.loads(res.output)
+    assert res.exit_code == 1 and report["calls_pending"] and report["calls"] == 0
+    assert f"shadowtest record --finish -o {later}" in " ".join(report["problems"])
+    res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(later), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["calls"] == 21
+    assert _call_view(later) == _call_view(live)
+    with Recording(later) as r:
+        assert [m.data for c in r.calls() for m in c.requests] == sent["later"]
+        assert r.meta["decode"] == "later" and r.meta["calls_decoded"] is True
+    res = CliRunner().invoke(cli, ["inspect", str(later), "--json"])
+    assert res.exit_code == 0 and not json.loads(res.output)["calls_pending"]
+    res = CliRunner().invoke(cli, ["record", "--finish", "-o", str(later)])  # idempotent: refused, file unchanged
+    assert res.exit_code == 1 and "nothing to finish" in res.output
+    assert _call_view(later) == _call_view(live)
+
+
+def test_record_cli_decode_later_tells_the_user_how_to_finish(server: int, tmp_path: Path) -> None:
+    out = tmp_path / "cli.rec"
+    args = ["record", "--backend", "proxy", "--port", str(server), "--duration", "0.3", "--decode", "later", "-o"]
+    res = CliRunner().invoke(cli, [*args, str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["finish"] == f"shadowtest record --finish -o {out}"
+    res = CliRunner().invoke(cli, [*args, str(out), "--force"])
+    assert res.exit_code == 0 and "calls not decoded yet" in res.output
+    assert f"run `shadowtest record --finish -o {out}` on any machine" in res.output
+    assert "decoded 0 calls" in CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)]).output

@@ -18,7 +18,9 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
 
     Exit 0 for a sound recording, 1 when it is damaged (what was readable is still shown).
     JSON keys include flows, calls, methods, lost_events, truncated_events, unknown_method_calls,
-    duration_s, joined_flows, rate_per_s, request_bytes, response_bytes, problems.
+    duration_s, joined_flows, rate_per_s, request_bytes, response_bytes, calls_pending, problems.
+    A `--decode later` file (or a killed at-stop one) has no calls until `shadowtest record --finish`:
+    that is listed as a problem, with the command to run.
 
     \b
     Examples:

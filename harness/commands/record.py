@@ -10,10 +10,12 @@ import time
 
 import click
 
+_DEFERRED_CALLS = {"at-stop": "at stop", "later": "by --finish"}   # what the live line shows for calls
 
-def _live_line(stats: object, elapsed: float, at_stop: bool = False) -> str:
+
+def _live_line(stats: object, elapsed: float, decode: str = "live") -> str:
     s = stats
-    calls = "at stop" if at_stop else s.calls  # type: ignore[attr-defined]
+    calls = _DEFERRED_CALLS.get(decode, s.calls)  # type: ignore[attr-defined]
     return (f"{elapsed:6.1f}s  flows {s.flows} (joined {s.joined_flows})  calls {calls}  "  # type: ignore[attr-defined]
             f"bytes {s.bytes:,}  lost {s.lost_events}  truncated {s.truncated_events}  "  # type: ignore[attr-defined]
             f"unknown-method {s.unknown_method_calls}")  # type: ignore[attr-defined]
@@ -36,11 +38,13 @@ def _live_line(stats: object, elapsed: float, at_stop: bool = False) -> str:
 @click.option("--redact", "redact", multiple=True, metavar="RULE",
               help="extra rule: header:NAME[,NAME], body-regex:PATTERN, json-field:PATH")
 @click.option("--no-default-redaction", is_flag=True, help="keep credentials (authorization, cookies, ...)")
-@click.option("--decode", type=click.Choice(["live", "at-stop"]), default="live", show_default=True,
-              help="decode calls while recording, or store masked chunks only and decode them at stop "
-                   "(least CPU on the recorded host; a killed recorder leaves chunks without calls: see --finish)")
+@click.option("--decode", type=click.Choice(["live", "at-stop", "later"]), default="live", show_default=True,
+              help="decode calls while recording; or store masked chunks only and decode them at stop; or "
+                   "store masked chunks only and decode them later with --finish, on any machine "
+                   "(least CPU on the recorded host)")
 @click.option("--finish", is_flag=True,
-              help="decode the calls of OUTPUT, an --decode at-stop recording whose recorder was killed, and exit")
+              help="decode the calls of OUTPUT (a --decode later recording, or an at-stop one whose recorder "
+                   "was killed) and exit; needs no root or bcc")
 @click.option("--print-bpf", is_flag=True, help="print the generated eBPF program and exit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
@@ -61,7 +65,8 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 50051 --backend proxy --listen-port 6000 -o prod.rec
       shadowtest record --port 50051 --redact header:x-session --redact json-field:user.ssn -o prod.rec
       shadowtest record --port 50051 --decode at-stop -o prod.rec
-      shadowtest record --finish -o prod.rec
+      shadowtest record --port 50051 --decode later -o prod.rec
+      shadowtest record --finish -o prod.rec          (later, on any machine)
       shadowtest record --port 50051 --print-bpf
     """
     from capture.backends import RecordOptions
@@ -89,8 +94,11 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(f"recorded {result['calls']} calls on {result['flows']} flows, {result['bytes']:,} bytes, "
+        calls = "calls not decoded yet" if "finish" in result else f"{result['calls']} calls"
+        click.echo(f"recorded {calls} on {result['flows']} flows, {result['bytes']:,} bytes, "
                    f"lost {result['lost_events']}, truncated {result['truncated_events']} -> {output}")
+        if "finish" in result:   # --decode later: the user must know the file is not replayable yet
+            click.echo(f"to decode its calls, run `{result['finish']}` on any machine (no root or bcc needed)")
 
 
 def _run(opts: object, duration: float | None, quiet: bool) -> dict[str, object]:
@@ -124,7 +132,7 @@ def _wait(rec: object, stop: threading.Event, duration: float | None, quiet: boo
             break
         if quiet:
             continue
-        line = _live_line(rec.stats, elapsed, rec.options.decode == "at-stop")  # type: ignore[attr-defined]
+        line = _live_line(rec.stats, elapsed, rec.options.decode)  # type: ignore[attr-defined]
         if tty:
             click.echo("\r" + line, nl=False, err=True)
         elif elapsed - last_print >= 5:   # plain lines, not a flood, when not on a terminal
