@@ -237,3 +237,20 @@ def test_decode_at_stop_records_every_sent_call_with_identical_bytes(agent: Agen
     sent = [json.loads(line) for line in log.read_text().splitlines()]
     assert _requests(out) == Counter((s["method"], base64.b64decode(s["request_b64"])) for s in sent)
     assert rec.result["calls"] > 0 and rec.result["lost_events"] == 0
+
+
+def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(agent: AgentProcess,
+                                                                             tmp_path: Path) -> None:
+    from capture.record import finish_recording
+
+    out, log = tmp_path / "later.rec", tmp_path / "sent.jsonl"
+    with Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144, decode="later")) as rec:
+        run_traffic(agent.grpc_address, 150, 1.0, seed=7, stream_share=0.2, log_sent=str(log))
+        time.sleep(0.3)
+    assert rec.result["calls"] == 0 and rec.result["lost_events"] == 0 and rec.result["calls_decoded"] is False
+    with Recording(out) as r:                       # stop decoded nothing: chunks, flows and counters only
+        assert r.count("calls") == 0 and r.count("chunks") > 0 and r.meta["calls_decoded"] is False
+    assert (out.stat().st_mode & 0o777) == 0o600
+    assert finish_recording(str(out))["calls"] > 0
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert _requests(out) == Counter((s["method"], base64.b64decode(s["request_b64"])) for s in sent)

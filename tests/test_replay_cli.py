@@ -64,3 +64,27 @@ def test_workers_through_the_cli(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)  # progress lines go to stderr
     assert data["workers"] == 2 and data["ok"] == n and data["invariant_ok"]
+
+
+def test_unfinished_decode_later_recording_is_refused_until_finished(tmp_path: Path) -> None:
+    import grpc
+
+    from capture.backends import RecordOptions
+    from capture.record import Recorder
+    from replay.testing import DECIDE, snapshot_bytes
+
+    out = tmp_path / "later.rec"
+    with EchoServer() as server:
+        with Recorder(RecordOptions(output=str(out), backend="proxy", port=server.port, decode="later")) as rec:
+            with grpc.insecure_channel(f"127.0.0.1:{rec.backend.address[1]}") as ch:  # type: ignore[attr-defined]
+                for i in range(5):
+                    ch.unary_unary(DECIDE)(snapshot_bytes(i), timeout=5)
+        for extra in (["--json", "-"], ["--dry-run", "--json", "-"]):   # one red line naming the fix, nothing sent
+            res = CliRunner().invoke(cli, ["replay", str(out), "--target", server.address, *extra])
+            line = " ".join(res.output.split())   # rich wraps the red line at the terminal width
+            assert res.exit_code == 1 and f"shadowtest record --finish -o {out}" in line, res.output
+            assert "Traceback" not in res.output and len(server.received) == 5
+        assert CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)]).exit_code == 0
+        res = CliRunner().invoke(cli, ["replay", str(out), "--target", server.address, "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["ok"] == 5 and len(server.received) == 10
