@@ -8,11 +8,14 @@
 Prints throughput ratio, p99 delta (median of the recorded runs against the median of the baseline
 runs around them), recorder CPU per 1,000 calls/s while the load runs (read after the recorder is
 up, so the eBPF compile is not counted) and what its stop costs (for `--decode at-stop` that is the
-decoding), lost/truncated events, import speed. Targets (issue 4): <= 3 % less throughput, <= 1 ms
+decoding), lost/truncated events, import speed. With `--decode later` the stop does not decode: the
+bench then runs `shadowtest record --finish -o FILE` on each recording, as a user would on another
+machine, and reports its CPU (the whole command, interpreter start included, and the decode alone)
+per 1,000 calls, so the total cost is on the page too. Targets (issue 4): <= 3 % less throughput, <= 1 ms
 more p99, zero lost events at 3,000 calls/s, recorder CPU <= 5 % of a core per 1,000 calls/s.
 Choose --rate below the agent's knee (~500 calls/s for the light tier on the 2-core dev host), or
 the p99 comparison measures the agent's queueing, not the recorder. Needs root + bcc; run as
-`.venv/bin/python bench/capture_overhead.py [--rate 400 --duration 8 --pairs 2 --decode live]`.
+`.venv/bin/python bench/capture_overhead.py [--rate 400 --duration 8 --pairs 2 --decode live|at-stop|later]`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -67,6 +71,19 @@ def stop_recorder(proc: subprocess.Popen[bytes]) -> dict[str, object]:
         return {}
 
 
+def finish(out: Path) -> dict[str, float]:
+    """`shadowtest record --finish -o out` in a fresh process: its whole CPU (rusage of the child,
+    interpreter start and imports included) and the decode's own CPU (`cpu_s` in its JSON)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "record", "--finish", "-o", str(out), "--json"],
+                          capture_output=True, timeout=600, check=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    data = json.loads(done.stdout)
+    return {"finish_cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+            "finish_decode_cpu_s": float(data["cpu_s"]), "finish_calls": float(data["calls"])}
+
+
 def cpu_s(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system + t.children_user + t.children_system
@@ -85,11 +102,12 @@ def recorded_run(agent: AgentProcess, port: int, out: Path, rate: float, duratio
     rep = load(agent.grpc_address, rate, duration, 1)
     c1 = cpu_s(ps)
     final = stop_recorder(proc)
+    fin = finish(out) if decode == "later" else {}
     with Recording(out) as r:
         counts = {"lost": r.meta.get("lost_events", 0), "truncated": r.meta.get("truncated_events", 0),
                   "calls": r.count("calls"),
                   "req_msgs": r._db.execute("SELECT count(*) FROM messages WHERE direction='c2s'").fetchone()[0]}
-    return {"report": rep, "cpu_s": c1 - c0, "stop_cpu_s": float(str(final.get("stop_cpu_s") or 0.0))} | counts
+    return {"report": rep, "cpu_s": c1 - c0, "stop_cpu_s": float(str(final.get("stop_cpu_s") or 0.0))} | counts | fin
 
 
 def overhead(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: float, pairs: int,
@@ -114,7 +132,22 @@ def overhead(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: f
             "recorder_cpu_pct": med(cpu), "cpu_runs": [round(c, 2) for c in cpu],
             "stop_cpu_pct": med(stop), "lost": sum(r["lost"] for r in rec),
             "truncated": sum(r["truncated"] for r in rec), "calls_recorded": last["calls"],
-            "calls_sent": last["report"].sent, "request_messages": last["req_msgs"]}
+            "calls_sent": last["report"].sent, "request_messages": last["req_msgs"],
+            "finish": _finish_per_k(rec, duration)}
+
+
+def _finish_per_k(rec: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+    """`--decode later`: CPU seconds of `record --finish` per 1,000 calls decoded, and as % of a core
+    per second recorded (the unit of the recorder's own CPU), medians of the runs."""
+    runs = [r for r in rec if r.get("finish_calls")]
+    if not runs:
+        return {}
+    med = statistics.median
+    return {"pct": med(r["finish_cpu_s"] / duration * 100 for r in runs),
+            "cpu_s_per_k": med(r["finish_cpu_s"] / r["finish_calls"] * 1000 for r in runs),
+            "decode_cpu_s_per_k": med(r["finish_decode_cpu_s"] / r["finish_calls"] * 1000 for r in runs),
+            "runs": [(round(r["finish_cpu_s"], 3), round(r["finish_decode_cpu_s"], 3), int(r["finish_calls"]))
+                     for r in runs]}
 
 
 def burst(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: float,
@@ -122,6 +155,8 @@ def burst(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: floa
     proc = start_recorder(port, tmp / "burst.rec", decode)
     rep = load(agent.grpc_address, rate, duration, 2)
     stop_recorder(proc)
+    if decode == "later":
+        finish(tmp / "burst.rec")   # the messages are counted from the decoded calls
     with Recording(tmp / "burst.rec") as r:
         return {"burst_rate": rate, "achieved": rep.achieved_rate, "sent": rep.sent,
                 "recorded_messages": r.count("messages"), "calls_recorded": r.count("calls"),
@@ -158,11 +193,15 @@ def import_speed(tmp: Path, packets: int) -> dict[str, float]:
             "flows": res.sink.flows}
 
 
+_STOP_NOTE = {"at-stop": "the at-stop decode runs here, after the load",
+              "later": "closing the file only: the decode is left to record --finish"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=400, help="below the agent's knee (see above)")
     ap.add_argument("--pairs", type=int, default=2, help="recorded runs, each between two baseline runs")
-    ap.add_argument("--decode", choices=["live", "at-stop"], default="live", help="the recorder's --decode")
+    ap.add_argument("--decode", choices=["live", "at-stop", "later"], default="live", help="the recorder's --decode")
     ap.add_argument("--duration", type=float, default=8)
     ap.add_argument("--burst-rate", type=float, default=3000)
     ap.add_argument("--burst-duration", type=float, default=4)
@@ -183,7 +222,13 @@ def main() -> None:
               "per 1,000 calls/s   (target <= 5 %; GoReplay ~23 %)")
         stop_k = (o["recorder_cpu_pct"] + o["stop_cpu_pct"]) / (o["rate"] / 1000)
         print(f"  at stop      {o['stop_cpu_pct']:.1f} % of a core-second per second recorded; with it "
-              f"{stop_k:.1f} % per 1,000 calls/s   (the at-stop decode runs here, after the load)")
+              f"{stop_k:.1f} % per 1,000 calls/s   ({_STOP_NOTE.get(o['decode'], 'closing the file')})")
+        if o["finish"]:
+            f = o["finish"]
+            total_k = stop_k + f["pct"] / (o["rate"] / 1000)
+            print(f"  record --finish (any machine): {f['cpu_s_per_k']:.2f} CPU s per 1,000 calls, whole command "
+                  f"(decode alone {f['decode_cpu_s_per_k']:.2f}); runs (command s, decode s, calls) {f['runs']}")
+            print(f"  if finished on the recorded host too: {total_k:.1f} % per 1,000 calls/s all told")
         print(f"  recorded {o['request_messages']} request messages ({o['calls_recorded']} calls: unary + streams) "
               f"of {o['calls_sent']} sent; lost {o['lost']}, "
               f"truncated {o['truncated']}")
