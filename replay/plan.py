@@ -20,16 +20,26 @@ def plan_from_recording(path: str | Path, opts: ScheduleOptions,
 
     Raises capture's RecordingError/CorruptRecordingError when the file cannot be opened, PlanError
     when its calls are not decoded yet (`--decode later`): it would replay nothing, silently."""
+    rec = _open_decoded(path)
+    return rec, build_plan(lambda: recording_calls(rec), opts, rng)
+
+
+def _open_decoded(path: str | Path) -> Recording:
+    """`Recording(path)`, refusing a file whose calls are not decoded yet (`--decode later`, or a killed
+    at-stop recorder): replaying it would silently send nothing. Raises PlanError naming the fix."""
     rec = Recording(path)
     if calls_pending(rec.meta):
         rec.close()
         raise PlanError(f"cannot replay {path}: {pending_message(path, rec.meta)}")
-    return rec, build_plan(lambda: recording_calls(rec), opts, rng)
+    return rec
 
 
 def estimate_total(path: str | Path, opts: ScheduleOptions) -> int:
-    """The number of calls the plan will hold, counted without reading messages (for progress bars)."""
-    rec = Recording(path)
+    """The number of calls the plan will hold, counted without reading messages (for progress bars).
+
+    Raises PlanError for a file whose calls are not decoded yet (so `--workers` refuses it before
+    starting any worker)."""
+    rec = _open_decoded(path)
     try:
         return sum(1 for _ in build_plan(lambda: _calls_light(rec), opts))
     finally:

@@ -79,7 +79,7 @@ def test_unfinished_decode_later_recording_is_refused_until_finished(tmp_path: P
             with grpc.insecure_channel(f"127.0.0.1:{rec.backend.address[1]}") as ch:  # type: ignore[attr-defined]
                 for i in range(5):
                     ch.unary_unary(DECIDE)(snapshot_bytes(i), timeout=5)
-        for extra in (["--json", "-"], ["--dry-run", "--json", "-"]):   # one red line naming the fix, nothing sent
+        for extra in (["--json", "-"], ["--dry-run", "--json", "-"], ["--workers", "2"]):   # one red line, nothing sent
             res = CliRunner().invoke(cli, ["replay", str(out), "--target", server.address, *extra])
             line = " ".join(res.output.split())   # rich wraps the red line at the terminal width
             assert res.exit_code == 1 and f"shadowtest record --finish -o {out}" in line, res.output
