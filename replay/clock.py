@@ -132,14 +132,16 @@ class TimerfdClock(MonotonicClock):
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
     def _fired(self) -> None:
+        fire, self._on_fire = self._on_fire, None
+        if fire is not None:
+            fire()  # a run_ticks step: it re-arms (which clears the expiry, no read needed) or ends
+            if self._on_fire is not None:
+                return
         try:
-            os.read(self._fd, 8)
+            os.read(self._fd, 8)  # clear the expiry so the fd stops being readable
         except BlockingIOError:
             return
-        if self._on_fire is not None:
-            fire, self._on_fire = self._on_fire, None
-            fire()
-        elif self._waiter is not None and not self._waiter.done():
+        if fire is None and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def sleep_until(self, deadline_ns: int) -> None:
