@@ -37,7 +37,7 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--max-in-flight", type=int, default=256, show_default=True,
               help="per connection; beyond it calls are not sent (counted)")
 @click.option("--sender", default="auto", show_default=True,
-              help="auto (by protocol), grpc, h2 (lean gRPC over HTTP/2, no grpcio), http1 or tcp")
+              help="auto (by protocol; gRPC: h2), h2 (lean gRPC over HTTP/2), grpc (through grpcio), http1 or tcp")
 @click.option("--event-loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
               help="auto: uvloop with the lean senders (h2, http1, tcp) when installed")
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
