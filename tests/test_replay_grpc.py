@@ -1,4 +1,7 @@
-"""Replay against real gRPC servers on loopback: accounting, rejection, death, streams, truncation."""
+"""Replay against real gRPC servers on loopback: accounting, rejection, death, streams, truncation.
+
+The tests that exercise the sender run with both: `grpc` (grpcio) and `h2` (the lean sender, what
+`--sender auto` picks for gRPC)."""
 
 from __future__ import annotations
 
@@ -8,17 +11,21 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from replay.engine import ReplayOptions, ReplayRun
 from replay.schedule import ScheduleOptions
 from replay.testing import DECIDE_STREAM, EchoServer, write_stream_recording, write_unary_recording
 
 MS = 1_000_000
+SENDERS = pytest.mark.parametrize("sender", ["grpc", "h2"])
 
 
-def test_every_call_accounted_and_received_once(tmp_path: Path) -> None:
+@SENDERS
+def test_every_call_accounted_and_received_once(tmp_path: Path, sender: str) -> None:
     n = write_unary_recording(tmp_path / "r.rec", [i * 5 * MS for i in range(60)], flows=3)
     with EchoServer(reject_every=7) as server:
-        rep = ReplayRun(tmp_path / "r.rec", server.address).run()
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender=sender)).run()
     seqs = sorted(s for _, _, s in server.received)
     assert seqs == list(range(n))
     assert rep.scheduled == n and rep.invariant_ok
@@ -29,27 +36,31 @@ def test_every_call_accounted_and_received_once(tmp_path: Path) -> None:
     assert len(server.peers) == 3  # one TCP connection per recorded connection
 
 
-def test_target_dying_mid_run_becomes_counted_errors_and_ends_on_time(tmp_path: Path) -> None:
+@SENDERS
+def test_target_dying_mid_run_becomes_counted_errors_and_ends_on_time(tmp_path: Path, sender: str) -> None:
     n = write_unary_recording(tmp_path / "r.rec", [i * 10 * MS for i in range(100)])  # 1 s of traffic
     server = EchoServer().__enter__()
     threading.Timer(0.4, server.kill).start()
     started = time.monotonic()
     try:
-        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(timeout_s=1.0)).run()
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender=sender, timeout_s=1.0)).run()
     finally:
         server.__exit__()
     elapsed = time.monotonic() - started
     assert rep.invariant_ok and rep.scheduled == n
     assert rep.ok >= 10 and rep.error_count + rep.timeouts >= 30
+    if sender == "h2":  # it reports the lost connection as UNAVAILABLE itself
+        assert rep.errors.get("UNAVAILABLE", 0) >= 30
     assert set(rep.errors) <= {"UNAVAILABLE", "CANCELLED", "UNKNOWN"}
     assert elapsed < 1.0 + 3.0  # tolerance: schedule 1 s + per-call timeout 1 s + 1 s slack for a noisy host
 
 
-def test_stream_messages_arrive_in_order_at_their_offsets(tmp_path: Path) -> None:
+@SENDERS
+def test_stream_messages_arrive_in_order_at_their_offsets(tmp_path: Path, sender: str) -> None:
     offsets = [0, 100 * MS, 150 * MS, 400 * MS]
     write_stream_recording(tmp_path / "s.rec", offsets)
     with EchoServer() as server:
-        rep = ReplayRun(tmp_path / "s.rec", server.address).run()
+        rep = ReplayRun(tmp_path / "s.rec", server.address, ReplayOptions(sender=sender)).run()
     assert rep.ok == 1 and rep.invariant_ok
     assert [(m, s) for _, m, s in server.received] == [("DecideStream", i) for i in range(4)]
     t0 = server.received[0][0]
@@ -58,10 +69,11 @@ def test_stream_messages_arrive_in_order_at_their_offsets(tmp_path: Path) -> Non
     assert DECIDE_STREAM.endswith("DecideStream")
 
 
-def test_slow_target_turns_into_timeouts_not_a_slower_schedule(tmp_path: Path) -> None:
+@SENDERS
+def test_slow_target_turns_into_timeouts_not_a_slower_schedule(tmp_path: Path, sender: str) -> None:
     n = write_unary_recording(tmp_path / "r.rec", [i * 20 * MS for i in range(10)])
     with EchoServer(delay_s=0.5) as server:
-        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(timeout_s=0.1)).run()
+        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender=sender, timeout_s=0.1)).run()
         arrivals = [t for t, _, _ in server.received]
     assert rep.timeouts == n and rep.invariant_ok
     # open loop: the 10 sends span ~180 ms even though each call takes 500 ms

@@ -106,32 +106,6 @@ def test_many_large_concurrent_calls_on_one_connection_need_flow_control() -> No
     assert peers == 1  # all on one connection
 
 
-def test_metadata_replayed_one_connection_per_recorded_connection(tmp_path: Path) -> None:
-    n = write_unary_recording(tmp_path / "r.rec", [i * 3 * MS for i in range(60)], flows=3)
-    with EchoServer(reject_every=7) as server:
-        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2")).run()
-    assert rep.invariant_ok and rep.sent == n and rep.rejected == n // 7 and rep.ok == n - n // 7
-    assert sorted(int(md["x-replay-test"]) for md in server.metadata) == list(range(n))
-    assert not any("authorization" in md for md in server.metadata)  # redacted entries stay out
-    assert len(server.peers) == 3
-
-
-def test_target_dying_mid_run_becomes_counted_connection_errors_and_ends_on_time(tmp_path: Path) -> None:
-    n = write_unary_recording(tmp_path / "r.rec", [i * 10 * MS for i in range(100)])  # 1 s of traffic
-    server = EchoServer().__enter__()
-    threading.Timer(0.4, server.kill).start()
-    started = time.monotonic()
-    try:
-        rep = ReplayRun(tmp_path / "r.rec", server.address, ReplayOptions(sender="h2", timeout_s=1.0)).run()
-    finally:
-        server.__exit__()
-    elapsed = time.monotonic() - started
-    assert rep.invariant_ok and rep.scheduled == n
-    assert rep.ok >= 10 and rep.errors.get("UNAVAILABLE", 0) >= 30
-    assert set(rep.errors) <= {"UNAVAILABLE", "CANCELLED", "UNKNOWN"}
-    assert elapsed < 1.0 + 3.0  # tolerance: schedule 1 s + per-call timeout 1 s + 1 s slack for a noisy host
-
-
 def test_against_the_real_agent_both_senders_account_for_every_call(tmp_path: Path) -> None:
     from agent_under_test.launch import AgentProcess
 
@@ -173,20 +147,6 @@ def test_server_max_concurrent_streams_is_honoured() -> None:
         server.stop(None)
     assert [(o.outcome, o.responses) for o in out] == [("ok", [snapshot_bytes(i)]) for i in range(8)], [o.detail for o in out]
     assert peak[0] <= 2
-
-
-def test_stream_messages_go_out_in_order_at_their_offsets(tmp_path: Path) -> None:
-    from replay.testing import write_stream_recording
-
-    offsets = [0, 100 * MS, 150 * MS, 400 * MS]
-    write_stream_recording(tmp_path / "s.rec", offsets)
-    with EchoServer() as server:
-        rep = ReplayRun(tmp_path / "s.rec", server.address, ReplayOptions(sender="h2")).run()
-    assert rep.ok == 1 and rep.invariant_ok
-    assert [(m, s) for _, m, s in server.received] == [("DecideStream", i) for i in range(4)]
-    t0 = server.received[0][0]
-    for (t, _, _), want in zip(server.received, offsets, strict=True):
-        assert abs((t - t0) - want) < 50 * MS  # tolerance 50 ms: a shared, noisy 2-core host
 
 
 def _started(address: str, calls: list[PlannedCall], timeout_s: float = 5.0) -> tuple[list[bool], list[SendOutcome]]:
