@@ -162,8 +162,7 @@ class TimerfdClock(MonotonicClock):
         With a spin configured, it falls back to sleep_until (which spins). `tick`'s exceptions
         propagate from here."""
         if self.spin_ns:
-            while (wake := tick()) is not None:
-                await self.sleep_until(wake)
+            await run_ticks(self, tick, fast=False)
             return
         loop = self._attach()
         done: asyncio.Future[None] = loop.create_future()
@@ -211,6 +210,18 @@ class TimerfdClock(MonotonicClock):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+async def run_ticks(clock: Clock, tick: Callable[[], int | None], *, fast: bool = True) -> None:
+    """Call `tick()` now and then at each absolute deadline (clock ns) it returns, until it returns
+    None: through the clock's own `run_ticks` when it has one (TimerfdClock) and `fast`, else by
+    awaiting `sleep_until` between ticks (any Clock, FakeClock included)."""
+    own = getattr(clock, "run_ticks", None) if fast else None
+    if own is not None:
+        await own(tick)
+        return
+    while (wake := tick()) is not None:
+        await clock.sleep_until(wake)
 
 
 def real_clock(spin_ns: int | None = None) -> MonotonicClock:

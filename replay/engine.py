@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replay import report as report_mod
-from replay.clock import Clock, real_clock
+from replay.clock import Clock, real_clock, run_ticks
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
 from replay.stats import CallResult, RunStats
@@ -237,12 +237,7 @@ class ReplayRun:
             w.cancel()
 
     async def _schedule_loop(self) -> None:
-        run_ticks = getattr(self.clock, "run_ticks", None)  # see clock.TimerfdClock.run_ticks
-        if run_ticks is not None:
-            await run_ticks(self._tick)
-        else:
-            while (wake := self._tick()) is not None:
-                await self.clock.sleep_until(wake)
+        await run_ticks(self.clock, self._tick)
         if self._stop.is_set():
             self._count_unsent(self._heap, self._pending, self._plan)
 
@@ -346,9 +341,10 @@ class ReplayRun:
             cancel = start(live.planned, self.options.timeout_s, lambda out: self._done(live, out))
         except Exception as exc:  # a sender bug must not lose the call from the accounting
             log.exception("sender failed on call %s", live.planned.index)
-            cancel, out = None, SendOutcome("error", type(exc).__name__, detail=str(exc))
-            self._done(live, out)
-        if cancel is None and not live.finished:
+            self.stats.on_sent(live.intended_ns, now)
+            self._finish(live, SendOutcome("error", type(exc).__name__, detail=str(exc)))
+            return True
+        if cancel is None:
             live.sent_ns = 0
             return False
         self.stats.on_sent(live.intended_ns, now)
