@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from agent_under_test import protection
 from agent_under_test.batcher import Batcher
 from agent_under_test.config import ServeOptions
 from agent_under_test.engine import Engine, load_engine
 from agent_under_test.errors import ServeError
+from agent_under_test.h2server import LeanServer
 from agent_under_test.hooks import Guard
 from agent_under_test.pipeline import Pipeline
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
@@ -39,7 +40,7 @@ class AgentServer:
         self.batcher: Batcher | None = None
         self.port = 0
         self.ready: dict[str, object] = {}
-        self._server: aio.Server | None = None
+        self._server: aio.Server | LeanServer | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._executor = (ThreadPoolExecutor(options.workers, thread_name_prefix="agent-forward")
                           if options.workers > 0 else None)
@@ -73,16 +74,26 @@ class AgentServer:
                       "pid": os.getpid(), "device": self.engine.device, "tier": opts.tier}
         return self.ready
 
-    def _build_server(self) -> aio.Server:
+    def _build_server(self) -> aio.Server | LeanServer:
         assert self.batcher is not None and self.guard is not None, "start() builds these first"
-        server = aio.server(options=self.options.grpc_options())
+        opts = self.options
+        server: aio.Server | LeanServer
+        if opts.server == "grpcio":
+            server = aio.server(options=opts.grpc_options())
+        else:
+            server = LeanServer(max_receive_message_length=max(4 * 1024 * 1024, opts.max_message_bytes * 4),
+                                header_table_size=4096 if opts.hpack_table_size is None else opts.hpack_table_size,
+                                max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s)
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
             TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),
                                  self.guard), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (agent_pb2.DESCRIPTOR.services_by_name["TradingAgent"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
+        if isinstance(server, LeanServer):  # enable_server_reflection() would pick the sync servicer for it
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), server)
+        else:
+            reflection.enable_server_reflection(names, server)
         return server
 
     async def _set_serving(self, serving: bool) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from agent_under_test.config import DEVICES, LIMITERS, TIERS, ServeOptions
+from agent_under_test.config import DEVICES, LIMITERS, SERVERS, TIERS, ServeOptions
 
 _D = ServeOptions()
 
@@ -21,6 +21,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @click.command("serve")
 @_opt("--host", default=_D.host, help="address to listen on")
 @_opt("--port", type=int, default=_D.port, help="gRPC port; 0 picks a free one (see the ready line)")
+@_opt("--server", type=click.Choice(SERVERS), default=_D.server,
+      help="gRPC server: h2 (lean, far less CPU per call) or grpcio (grpc.aio)")
 @_opt("--metrics-host", default=_D.metrics_host, help="address of the guard's /metrics endpoint")
 @_opt("--metrics-port", type=int, default=_D.metrics_port, help="/metrics port (0: any free port, -1: none)")
 @_opt("--device", type=click.Choice(DEVICES), default=_D.device, help="where the model runs")

@@ -9,6 +9,7 @@ from agent_under_test.hooks import GuardConfig
 DEVICES = ("auto", "cpu", "cuda")
 TIERS = ("full", "light")
 LIMITERS = ("seed", "gradient", "off")
+SERVERS = ("h2", "grpcio")
 
 
 @dataclass
@@ -16,6 +17,7 @@ class ServeOptions:
     """Options of the agent server; field names match the CLI flags (underscores for dashes)."""
 
     host: str = "127.0.0.1"
+    server: str = "h2"                   # h2: the lean HTTP/2 gRPC server; grpcio: grpc.aio (see h2server.py)
     port: int = 50051                    # 0: any free port (see the ready line)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9464      # passed to the guard; None: no metrics endpoint

@@ -1,7 +1,8 @@
 """Benchmark: the agent's Decide throughput and latency on CPU, against a trivial echo peer.
 
 For each of: an echo grpc.aio server of the same proto (the peer: gRPC + client cost alone), the agent
-with the full tier and the agent with the light tier, it measures
+with the full tier and the agent with the light tier (both on its default lean h2 server), and the full
+tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with --no-grpcio), it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
   - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
 and the server's own CPU time per call (psutil), which says what one core could sustain even when a shared
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=6.0)
     ap.add_argument("--seq-calls", type=int, default=500)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-grpcio", action="store_true", help="skip the full tier on grpc.aio")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.echo_server:
@@ -158,9 +160,10 @@ def main() -> None:
     print(f"model  {results['model']}", flush=True)
     with EchoProcess() as echo:
         results["echo"] = measure("echo", echo.grpc_address, echo.proc.pid, args.rates, args.duration, args.seq_calls)
-    for tier in ("full", "light"):
-        with AgentProcess(tier=tier, device="cpu", metrics_port=None) as agent:
-            results[tier] = measure(tier, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls)
+    runs = [("full", "full", "h2"), ("light", "light", "h2")] + ([] if args.no_grpcio else [("grpcio", "full", "grpcio")])
+    for name, tier, server in runs:
+        with AgentProcess(tier=tier, device="cpu", metrics_port=None, server=server) as agent:
+            results[name] = measure(name, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls)
     _print_ratios(results, args.rates)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -183,7 +186,7 @@ def _print_ratios(results: dict, rates: list[float]) -> None:
     model = results["model"]
     print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors;"
           " one core = 1e6 / server CPU us per call)")
-    for name in ("echo", "full", "light"):
+    for name in [n for n in ("echo", "full", "light", "grpcio") if n in results]:
         res, cpu = results[name], _cpu_per_call(results[name])
         print(f"{name:6s} batch1 {res['batch1']['calls_s']:8.1f} calls/s (p50 {res['batch1']['p50_ms']} ms)   "
               f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s")
@@ -192,6 +195,10 @@ def _print_ratios(results: dict, rates: list[float]) -> None:
           f"{_best_rate(results['full']) / max(_best_rate(results['echo']), 1):.2f}")
     print(f"ratio light/full  one-core capacity {full_cpu / light_cpu:.2f}   sustained "
           f"{_best_rate(results['light']) / max(_best_rate(results['full']), 1):.2f}")
+    if "grpcio" in results:
+        grpcio_cpu = _cpu_per_call(results["grpcio"])
+        print(f"ratio full h2/grpcio server  one-core capacity {grpcio_cpu / full_cpu:.2f}   sustained "
+              f"{_best_rate(results['full']) / max(_best_rate(results['grpcio']), 1):.2f}")
     for b in (1, 32):
         key = f"batch{b}_per_s"
         print(f"model forward batch {b:2d}: full {model['full'][key]}/s  light {model['light'][key]}/s  "

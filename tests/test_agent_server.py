@@ -90,12 +90,13 @@ def engine():
     return eng
 
 
-@pytest.fixture
-def serve(engine) -> Iterator:
+@pytest.fixture(params=["h2", "grpcio"])
+def serve(engine, request) -> Iterator:
+    """Every server test runs against both gRPC servers the agent can use (`--server h2|grpcio`)."""
     started: list[ServerThread] = []
 
     def start(guard: RecordingGuard | None = None, **options) -> ServerThread:
-        st = ServerThread(engine, guard or RecordingGuard(), **options)
+        st = ServerThread(engine, guard or RecordingGuard(), server=request.param, **options)
         started.append(st)
         return st
 
@@ -237,9 +238,10 @@ class BrokenEngine:
         raise RuntimeError("forward pass exploded")
 
 
-def test_failed_forward_pass_is_internal_and_counted_as_error() -> None:
+@pytest.mark.parametrize("server", ["h2", "grpcio"])
+def test_failed_forward_pass_is_internal_and_counted_as_error(server: str) -> None:
     guard = RecordingGuard()
-    st = ServerThread(BrokenEngine(), guard)
+    st = ServerThread(BrokenEngine(), guard, server=server)
     try:
         with pytest.raises(grpc.RpcError) as info:
             st.stub.Decide(snapshots(1)[0], timeout=10)
