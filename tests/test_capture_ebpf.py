@@ -254,3 +254,102 @@ def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(age
     assert finish_recording(str(out))["calls"] > 0
     sent = [json.loads(line) for line in log.read_text().splitlines()]
     assert _requests(out) == Counter((s["method"], base64.b64decode(s["request_b64"])) for s in sent)
+
+
+
+_UVLOOP_ECHO = """
+import asyncio, sys, uvloop
+async def echo(reader, writer):
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(echo, "127.0.0.1", int(sys.argv[1]))
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+uvloop.run(main())
+"""
+
+
+def _echo_clients(port: int, long_lived: int, short: int) -> dict[int, bytes]:
+    """Client port -> bytes sent (and echoed). The long-lived connections stay open past the
+    recorder's next look at its ring (>= 100 ms); the short ones close at once, so they are gone
+    from /proc by then."""
+    import socket
+
+    sent: dict[int, bytes] = {}
+    held = []
+    for i in range(long_lived):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        msg = f"long-lived {i} ".encode() * (i + 1)
+        s.sendall(msg)
+        assert s.recv(65536) == msg
+        sent[s.getsockname()[1]] = msg
+        held.append(s)
+    for i in range(short):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            msg = f"short {i} ".encode() + bytes([0, 255, i])
+            s.sendall(msg)
+            assert s.recv(65536) == msg
+            sent[s.getsockname()[1]] = msg
+    time.sleep(0.3)
+    for s in held:
+        s.close()
+    time.sleep(0.3)
+    return sent
+
+
+def _echo_flows(path: Path, port: int, pid: int) -> tuple[dict[int, bytes], dict]:
+    """Client port -> bytes of each recorded flow (checked: echoed back, right server, own pid)."""
+    with Recording(path) as r:
+        flows = list(r.flows())
+        chunks = list(r.chunks())
+        meta = r.meta
+    got = {}
+    for f in flows:
+        assert f.src[0] == "127.0.0.1" and f.dst == ("127.0.0.1", port) and f.pid == pid and not f.joined_midstream
+        c2s = b"".join(c.data for c in chunks if c.flow_id == f.id and c.direction == "c2s")
+        assert c2s == b"".join(c.data for c in chunks if c.flow_id == f.id and c.direction == "s2c")
+        got[f.src[1]] = c2s
+    return got, meta
+
+
+def test_uvloop_server_accepting_without_an_address_is_recorded_with_its_peers(tmp_path: Path) -> None:
+    """libuv accepts with accept4(fd, NULL, NULL, flags): the listener (found in /proc at start)
+    says the port; the peer comes from /proc for a connection still open when the recorder looks,
+    from the close for one closed before that."""
+    pytest.importorskip("uvloop")
+    server = subprocess.Popen([sys.executable, "-c", _UVLOOP_ECHO, "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        with Recorder(RecordOptions(output=str(tmp_path / "uv.rec"), port=port)) as rec:
+            sent = _echo_clients(port, long_lived=3, short=5)
+    finally:
+        server.kill()
+        server.wait(10)
+    got, meta = _echo_flows(tmp_path / "uv.rec", port, server.pid)
+    assert got == sent                               # every connection, its own client port, exact bytes
+    assert meta["accepted_peer_unknown"] == 0 and rec.result["lost_events"] == 0
+    assert meta["accepted_without_address"]["peer_from_proc"] >= 1
+    assert meta["accepted_without_address"]["peer_from_close"] >= 1
+
+
+def test_uvloop_server_started_after_the_recorder_is_learnt_from_its_listen(tmp_path: Path) -> None:
+    import socket
+
+    pytest.importorskip("uvloop")
+    with socket.socket() as probe:       # a free port, known before the server exists
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with Recorder(RecordOptions(output=str(tmp_path / "late.rec"), port=port)) as rec:
+        server = subprocess.Popen([sys.executable, "-c", _UVLOOP_ECHO, str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None and int(server.stdout.readline()) == port
+            sent = _echo_clients(port, long_lived=1, short=2)
+        finally:
+            server.kill()
+            server.wait(10)
+    got, meta = _echo_flows(tmp_path / "late.rec", port, server.pid)
+    assert got == sent and meta["accepted_peer_unknown"] == 0 and rec.result["lost_events"] == 0

@@ -7,6 +7,12 @@
 
 Connections already open are found in /proc (procnet) and put into the program's socket map, so
 their bytes are captured from the next syscall on; they are marked `joined_midstream`.
+
+Accepts with no address (libuv servers: uvloop, Node.js) are traced by listener (see the .bpf.c).
+Their OPEN has no peer: `_open` reads it from /proc while the socket is still the one accepted
+(checked against the socket map before and after), else the flow waits, held, for its CLOSE, which
+carries the peer the close revealed. A flow whose peer stays unknown is still recorded, with
+src 0.0.0.0:0, and counted in meta (`accepted_peer_unknown`).
 """
 
 from __future__ import annotations
@@ -34,12 +40,28 @@ BIG_IOV = 4        # iovecs that may fill several records each (see copy_out in 
 MAX_BYTES_LIMIT = 262144
 POLL_S = 0.1              # ring drain period (see _poll)
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
-EV_DATA, EV_OPEN, EV_CLOSE = 1, 2, 3
+EV_DATA, EV_OPEN, EV_CLOSE, EV_LISTENER = 1, 2, 3, 4
+UNKNOWN_END = ("0.0.0.0", 0)
 
 
 class SockInfo(ctypes.Structure):
     _fields_ = [("family", ctypes.c_uint8), ("is_server", ctypes.c_uint8), ("lport", ctypes.c_uint16),
-                ("rport", ctypes.c_uint16), ("laddr", ctypes.c_uint8 * 16), ("raddr", ctypes.c_uint8 * 16)]
+                ("rport", ctypes.c_uint16), ("peer_unknown", ctypes.c_uint8), ("pad", ctypes.c_uint8),
+                ("laddr", ctypes.c_uint8 * 16), ("raddr", ctypes.c_uint8 * 16), ("opened_ns", ctypes.c_uint64)]
+
+
+class Listener(ctypes.Structure):
+    _fields_ = [("lport", ctypes.c_uint16), ("family", ctypes.c_uint8), ("ours", ctypes.c_uint8)]
+
+
+class _Held:
+    """An accepted flow whose peer is not known yet: its records wait here for its CLOSE."""
+
+    __slots__ = ("h", "records")
+
+    def __init__(self, h: EvHdr) -> None:
+        self.h = h
+        self.records: list[bytes] = []
 
 
 class EvHdr(ctypes.Structure):
@@ -110,6 +132,13 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = 
     return head + BPF_SOURCE.read_text()
 
 
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def _ip(family: int, raw: ctypes.Array[ctypes.c_uint8]) -> str:
     b = bytes(raw)
     if family == 2:
@@ -143,6 +172,13 @@ class EbpfBackend:
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
         self._server_side = options.side == "server"
+        # accepts with no address (see the module docstring)
+        self._instances: dict[tuple[int, int], int] = {}      # key -> opened_ns of its peer_unknown flow
+        self._held: dict[tuple[int, int], _Held] = {}         # key -> flow waiting for its CLOSE
+        self._orphans: dict[tuple[int, int, int], _Held] = {}  # held flows whose fd was reused first
+        self._listeners_seen: dict[tuple[int, int], bool] = {}  # (tgid, fd) -> ours, learnt from /proc
+        self.accepts = {"peer_from_proc": 0, "peer_from_close": 0, "peer_unknown": 0,
+                        "joined_late": 0, "missed": 0}
 
     def describe(self) -> dict[str, object]:
         return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
@@ -169,6 +205,7 @@ class EbpfBackend:
         self.bpf = b = self._load()
         self._sync_tgids()
         b[b"events"].open_ring_buffer(self._on_event)   # type: ignore[index]
+        self._learn_listeners()
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
         self._worker = threading.Thread(target=self._work, name="ebpf-decode", daemon=True)
@@ -190,10 +227,22 @@ class EbpfBackend:
         for tgid in current:
             table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
 
+    def _pids(self) -> set[int] | None:
+        return {self.options.pid} if self.options.pid else (self.tgids if self.tgid_map else None)
+
+    def _learn_listeners(self) -> None:
+        """Tell the program which listening sockets, already open, are on the port: their accepts
+        with no address are traced (later listen() calls it sees for itself)."""
+        if not self._server_side:
+            return
+        table = self.bpf[b"listeners"]   # type: ignore[index]
+        for c in procnet.listening(self.options.port, self._pids()):
+            table[ctypes.c_uint64((c.pid << 32) | c.fd)] = Listener(lport=c.local[1], family=c.family, ours=1)
+
     def _join_open_connections(self) -> None:
         """Put connections opened before the capture into the socket map, marked as joined."""
         assert self.sink is not None
-        pids = {self.options.pid} if self.options.pid else (self.tgids if self.tgid_map else None)
+        pids = self._pids()
         socks = self.bpf[b"socks"]   # type: ignore[index]
         now = time.monotonic_ns()
         for c in procnet.open_connections(self.options.port, self.options.side, pids):
@@ -248,10 +297,13 @@ class EbpfBackend:
         self._queue.append(ctypes.string_at(data, size))
         return 0
 
-    def _handle(self, raw: bytes) -> None:
+    def _handle(self, raw: bytes, as_key: tuple[int, ...] | None = None) -> None:
         ts_ns, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
-        key = (tgid, fd)
+        key: tuple[int, ...] = as_key or (tgid, fd)
         if etype == EV_DATA:
+            if self._held and as_key is None and key in self._held:
+                self._held[key].records.append(raw)     # type: ignore[index]
+                return
             direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
             payload = raw[HDR_SIZE:HDR_SIZE + length]
             if offset == 0 and length == total and not self._pending:
@@ -260,16 +312,32 @@ class EbpfBackend:
             else:
                 self._data(key, direction, ts_ns, offset, total, payload)
         elif etype == EV_OPEN:
-            self._open(key, EvHdr.from_buffer_copy(raw[:HDR_SIZE]))
+            self._open((tgid, fd), EvHdr.from_buffer_copy(raw[:HDR_SIZE]))
         elif etype == EV_CLOSE:
-            for d in ("c2s", "s2c"):
-                self._flush_pending((key, d), force=True)
-            assert self.sink is not None
-            self.sink.close_flow(key, ts_ns)
+            h = EvHdr.from_buffer_copy(raw[:HDR_SIZE])
+            if h.si.opened_ns and as_key is None:
+                self._close_accepted((tgid, fd), h)
+                return
+            self._close(key, ts_ns)
+        elif etype == EV_LISTENER:
+            self._unknown_listener(tgid, fd, total)
+
+    def _close(self, key: tuple[int, ...], ts_ns: int | None) -> None:
+        for d in ("c2s", "s2c"):
+            self._flush_pending((key, d), force=True)
+        assert self.sink is not None
+        self.sink.close_flow(key, ts_ns)
 
     def _open(self, key: tuple[int, int], h: EvHdr) -> None:
         assert self.sink is not None
         si = h.si
+        if key in self._held:                 # its fd was reused before its CLOSE came: it is complete
+            old = self._held.pop(key)
+            self._orphans[(*key, old.h.si.opened_ns)] = old
+        self._instances.pop(key, None)
+        if si.is_server and si.opened_ns:
+            self._open_accepted(key, h)
+            return
         remote = (_ip(si.family, si.raddr), si.rport)
         if si.is_server:
             client, server = remote, (_ip(si.family, si.laddr), si.lport)
@@ -279,7 +347,108 @@ class EbpfBackend:
         self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
                                       opened_ns=h.ts_ns, joined_midstream=False))
 
-    def _data(self, key: tuple[int, int], direction: Direction, ts_ns: int, offset: int, total: int,
+    # ---- accepts with no address ----
+
+    def _still_accepted(self, key: tuple[int, int], opened_ns: int) -> bool:
+        """Whether the program's socket map still holds this accept (not closed, fd not reused)."""
+        try:
+            return int(self.bpf[b"socks"][ctypes.c_uint64((key[0] << 32) | key[1])].opened_ns) == opened_ns  # type: ignore[index]
+        except KeyError:
+            return False
+
+    def _open_accepted(self, key: tuple[int, int], h: EvHdr) -> None:
+        """OPEN of an accept with no address: the peer from /proc if the socket is still the one
+        accepted (the inode is read between two checks of the socket map, so a closed and reused
+        fd cannot lend its successor's peer); otherwise the flow is held until its CLOSE."""
+        opened = int(h.si.opened_ns)
+        ends = None
+        if self._still_accepted(key, opened):
+            inode = procnet.socket_inode(*key)
+            if inode is not None and self._still_accepted(key, opened):
+                ends = procnet.tcp_ends(key[0], inode)
+            if ends is None and self._still_accepted(key, opened):
+                # open, yet /proc does not show it: record it now rather than hold a live flow
+                self.accepts["peer_unknown"] += 1
+                self._start(key, h, UNKNOWN_END, ("0.0.0.0", int(h.si.lport)), False)
+                self._instances[key] = opened
+                return
+        if ends is None:
+            self._held[key] = _Held(h)      # closed already: its CLOSE (with the peer) follows
+            return
+        self.accepts["peer_from_proc"] += 1
+        local, remote, _family, _state = ends
+        self._start(key, h, remote, local, False)
+        self._instances[key] = opened
+
+    def _start(self, key: tuple[int, ...], h: EvHdr, client: tuple[str, int], server: tuple[str, int],
+               joined: bool) -> None:
+        assert self.sink is not None
+        self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
+                                      opened_ns=h.ts_ns, joined_midstream=joined))
+
+    def _close_accepted(self, key: tuple[int, int], h: EvHdr) -> None:
+        """CLOSE of an accept with no address (sent at close's exit: the fd may be reused already)."""
+        opened = int(h.si.opened_ns)
+        held = self._held.get(key)
+        if held is not None and int(held.h.si.opened_ns) == opened:
+            del self._held[key]
+        else:
+            held = self._orphans.pop((*key, opened), None)
+        if held is not None:
+            self._release(held, h.si, h.ts_ns)
+        elif self._instances.get(key) == opened:
+            del self._instances[key]
+            self._close(key, h.ts_ns)
+        # else: its fd's next flow opened first and the sink closed this one then
+
+    def _release(self, held: _Held, si: SockInfo | None, closed_ns: int | None) -> None:
+        """Record a held flow, under a key of its own (its fd may belong to a newer flow by now)."""
+        h = held.h
+        if si is not None and si.rport:
+            self.accepts["peer_from_close"] += 1
+            client, server = (_ip(si.family, si.raddr), si.rport), (_ip(si.family, si.laddr), si.lport)
+        else:
+            self.accepts["peer_unknown"] += 1
+            client, server = UNKNOWN_END, ("0.0.0.0", int(h.si.lport))
+        key = (h.tgid, h.fd, int(h.si.opened_ns))
+        self._start(key, h, client, server, False)
+        for raw in held.records:
+            self._handle(raw, key)
+        self._close(key, closed_ns)
+
+    def _unknown_listener(self, tgid: int, lfd: int, fd: int) -> None:
+        """An accept with no address on a listener the program did not know: look the listener up
+        in /proc (once) and tell the program; if it is on the port, join the accepted connection
+        from here on (marked joined) or count it as missed. Never silent."""
+        lkey = (tgid, lfd)
+        ours = self._listeners_seen.get(lkey)
+        if ours is None:
+            inode = procnet.socket_inode(tgid, lfd)
+            ends = procnet.tcp_ends(tgid, inode) if inode is not None else None
+            port = self.options.port
+            ours = bool(ends and ends[3] == procnet.LISTEN and (not port or ends[0][1] == port))
+            self._listeners_seen[lkey] = ours
+            if ends is not None:
+                self.bpf[b"listeners"][ctypes.c_uint64((tgid << 32) | lfd)] = Listener(  # type: ignore[index]
+                    lport=ends[0][1], family=ends[2], ours=int(ours))
+        if not ours:
+            return
+        inode = procnet.socket_inode(tgid, fd)
+        ends = procnet.tcp_ends(tgid, inode) if inode is not None else None
+        socks = self.bpf[b"socks"]   # type: ignore[index]
+        skey = ctypes.c_uint64((tgid << 32) | fd)
+        port = self.options.port
+        if ends is None or ends[3] != procnet.ESTABLISHED or (port and ends[0][1] != port) or skey in socks:
+            self.accepts["missed"] += 1
+            return
+        local, remote, family, _state = ends
+        socks[skey] = SockInfo(family=family, is_server=1)
+        self.accepts["joined_late"] += 1
+        assert self.sink is not None
+        self.sink.open_flow((tgid, fd), Flow(src=remote, dst=local, pid=tgid, comm=_comm(tgid),
+                                             opened_ns=time.monotonic_ns(), joined_midstream=True))
+
+    def _data(self, key: tuple[int, ...], direction: Direction, ts_ns: int, offset: int, total: int,
               payload: bytes) -> None:
         """Reassemble one syscall's records (they may interleave with other CPUs' records)."""
         pkey = (key, direction)
@@ -333,6 +502,15 @@ class EbpfBackend:
             self._worker.join(timeout=60)
         self._process_queue()
         self._flush_pending(force=True)
+        # flows still waiting for a CLOSE that never came: recorded, with their peer unknown
+        for held in [*self._held.values(), *self._orphans.values()]:
+            self._release(held, None, None)
+        self._held.clear()
+        self._orphans.clear()
         self._report_counters()
+        if self._server_side:
+            assert self.sink is not None   # the recorder's ticker has stopped: nothing else writes now
+            self.sink.writer.set_meta({"accepted_without_address": dict(self.accepts),
+                                       "accepted_peer_unknown": self.accepts["peer_unknown"]})
         self.bpf.cleanup()   # type: ignore[attr-defined]
         self.bpf = None

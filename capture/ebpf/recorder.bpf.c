@@ -17,6 +17,16 @@
  *   read/write/readv/writev/sendto/recvfrom/sendmsg/recvmsg on socks --> DATA events
  *   close on socks --> CLOSE event;  ring buffer full --> lost[cpu]++
  *
+ * Accepts with no address (libuv: uvloop, Node.js call accept4(fd, NULL, NULL, flags)) carry no
+ * peer to match against `pending`, so the listening socket decides instead: listeners[(tgid,fd)]
+ * says whether it is on the port. It is learnt from listen() (the CLOSE->LISTEN state change runs
+ * in the listening task and names the port), from an addressed accept that matched, and by the
+ * loader (/proc at start; /proc at accept time for a listener reported unknown, LISTENER event).
+ * Such a socket is traced at once with the peer unknown (peer_unknown, opened_ns as its
+ * identity): the loader reads it from /proc when it handles the OPEN, and the close supplies it
+ * too: close/shutdown make the ESTABLISHED->FIN_WAIT1 or CLOSE_WAIT->LAST_ACK change in the
+ * closing task, with both ends in the tracepoint; that socket's CLOSE is sent at close's exit.
+ *
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
  *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
@@ -27,6 +37,7 @@
 #define EV_DATA 1
 #define EV_OPEN 2
 #define EV_CLOSE 3
+#define EV_LISTENER 4         /* an accept with no address on a listener not known yet (fd: it) */
 
 #define K_READ 1
 #define K_WRITE 2
@@ -39,9 +50,12 @@ struct sock_info {            /* one traced socket */
     u8 family;
     u8 is_server;             /* 1: this process accepted it */
     u16 lport;
-    u16 rport;
+    u16 rport;                /* 0 while peer_unknown and not learnt */
+    u8 peer_unknown;          /* 1: accepted with no address; the loader or the close finds the peer */
+    u8 pad;
     u8 laddr[16];
     u8 raddr[16];
+    u64 opened_ns;            /* peer_unknown sockets: identity of this accept (its fd may be reused) */
 };
 
 struct ev_hdr {               /* every ring-buffer record starts with this */
@@ -84,6 +98,13 @@ struct user_msghdr_s { u64 name; u32 namelen; u32 pad; u64 iov; u64 iovlen; };
 struct sa_in { u16 family; u16 port; u32 addr; };
 struct sa_in6 { u16 family; u16 port; u32 flow; u8 addr[16]; };
 struct accept_args { u64 addr; u32 fd; };
+struct listener { u16 lport; u8 family; u8 ours; };   /* ours: on FILTER_PORT (or any, when 0) */
+struct closing_sock {         /* a peer_unknown socket in close/shutdown, by thread */
+    struct sock_info si;
+    u32 fd;
+    u8 learnt;                /* si has the peer */
+    u8 is_close;
+};
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_HASH(socks, u64, struct sock_info, 65536);
@@ -91,6 +112,9 @@ BPF_HASH(active, u64, struct active_io, 16384);
 BPF_HASH(accepting, u64, struct accept_args, 16384);
 BPF_TABLE("lru_hash", u64, struct pending_conn, pending, 16384);
 BPF_HASH(tgids, u32, u8, 4096);
+BPF_TABLE("lru_hash", u64, struct listener, listeners, 16384);   /* (tgid, listening fd) */
+BPF_HASH(listening, u64, u32, 1024);          /* thread inside listen() -> its fd */
+BPF_HASH(closing, u64, struct closing_sock, 1024);
 /* One record buffer per CPU. A plain array indexed by CPU, not a per-CPU array: per-CPU values
  * are limited to 32 KiB and CHUNK may be 64 KiB. */
 BPF_ARRAY(scratch, struct ev_buf, SCRATCH_CPUS);
@@ -143,12 +167,70 @@ static __always_inline void emit_open(u32 tgid, u32 fd, struct sock_info *si) {
 
 /* ---- server side: learn the local end from the state change, the fd from accept4 ---- */
 
+/* listen() moves the socket CLOSE->LISTEN in the caller's task, with the bound port as sport
+ * (0 only for a listen() without bind(): then the listener stays unknown). */
+static __always_inline int learn_listener(u16 sport, u16 family) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 *fd = listening.lookup(&id);
+    if (!fd || !sport)
+        return 0;
+    struct listener l = {.lport = sport, .family = family};
+    l.ours = !FILTER_PORT || sport == FILTER_PORT;
+    u64 key = sock_key(id >> 32, *fd);
+    listeners.update(&key, &l);
+    return 0;
+}
+
+/* FIN_WAIT1 and LAST_ACK are only entered by close()/shutdown() of the socket itself, in the
+ * caller's task (softirq work run in that task never makes these two changes). */
+static __always_inline int learn_peer(u16 family, u16 sport, u16 dport, const u8 *saddr, const u8 *daddr,
+                                      u32 alen) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct closing_sock *c = closing.lookup(&id);
+    if (!c || c->learnt || (c->si.lport && c->si.lport != sport))
+        return 0;
+    c->si.family = family;
+    c->si.lport = sport;
+    c->si.rport = dport;
+    if (alen == 4) {
+        __builtin_memcpy(c->si.laddr, saddr, 4);
+        __builtin_memcpy(c->si.raddr, daddr, 4);
+    } else {
+        __builtin_memcpy(c->si.laddr, saddr, 16);
+        __builtin_memcpy(c->si.raddr, daddr, 16);
+    }
+    c->learnt = 1;
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_listen) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!SIDE_SERVER || !wanted_task(id >> 32))
+        return 0;
+    u32 fd = args->fd;
+    listening.update(&id, &fd);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_listen) {
+    u64 id = bpf_get_current_pid_tgid();
+    listening.delete(&id);
+    return 0;
+}
+
 TRACEPOINT_PROBE(sock, inet_sock_set_state) {
     /* Copy the record first: variable offsets into the tracepoint context are refused. */
     struct tracepoint__sock__inet_sock_set_state a = {};
     bpf_probe_read_kernel(&a, sizeof(a), args);
     if (!SIDE_SERVER || a.protocol != 6 /* IPPROTO_TCP */)
         return 0;
+    if (a.newstate == 10 /* LISTEN */)
+        return learn_listener(a.sport, a.family);
+    if ((a.newstate == 4 /* FIN_WAIT1 */ && a.oldstate == 1) || (a.newstate == 9 /* LAST_ACK */ && a.oldstate == 8)) {
+        if (a.family == 2)
+            return learn_peer(a.family, a.sport, a.dport, a.saddr, a.daddr, 4);
+        return learn_peer(a.family, a.sport, a.dport, a.saddr_v6, a.daddr_v6, 16);
+    }
     if (a.newstate != 1 /* ESTABLISHED */ || a.oldstate != 3 /* SYN_RECV */)
         return 0;
     if (FILTER_PORT && a.sport != FILTER_PORT)
@@ -169,17 +251,47 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
     return 0;
 }
 
-static __always_inline int accept_enter(u64 addr) {
+static __always_inline int accept_enter(u64 addr, u32 fd) {
     u64 id = bpf_get_current_pid_tgid();
     if (!SIDE_SERVER || !wanted_task(id >> 32))
         return 0;
-    struct accept_args a = {.addr = addr};
+    struct accept_args a = {.addr = addr, .fd = fd};
     accepting.update(&id, &a);
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_accept4) { return accept_enter((u64)args->upeer_sockaddr); }
-TRACEPOINT_PROBE(syscalls, sys_enter_accept) { return accept_enter((u64)args->upeer_sockaddr); }
+TRACEPOINT_PROBE(syscalls, sys_enter_accept4) { return accept_enter((u64)args->upeer_sockaddr, args->fd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_accept) { return accept_enter((u64)args->upeer_sockaddr, args->fd); }
+
+/* accept with no address: the listener says whether it is ours; the peer is found later. */
+static __always_inline int accept_unaddressed(u32 tgid, u32 lfd, u32 fd) {
+    u64 lkey = sock_key(tgid, lfd);
+    struct listener *l = listeners.lookup(&lkey);
+    if (!l) {
+        /* unknown (inherited, passed in, or listening since before a failed /proc scan): the
+         * loader looks it up in /proc, fills `listeners` and joins this connection if it is ours */
+        int zero = 0;
+        struct ev_buf *b = new_event(tgid, lfd, EV_LISTENER);
+        if (!b)
+            return 0;
+        b->h.total = fd;
+        if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
+            count(lost.lookup(&zero));
+        return 0;
+    }
+    if (!l->ours)
+        return 0;
+    struct sock_info si = {};
+    si.is_server = 1;
+    si.peer_unknown = 1;
+    si.family = l->family;
+    si.lport = l->lport;
+    si.opened_ns = bpf_ktime_get_ns();
+    u64 sk = sock_key(tgid, fd);
+    socks.update(&sk, &si);
+    emit_open(tgid, fd, &si);
+    return 0;
+}
 
 static __always_inline int accept_exit(long ret) {
     u64 id = bpf_get_current_pid_tgid();
@@ -187,9 +299,12 @@ static __always_inline int accept_exit(long ret) {
     if (!a)
         return 0;
     u64 addr = a->addr;
+    u32 lfd = a->fd;
     accepting.delete(&id);
-    if (ret < 0 || !addr)
+    if (ret < 0)
         return 0;
+    if (!addr)
+        return accept_unaddressed(id >> 32, lfd, (u32)ret);
     struct sa_in6 sa = {};
     bpf_probe_read_user(&sa, sizeof(sa), (void *)addr);
     u32 raddr4 = 0;
@@ -213,8 +328,11 @@ static __always_inline int accept_exit(long ret) {
         return 0;            /* not our port (or established before capture started) */
     si.lport = p->lport;
     __builtin_memcpy(si.laddr, p->laddr, 16);
+    struct listener l = {.lport = p->lport, .family = p->family, .ours = 1};
     pending.delete(&key);
     u32 tgid = id >> 32;
+    u64 lkey = sock_key(tgid, lfd);
+    listeners.update(&lkey, &l);   /* its unaddressed accepts (if it mixes both) are ours too */
     u64 sk = sock_key(tgid, (u32)ret);
     socks.update(&sk, &si);
     emit_open(tgid, (u32)ret, &si);
@@ -255,11 +373,29 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
 
 /* ---- close ---- */
 
+/* A peer_unknown socket entering close/shutdown: kept by thread so that the state change the
+ * call makes (learn_peer) can fill in its peer. */
+static __always_inline void mark_closing(u64 id, u32 fd, struct sock_info *si, u8 is_close) {
+    struct closing_sock c = {};
+    __builtin_memcpy(&c.si, si, sizeof(c.si));
+    c.fd = fd;
+    c.learnt = si->rport != 0;
+    c.is_close = is_close;
+    closing.update(&id, &c);
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_close) {
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
     u64 sk = sock_key(tgid, (u32)args->fd);
-    if (!socks.lookup(&sk))
+    struct sock_info *si = socks.lookup(&sk);
+    if (!si)
         return 0;
+    if (si->peer_unknown) {
+        mark_closing(id, (u32)args->fd, si, 1);   /* its CLOSE goes out at exit, with the peer */
+        socks.delete(&sk);
+        return 0;
+    }
     socks.delete(&sk);
     int zero = 0;
     struct ev_buf *b = new_event(tgid, (u32)args->fd, EV_CLOSE);
@@ -267,6 +403,51 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
         return 0;
     if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
         count(lost.lookup(&zero));
+    return 0;
+}
+
+/* One lookup in an almost always empty map per close(); the CLOSE of a peer_unknown socket
+ * carries its identity (opened_ns: the fd may already be reused) and the peer, if learnt. */
+TRACEPOINT_PROBE(syscalls, sys_exit_close) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct closing_sock *c = closing.lookup(&id);
+    if (!c)
+        return 0;
+    int zero = 0;
+    struct ev_buf *b = new_event(id >> 32, c->fd, EV_CLOSE);
+    if (b) {
+        __builtin_memcpy(&b->h.si, &c->si, sizeof(c->si));
+        b->h.si.peer_unknown = !c->learnt;
+        if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
+            count(lost.lookup(&zero));
+    }
+    closing.delete(&id);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_shutdown) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 sk = sock_key(id >> 32, (u32)args->fd);
+    struct sock_info *si = socks.lookup(&sk);
+    if (si && si->peer_unknown)
+        mark_closing(id, (u32)args->fd, si, 0);
+    return 0;
+}
+
+/* shutdown(SHUT_WR) (libuv's uv_shutdown, Node's end()) makes the state change: keep the peer in
+ * the socket's entry for its CLOSE. */
+TRACEPOINT_PROBE(syscalls, sys_exit_shutdown) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct closing_sock *c = closing.lookup(&id);
+    if (!c)
+        return 0;
+    if (c->learnt) {
+        u64 sk = sock_key(id >> 32, c->fd);
+        struct sock_info *si = socks.lookup(&sk);
+        if (si && si->opened_ns == c->si.opened_ns)
+            __builtin_memcpy(si, &c->si, sizeof(*si));
+    }
+    closing.delete(&id);
     return 0;
 }
 
