@@ -37,25 +37,45 @@ class Features:
     best_ask: float
 
 
+def _outlier_weights(s: list[float], sigmas: float, weight: float) -> list[float]:
+    n = len(s)
+    if n < 3:
+        return [1.0] * n
+    # Plain floats: at ~10 levels numpy's per-op cost is 3x this loop (measured).
+    total, total_sq, k2 = sum(s), sum([v * v for v in s]), sigmas * sigmas
+    m = n - 1
+    out = []
+    for v in s:
+        mean_o = (total - v) / m
+        d = v - mean_o
+        if d > 0:   # d <= 0 is never an outlier: skip the variance
+            var_o = (total_sq - v * v) / m - mean_o * mean_o
+            # d > k*max(std, floor), compared squared: no sqrt.
+            out.append(weight if d * d > k2 * max(var_o, (_STD_FLOOR_FRACTION * mean_o) ** 2) else 1.0)
+        else:
+            out.append(1.0)
+    return out
+
+
 def spread_outlier_weights(spreads: Sequence[float] | np.ndarray, sigmas: float = OUTLIER_SIGMAS,
                            weight: float = OUTLIER_WEIGHT) -> np.ndarray:
     """Key weights: `weight` for levels whose spread exceeds the others' mean by more than `sigmas`
     of the others' standard deviation (leave-one-out, so one wide level cannot hide itself by
     inflating the std), else 1. Needs at least 3 levels; fewer are never outliers."""
     s = spreads.tolist() if isinstance(spreads, np.ndarray) else list(spreads)
-    n = len(s)
-    if n < 3:
-        return np.ones(n, dtype=np.float32)
-    # Plain floats: at ~10 levels numpy's per-op cost is 3x this loop (measured).
-    total, total_sq, k2 = sum(s), sum(v * v for v in s), sigmas * sigmas
-    out = []
-    for v in s:
-        mean_o = (total - v) / (n - 1)
-        var_o = (total_sq - v * v) / (n - 1) - mean_o * mean_o
-        d = v - mean_o
-        # d > k*max(std, floor), compared squared: no sqrt, and d <= 0 is never an outlier.
-        out.append(weight if d > 0 and d * d > k2 * max(var_o, (_STD_FLOOR_FRACTION * mean_o) ** 2) else 1.0)
-    return np.array(out, dtype=np.float32)
+    return np.array(_outlier_weights(s, sigmas, weight), dtype=np.float32)
+
+
+def _token_times(tick_rows: Sequence[Sequence[float]], n_levels: int) -> list[float]:
+    """token_times on plain rows (oldest first); float(ts) first, so the arithmetic is numpy's float64."""
+    if not tick_rows:
+        return [0.0] * n_levels
+    k = min(n_levels, len(tick_rows))
+    newest = float(tick_rows[-1][0])
+    out = [(newest - float(r[0])) / 1e9 for r in tick_rows[:-k - 1:-1]]
+    if k < n_levels:
+        out += [out[-1]] * (n_levels - k)
+    return out
 
 
 def token_times(ticks: np.ndarray, n_levels: int) -> np.ndarray:
@@ -69,18 +89,25 @@ def token_times(ticks: np.ndarray, n_levels: int) -> np.ndarray:
 
 def build_features(snap: ParsedSnapshot) -> Features:
     """Turn a validated snapshot into model inputs (see the module docstring)."""
-    rows = snap.book.tolist()
-    recent = snap.ticks[::-1][:len(rows)].tolist()   # newest first, aligned with the levels
+    rows = snap.book_rows
+    ticks = snap.tick_rows
+    n = len(rows)
     best_bid, _, best_ask, _ = rows[0]
     mid = 0.5 * (best_bid + best_ask)
     scale, pos, log1p = 100.0 / mid, math.tanh(snap.position / 1000.0), math.log1p
-    # Plain floats, one array at the end: at ~10 levels numpy's per-op cost dominates the arithmetic.
-    x, spreads = [], []
-    for i, (bid, bid_size, ask, ask_size) in enumerate(rows):
-        spread = ask - bid
-        spreads.append(spread)
-        tick = ((recent[i][1] - mid) * scale, log1p(recent[i][2]) * 0.1) if i < len(recent) else (0.0, 0.0)
-        x.append(((bid - mid) * scale, log1p(bid_size) * 0.1, (ask - mid) * scale, log1p(ask_size) * 0.1,
-                  spread * scale, tick[0], tick[1], pos))
-    return Features(np.array(x, dtype=np.float32), token_times(snap.ticks, len(rows)),
-                    spread_outlier_weights(spreads), mid, best_bid, best_ask)
+    # Plain floats in one flat list (x row by row, then t, then w) and one float32 array at the end,
+    # viewed as x, t, w: at ~10 levels numpy's per-call cost dominates the arithmetic.
+    flat: list[float] = []
+    spreads = [ask - bid for bid, _, ask, _ in rows]
+    recent = ticks[:-n - 1:-1]   # newest first, aligned with the levels
+    for (bid, bid_size, ask, ask_size), spread, (_, price, size) in zip(rows, spreads, recent, strict=False):
+        flat += ((bid - mid) * scale, log1p(bid_size) * 0.1, (ask - mid) * scale, log1p(ask_size) * 0.1,
+                 spread * scale, (price - mid) * scale, log1p(size) * 0.1, pos)
+    for (bid, bid_size, ask, ask_size), spread in zip(rows[len(recent):], spreads[len(recent):], strict=True):
+        flat += ((bid - mid) * scale, log1p(bid_size) * 0.1, (ask - mid) * scale, log1p(ask_size) * 0.1,
+                 spread * scale, 0.0, 0.0, pos)   # no aligned tick
+    flat += _token_times(ticks, n)
+    flat += _outlier_weights(spreads, OUTLIER_SIGMAS, OUTLIER_WEIGHT)
+    arr = np.array(flat, dtype=np.float32)
+    nx = n * N_FEATURES
+    return Features(arr[:nx].reshape(n, N_FEATURES), arr[nx:nx + n], arr[nx + n:], mid, best_bid, best_ask)

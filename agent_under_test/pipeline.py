@@ -33,28 +33,35 @@ class Pipeline:
         Raises:
             InvalidSnapshotError: the parse stage rejected it (nothing was queued).
         """
-        stages: list[tuple[str, float]] = []
-        t0 = time.perf_counter()
+        perf = time.perf_counter
+        t0 = perf()
         snap = parse_snapshot(msg, self._max_bytes)
-        t1 = time.perf_counter()
+        t1 = perf()
         feats = build_features(snap)
-        t2 = time.perf_counter()
+        t2 = perf()
         result = await self._batcher.submit(feats)
-        t3 = time.perf_counter()
+        t3 = perf()
         order = check(propose(result.output, feats.mid, feats.best_bid, feats.best_ask, self.limits),
                       feats.mid, snap.position, self.limits)
-        t4 = time.perf_counter()
-        stages = [("parse", t1 - t0), ("features", t2 - t1), ("queue", result.queue_s),
-                  ("strategy", result.forward_s), ("risk", t4 - t3)]
+        t4 = perf()
+        parse_s, features_s, risk_s = t1 - t0, t2 - t1, t4 - t3
+        # The stages go into the constructor as dicts: one call instead of six stages.add() (half the cost).
         decision = agent_pb2.Decision(
             sequence_id=snap.sequence_id, symbol=snap.symbol, side=order.side,  # type: ignore[arg-type]
             price=order.price, size=order.size, confidence=order.confidence, tier=result.tier, reason=order.reason,
-            batch_size=result.batch_size)
-        t5 = time.perf_counter()
-        stages.append(("order", t5 - t4))
-        for name, seconds in stages:
-            decision.stages.add(stage=name, ns=int(seconds * 1e9))
-            if name != "queue":
-                self._guard.on_stage(name, seconds)
+            batch_size=result.batch_size,
+            stages=[{"stage": "parse", "ns": int(parse_s * 1e9)},  # type: ignore[list-item]
+                    {"stage": "features", "ns": int(features_s * 1e9)},
+                    {"stage": "queue", "ns": int(result.queue_s * 1e9)},
+                    {"stage": "strategy", "ns": int(result.forward_s * 1e9)},
+                    {"stage": "risk", "ns": int(risk_s * 1e9)}])
+        order_s = perf() - t4
+        decision.stages.add(stage="order", ns=int(order_s * 1e9))
+        on_stage = self._guard.on_stage
+        on_stage("parse", parse_s)
+        on_stage("features", features_s)
+        on_stage("strategy", result.forward_s)
+        on_stage("risk", risk_s)
+        on_stage("order", order_s)
         decision.server_latency_ns = time.perf_counter_ns() - received_ns
         return decision
