@@ -56,9 +56,19 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
         "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
         "calls_pending": calls_pending(meta),
-        "problems": list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec),
+        "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
+                     + _unknown_peers(meta)),
     }
     return out
+
+
+def _unknown_peers(meta: dict[str, Any]) -> list[str]:
+    """Connections accepted without an address (libuv servers) whose client end could not be found."""
+    n = int(meta.get("accepted_peer_unknown", 0) or 0)
+    if not n:
+        return []
+    return [f"{n} accepted connection(s) kept with client 0.0.0.0:0: the server accepted without an address "
+            "and the connection was gone before its peer could be read from /proc (their bytes are all here)"]
 
 
 def _undecoded(rec: Recording) -> list[str]:

@@ -78,3 +78,19 @@ def test_sigkill_leaves_a_readable_file(tmp_path: Path) -> None:
     with Recording(path) as rec:
         assert rec.count("calls") == 51
 
+
+
+def test_summary_reports_accepted_connections_whose_client_end_is_unknown(tmp_path: Path) -> None:
+    from capture.summary import summarize
+
+    path = tmp_path / "peers.rec"
+    with RecordingWriter(path, meta={"host": "test", "accepted_peer_unknown": 2}):
+        pass
+    with Recording(path) as rec:
+        problems = summarize(rec)["problems"]
+    assert any(p.startswith("2 accepted connection(s) kept with client 0.0.0.0:0") for p in problems)
+    clean = tmp_path / "clean.rec"
+    with RecordingWriter(clean, meta={"host": "test"}):
+        pass
+    with Recording(clean) as rec:
+        assert not any("0.0.0.0:0" in p for p in summarize(rec)["problems"])
