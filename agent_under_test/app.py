@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from agent_under_test.h2server import LeanServer
 from agent_under_test.hooks import Guard
 from agent_under_test.pipeline import Pipeline
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
-from agent_under_test.server import SERVICE, TradingAgentServicer
+from agent_under_test.server import SERVICE, TradingAgentServicer, admission
 
 
 class AgentServer:
@@ -68,6 +69,10 @@ class AgentServer:
             raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc}); pick a free port or --port 0") from exc
         await self._server.start()
         self.guard.start()
+        # Everything loaded so far (torch, the model, protobuf, grpc) lives as long as the process: keep it
+        # out of the collector's reach, or each full collection walks it all and stalls the loop for tens of ms.
+        gc.collect()
+        gc.freeze()
         await self._set_serving(True)
         metrics = getattr(self.guard, "metrics_url", None)
         self.ready = {"event": "ready", "grpc": f"{opts.host}:{self.port}", "metrics": metrics,
@@ -83,10 +88,11 @@ class AgentServer:
         else:
             server = LeanServer(max_receive_message_length=max(4 * 1024 * 1024, opts.max_message_bytes * 4),
                                 header_table_size=4096 if opts.hpack_table_size is None else opts.hpack_table_size,
-                                max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s)
+                                max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s,
+                                admit=admission(self.guard))
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
             TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),
-                                 self.guard), server)
+                                 self.guard, admits=not isinstance(server, LeanServer)), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (agent_pb2.DESCRIPTOR.services_by_name["TradingAgent"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
@@ -147,4 +153,8 @@ async def serve(options: ServeOptions) -> int:
 
 def run(options: ServeOptions) -> int:
     """Blocking entry point for the CLI."""
+    if options.server == "h2" and options.event_loop in ("auto", "uvloop"):
+        import uvloop  # grpc.aio needs asyncio's own loop; the lean server runs on either
+
+        return uvloop.run(serve(options))
     return asyncio.run(serve(options))

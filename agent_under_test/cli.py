@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from agent_under_test.config import DEVICES, LIMITERS, SERVERS, TIERS, ServeOptions
+from agent_under_test.config import DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, TIERS, ServeOptions
 
 _D = ServeOptions()
 
@@ -23,6 +23,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--port", type=int, default=_D.port, help="gRPC port; 0 picks a free one (see the ready line)")
 @_opt("--server", type=click.Choice(SERVERS), default=_D.server,
       help="gRPC server: h2 (lean, far less CPU per call) or grpcio (grpc.aio)")
+@_opt("--event-loop", type=click.Choice(EVENT_LOOPS), default=_D.event_loop,
+      help="auto: uvloop under --server h2; grpcio always runs on asyncio's loop")
 @_opt("--metrics-host", default=_D.metrics_host, help="address of the guard's /metrics endpoint")
 @_opt("--metrics-port", type=int, default=_D.metrics_port, help="/metrics port (0: any free port, -1: none)")
 @_opt("--device", type=click.Choice(DEVICES), default=_D.device, help="where the model runs")

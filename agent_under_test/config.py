@@ -10,6 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TIERS = ("full", "light")
 LIMITERS = ("seed", "gradient", "off")
 SERVERS = ("h2", "grpcio")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 @dataclass
@@ -18,6 +19,7 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     server: str = "h2"                   # h2: the lean HTTP/2 gRPC server; grpcio: grpc.aio (see h2server.py)
+    event_loop: str = "auto"             # auto: uvloop for the h2 server, asyncio for grpcio (which needs it)
     port: int = 50051                    # 0: any free port (see the ready line)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9464      # passed to the guard; None: no metrics endpoint

@@ -25,7 +25,7 @@ import asyncio
 import gzip
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -71,6 +71,7 @@ class Connection(asyncio.Protocol):
         self.recv_unacked = 0
         self.blocked: deque[Call] = deque()      # calls with DATA held back by flow control
         self.age_timer: asyncio.TimerHandle | None = None
+        self._out: list[bytes] = []             # frames written in this loop iteration, sent together
 
     # ---- asyncio Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -79,7 +80,7 @@ class Connection(asyncio.Protocol):
         if isinstance(peer, tuple):
             self.peer = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
         s = self.server
-        self.transport.write(w.settings({w.MAX_CONCURRENT_STREAMS: MAX_STREAMS, w.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+        self._send(w.settings({w.MAX_CONCURRENT_STREAMS: MAX_STREAMS, w.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
                                          w.HEADER_TABLE_SIZE: s.header_table_size, w.ENABLE_PUSH: 0,
                                          w.MAX_HEADER_LIST_SIZE: 1 << 20})
                              + w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(WINDOW - 65535)))
@@ -96,6 +97,20 @@ class Connection(asyncio.Protocol):
             self._drop(call, cancelled=True)
         self.server.call_ended()
 
+    def _send(self, data: bytes) -> None:
+        """Queue bytes for the socket; everything queued in one loop iteration leaves in one write.
+
+        On loopback a send syscall also runs the receiver's TCP path, so one write per response cost
+        more than the rest of a refusal (measured: half of the loop's time at 2,700 refusals/s)."""
+        if not self._out:
+            self.loop.call_soon(self._write_out)
+        self._out.append(data)
+
+    def _write_out(self) -> None:
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+
     # ---- receiving -----------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -105,9 +120,8 @@ class Connection(asyncio.Protocol):
                 self.buf = buf
                 return
             if buf[:24] != w.PREFACE:  # an HTTP/1 client or garbage: nothing gRPC can answer
-                self.transport.write(w.goaway(0, w.PROTOCOL_ERROR, b"expected the HTTP/2 preface"))  # type: ignore[union-attr]
-                self.transport.close()  # type: ignore[union-attr]
-                self.closed = True
+                self._send(w.goaway(0, w.PROTOCOL_ERROR, b"expected the HTTP/2 preface"))
+                self.close()
                 return
             self.preface, pos = True, 24
         while size - pos >= 9:
@@ -159,7 +173,7 @@ class Connection(asyncio.Protocol):
         return None
 
     def _open(self, sid: int, fields: list[tuple[str, str]], ended: bool) -> None:
-        write = self.transport.write  # type: ignore[union-attr]
+        write = self._send
         if (self.going_away is not None and sid > self.going_away) or len(self.calls) >= MAX_STREAMS:
             write(w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.REFUSED_STREAM)))
             return
@@ -183,10 +197,13 @@ class Connection(asyncio.Protocol):
             return
         handler = self.server.lookup(path, tuple(metadata))
         if handler is None:
-            self._trailers_only(sid, _UNIMPLEMENTED, f"Method not found: {path}", ended)
+            self._trailers_only(sid, _UNIMPLEMENTED, f"Method not found: {path}", ended=ended)
+            return
+        if self.server.admit is not None and (refusal := self.server.admit(path)) is not None:
+            self._trailers_only(sid, *refusal, ended=ended)  # refused before any per-call object exists
             return
         if encoding not in ("", "identity", "gzip"):
-            self._trailers_only(sid, _UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported", ended)
+            self._trailers_only(sid, _UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported", ended=ended)
             return
         call = Call(sid, self, path, handler, tuple(metadata), self.peer_window, timeout)
         self.calls[sid] = call
@@ -201,7 +218,7 @@ class Connection(asyncio.Protocol):
         n = len(payload)
         self.recv_unacked += n
         if self.recv_unacked >= WINDOW // 2:
-            self.transport.write(w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(self.recv_unacked)))  # type: ignore[union-attr]
+            self._send(w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
         call = self.calls.get(sid)
         if call is None or call.remote_closed:
@@ -265,11 +282,11 @@ class Connection(asyncio.Protocol):
         """Give `n` bytes of the stream's window back once they have been taken."""
         call.unacked += n
         if call.unacked >= STREAM_WINDOW // 2 and not call.remote_closed and not self.closed:
-            self.transport.write(w.frame(w.WINDOW_UPDATE, 0, call.sid, w.U32.pack(call.unacked)))  # type: ignore[union-attr]
+            self._send(w.frame(w.WINDOW_UPDATE, 0, call.sid, w.U32.pack(call.unacked)))
             call.unacked = 0
 
     def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        write = self.transport.write  # type: ignore[union-attr]
+        write = self._send
         if ftype == w.SETTINGS and not flags & w.ACK:
             self._apply_settings(payload)
             write(w.frame(w.SETTINGS, w.ACK, 0))
@@ -318,7 +335,7 @@ class Connection(asyncio.Protocol):
         self.send_window -= n
         call.window -= n
         call.headers_sent = True
-        self.transport.write(  # type: ignore[union-attr]
+        self._send(
             w.frame(w.HEADERS, w.END_HEADERS, call.sid, w.RESPONSE_HEADERS)
             + w.HEAD.pack(n >> 16, n & 0xFFFF, w.DATA, 0, call.sid) + (n - 5).to_bytes(5, "big") + payload
             + w.frame(w.HEADERS, w.END_HEADERS | w.END_STREAM, call.sid, trailers))
@@ -329,7 +346,7 @@ class Connection(asyncio.Protocol):
             return
         call.headers_sent = True
         block = w.RESPONSE_HEADERS + w.block(metadata) if metadata else w.RESPONSE_HEADERS
-        self.transport.write(w.headers(call.sid, block, self.peer_max_frame, False))  # type: ignore[union-attr]
+        self._send(w.headers(call.sid, block, self.peer_max_frame, False))
 
     def send_message_nowait(self, call: Call, payload: bytes) -> None:
         self.send_headers(call)
@@ -351,7 +368,7 @@ class Connection(asyncio.Protocol):
         """Send held-back DATA in call order as far as the windows allow, then any trailers behind it."""
         if self.closed:
             return
-        write = self.transport.write  # type: ignore[union-attr]
+        write = self._send
         for _ in range(len(self.blocked)):
             call = self.blocked.popleft()
             n = min(len(call.out), self.send_window, call.window)
@@ -387,11 +404,12 @@ class Connection(asyncio.Protocol):
         if call.out:
             call.trailers = trailers  # sent by _flush after the data
             return
-        self.transport.write(w.headers(call.sid, trailers, self.peer_max_frame, True))  # type: ignore[union-attr]
+        self._send(w.headers(call.sid, trailers, self.peer_max_frame, True))
         self._finished(call)
 
-    def _trailers_only(self, sid: int, code: int, message: str, ended: bool) -> None:
-        self.transport.write(w.headers(sid, w.status_block(code, message, trailers_only=True),  # type: ignore[union-attr]
+    def _trailers_only(self, sid: int, code: int, message: str, metadata: tuple[tuple[str, str], ...] = (),
+                       *, ended: bool) -> None:
+        self._send(w.headers(sid, w.status_block(code, message, metadata, trailers_only=True),
                                        self.peer_max_frame, True)
                              + (b"" if ended else w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.NO_ERROR))))
 
@@ -399,7 +417,7 @@ class Connection(asyncio.Protocol):
         """Our side is done: forget the call (telling the client to stop sending if it still is)."""
         call.local_closed = True
         if not call.remote_closed and not self.closed:
-            self.transport.write(w.frame(w.RST_STREAM, 0, call.sid, w.U32.pack(w.NO_ERROR)))  # type: ignore[union-attr]
+            self._send(w.frame(w.RST_STREAM, 0, call.sid, w.U32.pack(w.NO_ERROR)))
         self._drop(call, cancelled=False)
 
     def _drop(self, call: Call, cancelled: bool) -> None:
@@ -429,17 +447,18 @@ class Connection(asyncio.Protocol):
         """Start a graceful close: no new calls once the client has seen GOAWAY; current ones finish."""
         if self.closed or self.going_away is not None:
             return
-        self.transport.write(w.goaway(0x7FFFFFFF, w.NO_ERROR) + w.frame(w.PING, 0, 0, _SHUTDOWN_PING))  # type: ignore[union-attr]
+        self._send(w.goaway(0x7FFFFFFF, w.NO_ERROR) + w.frame(w.PING, 0, 0, _SHUTDOWN_PING))
         self.age_timer = self.loop.call_later(self.server.grace_s, self.close)  # a client that never answers
 
     def _final_goaway(self) -> None:
         self.going_away = self.last_sid
-        self.transport.write(w.goaway(self.last_sid, w.NO_ERROR))  # type: ignore[union-attr]
+        self._send(w.goaway(self.last_sid, w.NO_ERROR))
         if not self.calls:
             self.close()
 
     def close(self) -> None:
         if not self.closed and self.transport is not None:
+            self._write_out()
             self.closed = True
             self.transport.close()
 
@@ -450,7 +469,7 @@ class Connection(asyncio.Protocol):
 
     def _protocol_error(self, why: str, error: int = w.PROTOCOL_ERROR) -> None:
         if not self.closed:
-            self.transport.write(w.goaway(self.last_sid, error, why.encode()[:200]))  # type: ignore[union-attr]
+            self._send(w.goaway(self.last_sid, error, why.encode()[:200]))
             self.close()
 
     def _decode(self, block: bytes) -> list[tuple[str, str]]:
@@ -477,11 +496,19 @@ class Connection(asyncio.Protocol):
         table.add = counted_add  # type: ignore[method-assign]
 
 
+Refusal = tuple[int, str, tuple[tuple[str, str], ...]]  # gRPC code, message, trailing metadata
+Admit = Callable[[str], Refusal | None]
+
+
 class LeanServer:
-    """The subset of grpc.aio.Server the agent uses: register servicers, bind, start, stop(grace)."""
+    """The subset of grpc.aio.Server the agent uses: register servicers, bind, start, stop(grace).
+
+    `admit(path)`, when given, runs as a call's headers arrive, before anything is allocated for it:
+    a Refusal ends the call there (trailers only), which is what keeps refusing cheap under overload."""
 
     def __init__(self, *, max_receive_message_length: int = 4 << 20, header_table_size: int = 4096,
-                 max_connection_age_s: float | None = None, grace_s: float = 5.0) -> None:
+                 max_connection_age_s: float | None = None, grace_s: float = 5.0, admit: Admit | None = None) -> None:
+        self.admit = admit
         self.max_receive = max_receive_message_length
         self.header_table_size = header_table_size
         self.max_connection_age_s = max_connection_age_s

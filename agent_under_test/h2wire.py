@@ -104,9 +104,24 @@ def grpc_message(text: str) -> str:
                             "abcdefghijklmnopqrstuvwxyz{|}~")
 
 
+_STATUS: dict[tuple[int, str, tuple[tuple[str, str], ...], bool], bytes] = {}
+
+
 def status_block(code: int, message: str, metadata: tuple[tuple[str, str], ...] = (),
                  trailers_only: bool = False) -> bytes:
-    """The trailer block for a call's end (with :status and content-type when nothing was sent yet)."""
+    """The trailer block for a call's end (with :status and content-type when nothing was sent yet).
+
+    Memoised (bounded): a refusal under overload is the same few blocks thousands of times a second."""
+    key = (code, message, metadata, trailers_only)
+    hit = _STATUS.get(key)
+    if hit is None:
+        if len(_STATUS) >= 1024:
+            _STATUS.clear()
+        hit = _STATUS[key] = _status_block(code, message, metadata, trailers_only)
+    return hit
+
+
+def _status_block(code: int, message: str, metadata: tuple[tuple[str, str], ...], trailers_only: bool) -> bytes:
     fields = [(":status", "200"), ("content-type", "application/grpc")] if trailers_only else []
     fields.append(("grpc-status", str(code)))
     if message:

@@ -1,6 +1,7 @@
 """The gRPC server: TradingAgent (Decide, DecideStream), health checking and reflection.
 
-    call --Guard.admit()--> refused: RESOURCE_EXHAUSTED + retry-after-ms (never queued)
+    call --Guard.admit()--> refused: RESOURCE_EXHAUSTED + retry-after-ms (never queued; the lean
+      |                     server asks on the call's headers, before any per-call work)
       | admitted
       v
     Pipeline.decide() --> Decision --Guard.finish(method, latency, ok|invalid|error)
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc import aio
@@ -29,10 +30,27 @@ DECIDE_STREAM = f"/{SERVICE}/DecideStream"
 STREAM_WINDOW = 64  # messages of one stream in flight at once; the reader waits beyond that
 
 
-async def _refuse(context: aio.ServicerContext, retry_s: float) -> None:
+def refusal(retry_s: float) -> tuple[int, str, tuple[tuple[str, str], ...]]:
+    """RESOURCE_EXHAUSTED, its message and the retry hint in trailing metadata, for a refused call."""
     ms = str(max(0, int(retry_s * 1000)))
-    context.set_trailing_metadata((("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms)))
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"agent overloaded: retry after {ms} ms")
+    return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"agent overloaded: retry after {ms} ms",
+            (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms)))
+
+
+def admission(guard: Guard) -> Callable[[str], tuple[int, str, tuple[tuple[str, str], ...]] | None]:
+    """The guard's admission as the lean server runs it, on a call's headers (see h2server.LeanServer)."""
+    def admit(path: str) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
+        if path != DECIDE and path != DECIDE_STREAM:
+            return None  # health and reflection are never refused
+        retry = guard.admit(path)
+        return None if retry is None else refusal(retry)
+    return admit
+
+
+async def _refuse(context: aio.ServicerContext, retry_s: float) -> None:
+    _, message, metadata = refusal(retry_s)
+    context.set_trailing_metadata(metadata)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def _received_ns(context: aio.ServicerContext) -> int:
@@ -42,8 +60,9 @@ def _received_ns(context: aio.ServicerContext) -> int:
 
 
 class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
-    def __init__(self, pipeline: Pipeline, guard: Guard) -> None:
-        self._pipeline, self._guard = pipeline, guard
+    def __init__(self, pipeline: Pipeline, guard: Guard, admits: bool = True) -> None:
+        """admits=False: the server already ran the guard's admission (the lean server does, on headers)."""
+        self._pipeline, self._guard, self._admits = pipeline, guard, admits
 
     async def _one(self, method: str, request: agent_pb2.MarketSnapshot,
                    received_ns: int) -> agent_pb2.Decision | InvalidSnapshotError:
@@ -62,8 +81,7 @@ class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
     async def Decide(self, request: agent_pb2.MarketSnapshot,  # noqa: N802 - gRPC method name
                      context: aio.ServicerContext) -> agent_pb2.Decision:
         received = _received_ns(context)
-        retry = self._guard.admit(DECIDE)
-        if retry is not None:
+        if self._admits and (retry := self._guard.admit(DECIDE)) is not None:
             await _refuse(context, retry)
         try:
             result = await self._one(DECIDE, request, received)
@@ -75,8 +93,7 @@ class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
 
     async def DecideStream(self, request_iterator: AsyncIterator[agent_pb2.MarketSnapshot],  # noqa: N802
                            context: aio.ServicerContext) -> AsyncIterator[agent_pb2.Decision]:
-        retry = self._guard.admit(DECIDE_STREAM)
-        if retry is not None:
+        if self._admits and (retry := self._guard.admit(DECIDE_STREAM)) is not None:
             await _refuse(context, retry)
         await context.send_initial_metadata(())  # tells the client the stream was admitted
         pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_WINDOW)

@@ -27,6 +27,7 @@ class Service:
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        self.started: list[str] = []
         self.peers: list[str] = []
         self.metadata: list[tuple[tuple[str, str], ...]] = []
 
@@ -37,6 +38,7 @@ class Service:
         return request
 
     async def sleep(self, request: bytes, ctx) -> bytes:
+        self.started.append(request.decode())
         try:
             await asyncio.sleep(float(request))
         except asyncio.CancelledError:
@@ -218,3 +220,22 @@ def test_a_client_that_does_not_speak_http2_is_closed(lean) -> None:
             data += chunk
     assert b"expected the HTTP/2 preface" in data  # in GOAWAY's debug data, then EOF
     assert srv.method("Echo")(b"ok", timeout=5) == b"ok"
+
+
+def test_admission_refuses_on_the_headers_before_the_handler_runs(lean) -> None:
+    asked: list[str] = []
+
+    def admit(path: str):
+        asked.append(path)
+        return (8, "busy: retry after 250 ms", (("retry-after-ms", "250"),)) if path.endswith("/Sleep") else None
+
+    srv = lean(admit=admit)
+    with pytest.raises(grpc.RpcError) as info:
+        srv.method("Sleep")(b"0", timeout=5)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.details() == "busy: retry after 250 ms"
+    assert dict(info.value.trailing_metadata())["retry-after-ms"] == "250"
+    with pytest.raises(grpc.RpcError):
+        srv.method("Sleep")(b"1", timeout=5)
+    assert srv.service.started == [] and srv.method("Echo")(b"in", timeout=5) == b"in"
+    assert asked == [f"/{SERVICE}/Sleep", f"/{SERVICE}/Sleep", f"/{SERVICE}/Echo"]
+    assert not srv.server.connections or all(not c.calls for c in srv.server.connections)  # nothing was kept
