@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,10 +43,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpc import aio  # noqa: E402
-
 from agent_under_test.launch import AgentProcess  # noqa: E402
 from agent_under_test.proto import agent_pb2  # noqa: E402
+from replay.senders.base import OK, REJECTED, SendOutcome  # noqa: E402
+from replay.senders.h2conn import H2Connection  # noqa: E402
+from replay.senders.h2frames import request_block  # noqa: E402
 
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
 
@@ -65,30 +67,62 @@ def payloads(rng: random.Random, n: int = 64) -> list[bytes]:
     return out
 
 
+class LeanClient:
+    """The bench's load generator: one HTTP/2 connection of the replayer's lean gRPC client (no task or
+    future per call), so that at 2C the client, not the agent, is the cheap side of a 2-core machine.
+    grpc.aio cost ~300-400 us per call here, more than the lean agent spends serving one."""
+
+    def __init__(self, conn: H2Connection, authority: str) -> None:
+        self.conn = conn
+        self.block = request_block(DECIDE, authority, (), 10.0)
+
+    @classmethod
+    async def connect(cls, address: str) -> LeanClient:
+        host, _, port = address.rpartition(":")
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(lambda: H2Connection(loop), host, int(port))
+        if not await conn.ready:
+            raise RuntimeError(f"cannot talk HTTP/2 to {address}: {conn.error}")
+        return cls(conn, address)
+
+    def call(self, body: bytes, on_end: Callable[[SendOutcome], None], timeout_s: float = 10.0) -> None:
+        framed = b"\x00" + len(body).to_bytes(4, "big") + body
+        self.conn.open(self.block, framed, self.conn.loop.time() + timeout_s, on_end)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.ndarray:
     """Poisson open loop following `schedule` [(rate, seconds)]; rows (send_s, latency_s, ok, rejected)."""
     rng = random.Random(seed)
     pool = payloads(rng)
     rows: list[tuple[float, float, int, int]] = []
     lags: list[float] = []
-    async with aio.insecure_channel(address) as channel:
-        decide = channel.unary_unary(DECIDE)
+    client = await LeanClient.connect(address)
+    outstanding = 0
+    drained = asyncio.get_running_loop().create_future()
 
-        async def one(sent: float, body: bytes) -> None:
-            # Latency from when the call actually left, not from its schedule: on a starved machine the
-            # client itself falls behind, and that lag is not the agent's (it is reported apart).
-            start = time.monotonic()
-            lags.append(start - t0 - sent)
-            try:
-                await decide(body, timeout=10.0)
-                rows.append((sent, time.monotonic() - start, 1, 0))
-            except aio.AioRpcError as exc:
-                rej = int(exc.code().name == "RESOURCE_EXHAUSTED")
-                rows.append((sent, time.monotonic() - start, 0, rej))
+    def one(sent: float, body: bytes) -> None:
+        # Latency from when the call actually left, not from its schedule: on a starved machine the
+        # client itself falls behind, and that lag is not the agent's (it is reported apart).
+        nonlocal outstanding
+        start = time.monotonic()
+        lags.append(start - t0 - sent)
+        outstanding += 1
 
-        tasks: set[asyncio.Task[None]] = set()
-        t0 = time.monotonic()
-        at, phase_start = 0.0, 0.0
+        def ended(out: SendOutcome) -> None:
+            nonlocal outstanding
+            rows.append((sent, time.monotonic() - start, int(out.outcome == OK), int(out.outcome == REJECTED)))
+            outstanding -= 1
+            if outstanding == 0 and finished and not drained.done():
+                drained.set_result(None)
+        client.call(body, ended)
+
+    finished = False
+    t0 = time.monotonic()
+    at, phase_start = 0.0, 0.0
+    try:
         for rate, seconds in schedule:
             while True:
                 at += rng.expovariate(rate)
@@ -98,11 +132,13 @@ async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -
                 delay = t0 + at - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.create_task(one(at, pool[len(rows) % len(pool)]))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                one(at, pool[len(lags) % len(pool)])
             phase_start += seconds
-        await asyncio.gather(*tasks)
+        finished = True
+        if outstanding:
+            await asyncio.wait_for(drained, 15.0)
+    finally:
+        client.close()
     if lags:
         print(f"    client send lag p50 {np.percentile(lags, 50) * 1000:.1f} ms, p99 "
               f"{np.percentile(lags, 99) * 1000:.1f} ms over {len(lags)} calls", flush=True)
@@ -117,17 +153,28 @@ async def _saturate(address: str, seconds: float, workers: int, seed: int) -> fl
     """Closed loop: `workers` callers back to back for `seconds`; completed calls/s (throughput capacity)."""
     pool = payloads(random.Random(seed))
     done = 0
-    async with aio.insecure_channel(address) as channel:
-        decide = channel.unary_unary(DECIDE)
-        end = time.monotonic() + seconds
+    client = await LeanClient.connect(address)
+    end = time.monotonic() + seconds
+    idle = asyncio.get_running_loop().create_future()
+    running = workers
 
-        async def worker(i: int) -> None:
-            nonlocal done
-            while time.monotonic() < end:
-                await decide(pool[(i + done) % len(pool)], timeout=10.0)
-                done += 1
+    def again(out: SendOutcome | None) -> None:
+        nonlocal done, running
+        if out is not None:
+            done += 1
+        if time.monotonic() < end:
+            client.call(pool[done % len(pool)], again)
+        else:
+            running -= 1
+            if running == 0 and not idle.done():
+                idle.set_result(None)
 
-        await asyncio.gather(*(worker(i) for i in range(workers)))
+    try:
+        for _ in range(workers):
+            again(None)
+        await asyncio.wait_for(idle, seconds + 15.0)
+    finally:
+        client.close()
     return done / seconds
 
 
@@ -390,7 +437,7 @@ def main() -> int:
         return 0
     print(f"bench/limiter.py seed={args.seed} threshold={args.threshold_ms} ms", flush=True)
     capacity = args.capacity or calibrate(args.threshold_ms, args.seed,
-                                          [150, 250, 350, 500, 650, 800, 1000, 1250, 1500], 2.5)
+                                          [150, 250, 500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 5000, 6000], 2.5)
     print(f"capacity C = {capacity:.0f} calls/s; overload 2C = {2 * capacity:.0f} calls/s for {args.overload_s:g} s",
           flush=True)
     results = {p: run_policy(p, capacity, args) for p in ("seed", "gradient")}
