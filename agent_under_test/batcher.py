@@ -27,7 +27,7 @@ from agent_under_test.hooks import Guard
 RunFn = Callable[[Sequence[Features], str], np.ndarray]
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchResult:
     output: Sequence[float]   # this request's row of the model output, as plain floats
     batch_size: int
@@ -36,7 +36,7 @@ class BatchResult:
     forward_s: float     # the forward pass itself
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     features: Features
     arrival: float

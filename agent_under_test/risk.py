@@ -25,7 +25,7 @@ class RiskLimits:
     min_confidence: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Order:
     side: int
     price: float
@@ -40,9 +40,9 @@ def propose(raw: Sequence[float] | np.ndarray, mid: float, best_bid: float, best
     The price offset may reach twice the band so that the band rule has something to catch.
     """
     # Plain floats: numpy's per-call overhead dwarfs the arithmetic on three numbers.
-    logits = [float(v) for v in raw[:3]]
-    top = max(logits)
-    exps = [math.exp(v - top) for v in logits]
+    a, b, c = float(raw[0]), float(raw[1]), float(raw[2])
+    top = max(a, b, c)
+    exps = [math.exp(a - top), math.exp(b - top), math.exp(c - top)]
     side = exps.index(max(exps))
     confidence = exps[side] / sum(exps)
     offset_bps = math.tanh(float(raw[3])) * 2.0 * limits.price_band_bps
