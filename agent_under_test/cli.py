@@ -33,8 +33,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--seed", type=int, default=_D.seed, help="seed of the default weights")
 @_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window")
 @_opt("--max-batch", type=click.IntRange(1, 1024), default=_D.max_batch, help="largest forward pass")
-@_opt("--workers", type=click.IntRange(0, 64), default=_D.workers,
-      help="forward-pass threads, one CUDA stream each (0: run inline on the event loop)")
+@_opt("--workers", type=click.IntRange(0, 64), default=None,
+      help="forward-pass threads, one CUDA stream each (0: inline on the event loop; default 1 on CUDA, 0 on CPU)")
 @_opt("--jit/--no-jit", default=_D.jit, help="TorchScript-trace the model on CPU")
 @_opt("--torch-threads", type=click.IntRange(0, 256), default=_D.torch_threads,
       help="torch intra-op threads on CPU (0: torch's default)")
@@ -51,6 +51,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
       help="calls a period needs for a P99 (fewer: insufficient, neither breaching nor healthy)")
 @_opt("--rejected-ratio-threshold", type=float, default=_D.rejected_ratio_threshold,
       help="RejectedRatioHigh fires above this share of offered calls")
+@_opt("--queue-light-depth", type=click.IntRange(0), default=_D.queue_light_depth,
+      help="serve new batches light while more than this many calls queue for the model (0: never)")
 @_opt("--hpack-table-size", type=int, default=None, help="HPACK dynamic table size (0: captures decode mid-stream)")
 @_opt("--max-connection-age-s", type=float, default=None, help="close connections after this age")
 @_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")

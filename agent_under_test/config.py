@@ -29,7 +29,8 @@ class ServeOptions:
     seed: int = 0                        # seeds the model weights when --weights is not given
     batch_window_ms: float = 2.0
     max_batch: int = 32
-    workers: int = 1                     # forward-pass threads (one CUDA stream each); 0: inline on the loop
+    workers: int | None = None           # forward-pass threads (one CUDA stream each); 0: inline on the loop;
+                                         # None: 1 on CUDA, 0 on CPU (app.forward_workers says why)
     jit: bool = True                     # TorchScript-trace the model on CPU
     torch_threads: int = 1               # intra-op threads on CPU; 1 leaves a core for the client
     limiter: str = "off"
@@ -43,6 +44,7 @@ class ServeOptions:
     max_rate: float = 20000.0
     min_samples: int = 20                # fewer calls in a period: 'insufficient' (neither breach nor heal)
     rejected_ratio_threshold: float = 0.05
+    queue_light_depth: int = 5           # batcher queue deeper than this serves new batches light; 0: never
     hpack_table_size: int | None = None  # 0 lets a mid-stream capture decode every header block
     max_connection_age_s: float | None = None
     grace_s: float = 5.0                 # how long SIGTERM waits for in-flight calls
@@ -52,7 +54,10 @@ class ServeOptions:
     def guard_config(self) -> GuardConfig:
         """The subset the Guard needs (see hooks.GuardConfig)."""
         names = {f.name for f in fields(GuardConfig)}
-        return GuardConfig(**{k: v for k, v in vars(self).items() if k in names})
+        config = GuardConfig(**{k: v for k, v in vars(self).items() if k in names})
+        if self.queue_light_depth <= 0:  # off: only the P99 alert degrades (benchmarks pin a tier this way)
+            config.queue_light_depth = 1 << 30
+        return config
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel arguments for grpc.aio.server."""

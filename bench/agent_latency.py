@@ -1,8 +1,10 @@
 """Benchmark: the agent's Decide throughput and latency on CPU, against a trivial echo peer.
 
 For each of: an echo grpc.aio server of the same proto (the peer: gRPC + client cost alone), the agent
-with the full tier and the agent with the light tier (both on its default lean h2 server), and the full
-tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with --no-grpcio), it measures
+with the full tier and the agent with the light tier (both on its default lean h2 server, each tier pinned:
+no queue-depth or P99 degradation), the agent as served (full, degrading batches to light while calls
+queue), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with
+--no-grpcio), it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
   - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
 and the server's own CPU time per call (psutil), which says what one core could sustain even when a shared
@@ -160,9 +162,13 @@ def main() -> None:
     print(f"model  {results['model']}", flush=True)
     with EchoProcess() as echo:
         results["echo"] = measure("echo", echo.grpc_address, echo.proc.pid, args.rates, args.duration, args.seq_calls)
-    runs = [("full", "full", "h2"), ("light", "light", "h2")] + ([] if args.no_grpcio else [("grpcio", "full", "grpcio")])
-    for name, tier, server in runs:
-        with AgentProcess(tier=tier, device="cpu", metrics_port=None, server=server) as agent:
+    # full/light/grpcio pin their tier (no queue-depth or P99 degradation): a tier's own throughput.
+    # "served" is the agent as shipped, which turns batches light while calls queue for the model.
+    pinned = {"queue_light_depth": 0, "alerts": False}
+    runs = [("full", "full", "h2", pinned), ("light", "light", "h2", pinned), ("served", "full", "h2", {})]
+    runs += [] if args.no_grpcio else [("grpcio", "full", "grpcio", pinned)]
+    for name, tier, server, extra in runs:
+        with AgentProcess(tier=tier, device="cpu", metrics_port=None, server=server, **extra) as agent:
             results[name] = measure(name, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls)
     _print_ratios(results, args.rates)
     if args.json:
@@ -186,7 +192,7 @@ def _print_ratios(results: dict, rates: list[float]) -> None:
     model = results["model"]
     print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors;"
           " one core = 1e6 / server CPU us per call)")
-    for name in [n for n in ("echo", "full", "light", "grpcio") if n in results]:
+    for name in [n for n in ("echo", "full", "light", "served", "grpcio") if n in results]:
         res, cpu = results[name], _cpu_per_call(results[name])
         print(f"{name:6s} batch1 {res['batch1']['calls_s']:8.1f} calls/s (p50 {res['batch1']['p50_ms']} ms)   "
               f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s")

@@ -74,6 +74,15 @@ def test_queue_depth_switches_tier_and_emits_events_with_reason_queue():
     assert [(e["to"], e["reason"]) for e in g.events.since(0, "tier")] == [("light", "queue"), ("full", "recovered")]
 
 
+def test_queue_light_depth_zero_leaves_degradation_to_the_alert_alone() -> None:
+    from agent_under_test.config import ServeOptions
+
+    cfg = ServeOptions(queue_light_depth=0, metrics_port=None).guard_config()
+    g, clock = guard(queue_light_depth=cfg.queue_light_depth)
+    assert [g.choose_tier(depth) for depth in (6, 500, 10_000)] == ["full"] * 3 and g.events.since(0, "tier") == []
+    assert ServeOptions(queue_light_depth=8, metrics_port=None).guard_config().queue_light_depth == 8
+
+
 def test_metrics_show_rate_alert_tier_and_the_threshold_bucket():
     g, clock = guard(p99_threshold_ms=7.0)
     for _ in range(3):
