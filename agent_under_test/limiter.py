@@ -136,7 +136,7 @@ class SeedLimiter(_BucketLimiter):
 @dataclass(frozen=True)
 class GradientParams:
     window: int = 5             # periods in the smoothed P99 (their median): one or two noisy periods never move it
-    low: float = 0.5            # grow while this period's and the smoothed P99 are both below low x T
+    low: float = 0.75           # grow while this period's and the smoothed P99 are both below low x T
     high: float = 0.9           # trim while both are above high x T; in between hold (Vegas' alpha/beta band)
     step: float = 0.10          # most change per period outside an overload (trim >= x0.9, growth <= x1.1)
     surge: float = 3.0          # P99 above surge x T while the median call waits: overload, cut deep at once
@@ -149,6 +149,10 @@ class GradientParams:
     knee: float = 0.95          # below knee x good, return by halving the gap
     probe: float = 0.01         # above it, probe 1 %, 2 %, 4 % ... (at most `step`) per healthy period
     headroom: float = 2.0       # when not limiting, stay within headroom x offered rate
+    probe_cap: float = 0.04     # largest probe above the good rate
+    cliff_zone: float = 0.9     # within this x the last rate that queued, probe only `plateau_probe` a period ...
+    plateau_probe: float = 0.005
+    plateau_periods: int = 10   # ... for this many healthy periods, then forget it (capacity may have grown)
 
 
 class GradientLimiter(_BucketLimiter):
@@ -191,6 +195,8 @@ class GradientLimiter(_BucketLimiter):
         self.deep_cut = False                         # a deep cut was made in this episode
         self.probes = 0
         self.since_cut = 0      # periods since the last cut (or undo) of this episode
+        self.cliff: float | None = None   # the last rate at which our own queue formed
+        self.plateau = 0        # healthy periods spent probing near it
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -222,8 +228,7 @@ class GradientLimiter(_BucketLimiter):
             done = summary.count / summary.seconds
             self.good = done if self.good is None else max(self.good, done)
         if hi >= self.p.low * t:
-            self.probes = 0
-            return self._cap(summary)
+            return self._cap(summary)   # the band: hold; probing resumes where it was (a noisy period is no cut)
         return self._grow(summary, 1.0 - hi / (self.p.low * t))
 
     def _cut(self, p99: float, lo: float, hi: float, summary: PeriodSummary, overload: bool) -> Adjustment | None:
@@ -232,7 +237,13 @@ class GradientLimiter(_BucketLimiter):
             self.cutting, self.deep_cut = (min(old, done * (1.0 + self.p.step)), hi), False
             self.since_cut = self.p.window   # the first trim of an episode needs no wait
         above_good = self.good is None or old > self.good
-        if overload and (above_good or not self.deep_cut):
+        if overload and self.good is not None and self.good < old <= self.good * (1.0 + self.p.step) \
+                and not self.deep_cut:
+            # A probe past the rate that last worked found the cliff: step back under it. If the queue
+            # stays there, capacity itself fell, and the next period (now at or below good) cuts deep.
+            base, g = self.p.knee * self.good, 1.0
+            reason = f"p99 {p99:.3f} ms > {t:g} ms just above the good rate {self.good:.1f}/s: back under it"
+        elif overload and (above_good or not self.deep_cut):
             # Little's law: done x (p99 - T) calls wait beyond T; admitting that much less drains them in a
             # period. At or below a rate known to be good only once per episode: if the queue stays after
             # that, the rate is not what drives it, and cutting deep again would only starve the server.
@@ -264,6 +275,8 @@ class GradientLimiter(_BucketLimiter):
             reason = f"p99 {lo:.3f} ms (smoothed) > {self.p.high * t:g} ms: {base:.1f}/s x{g:.3f}"
         if self.good is not None:
             self.good = min(self.good, old)   # a rate that breached is not good
+        if overload:
+            self.cliff, self.plateau = min(old, done), 0   # in a queue, what completed is the capacity
         self.since_cut = 0
         return self._move(base * g, reason)
 
@@ -300,7 +313,15 @@ class GradientLimiter(_BucketLimiter):
             self.probes = 0
             new = max(grown, self.rate + (knee - self.rate) / 2)
             return self._move(new, f"limiting, below the {knee:.1f}/s knee: halve the gap")
-        step = min(self.p.step, self.p.probe * 2 ** self.probes) * h
+        # Doubling probes; past the good rate, where the cliff may be, at most `probe_cap` a period; close
+        # to the rate that last queued (CUBIC's plateau), `plateau_probe` until it has held a while.
+        cap = self.p.step if self.good is not None and self.rate < self.good else self.p.probe_cap
+        step = min(cap, self.p.probe * 2 ** self.probes)
+        if self.cliff is not None and self.rate * (1 + step) >= self.p.cliff_zone * self.cliff:
+            step = min(step, self.p.plateau_probe)
+            self.plateau += 1
+            if self.plateau >= self.p.plateau_periods:
+                self.cliff = None
         self.probes += 1
         return self._move(self.rate * (1 + step), f"limiting, headroom {h:.2f}: probe x{1 + step:.4f}")
 

@@ -111,18 +111,18 @@ def test_gradient_surge_cuts_deep_from_what_completed_and_holds_while_the_queue_
 
 def test_gradient_holds_inside_the_band_and_one_noisy_period_moves_nothing():
     lim = gradient(500.0, good=500.0)
-    # Between low x T = 10 ms and high x T = 15 ms: hold. A single 40 ms tail spike (the median call
-    # quick) leaves the window's median at 12 ms: still hold.
-    for p99, p50 in ((12.0, 4.0), (12.0, 4.0), (40.0, 4.0), (13.0, 4.0)):
+    # Between low x T = 15 ms and high x T = 18 ms: hold. A single 40 ms tail spike (the median call
+    # quick) leaves the window's median at 16 ms: still hold.
+    for p99, p50 in ((16.0, 4.0), (16.0, 4.0), (40.0, 4.0), (17.0, 4.0)):
         assert lim.on_period(period(p99, count=500, rejected=200, p50=p50)) is None
     assert lim.rate == 500.0
 
 
 def test_gradient_trims_in_proportion_once_the_smoothed_p99_agrees():
     lim = gradient(500.0, good=500.0)
-    for p99 in (12.0, 40.0, 12.0, 19.0):       # window medians 12: hold (a spike, then one period above)
+    for p99 in (16.0, 40.0, 16.0, 19.0):       # window medians 16: hold (a spike, then one period above)
         assert lim.on_period(period(p99, count=500, rejected=200, p50=4.0)) is None
-    adj = lim.on_period(period(19.0, count=500, rejected=200, p50=4.0))   # window 12 40 12 19 19: median 19
+    adj = lim.on_period(period(19.0, count=500, rejected=200, p50=4.0))   # window 16 40 16 19 19: median 19
     # lo = min(19, 19) = 19: 1 ms over high x T (18), a fifth of trim_span x T (5 ms): x0.98.
     assert adj.new_rate == pytest.approx(500.0 * 0.98) and "smoothed" in adj.reason
     assert lim.good == 500.0
@@ -199,23 +199,51 @@ def test_gradient_halves_the_gap_to_the_knee_then_probes_with_doubling_steps():
     lim = gradient(500.0, good=1000.0)
     knee = 950.0
     rates = []
-    for _ in range(4):            # P99 5 ms: headroom h = 1 - 5/10 = 0.5 below the band
+    for _ in range(4):            # P99 5 ms: headroom h = 1 - 5/15 below the band
         lim.on_period(period(5.0, count=int(lim.rate), rejected=50))
         rates.append(lim.rate)
     want, r = [], 500.0
     for _ in range(4):
-        r = max(r * (1 + 0.1 * 0.5), r + (knee - r) / 2)
+        r = max(r * (1 + 0.1 * (1 - 5 / 15)), r + (knee - r) / 2)
         want.append(r)
     assert rates == pytest.approx(want)
     lim.bucket.set_rate(knee)
     steps = []
-    for _ in range(5):                                   # h = 1 - 5/10: 1 %, 2 %, 4 %, 8 %, 10 % (cap) x 0.5
+    for _ in range(5):   # probes 1 %, 2 %, 4 %; past the good rate (the cliff may be there) at most 4 %
         before = lim.rate
         lim.on_period(period(5.0, count=int(before), rejected=50))
         steps.append(lim.rate / before - 1)
-    assert steps == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.05])
-    lim.on_period(period(12.0, count=1000, rejected=50))  # inside the band: hold, and probing restarts at 1 %
-    assert lim.probes == 0
+    assert steps == pytest.approx([0.01, 0.02, 0.04, 0.04, 0.04])
+    before = lim.rate
+    assert lim.on_period(period(16.0, count=1000, rejected=50)) is None  # inside the band: hold ...
+    assert lim.rate == before and lim.probes == 5  # ... and a noisy period is no cut: probing goes on
+    lim.on_period(period(100.0, count=1000, rejected=50, p50=30.0))      # an overload cut ...
+    assert lim.rate < before and lim.probes == 0   # ... restarts probing at 1 %
+
+
+def test_gradient_steps_back_under_the_good_rate_when_a_probe_past_it_meets_a_queue():
+    lim = gradient(1040.0, good=1000.0)        # probing 4 % past the rate that last worked
+    adj = lim.on_period(period(200.0, count=1000, rejected=50, p50=50.0))
+    assert adj.new_rate == pytest.approx(950.0) and "back under" in adj.reason   # 0.95 x good, not x0.82
+    # The queue stays at the good rate: capacity itself fell, so now the deep cut, from what completed.
+    adj = lim.on_period(period(190.0, count=900, rejected=50, p50=50.0))
+    assert adj.new_rate == pytest.approx(900.0 * (1 - 0.17)) and "our queue" in adj.reason
+
+
+def test_gradient_creeps_near_the_rate_that_last_queued_then_forgets_it():
+    lim = gradient(2000.0, good=1000.0)
+    lim.on_period(period(200.0, count=1000, rejected=900, p50=50.0))     # the 2x step: a deep cut ...
+    assert lim.rate == pytest.approx(1000.0 * 0.82) and lim.cliff == 1000.0   # ... and the cliff is what completed
+    steps = []
+    for _ in range(16):
+        before = lim.rate
+        lim.on_period(period(5.0, count=int(before), rejected=500))
+        steps.append(round(lim.rate / before - 1, 6))
+    # Back to the knee (0.95 x 1000) by halving the gap, then 0.5 % a period within 0.9 x the cliff for
+    # 10 periods (CUBIC's plateau), then the cliff is forgotten and probing doubles again (4 % cap).
+    knee_at = next(i for i, st in enumerate(steps) if st == 0.005)
+    assert steps[knee_at:knee_at + 10] == [0.005] * 10 and lim.cliff is None
+    assert steps[knee_at + 10] == 0.04
 
 
 def test_gradient_does_not_run_away_while_not_limiting():
