@@ -38,7 +38,7 @@ phases:
     faults:
       - {{network: latency, latency_ms: 5, jitter_ms: 15}}
       - {{cpu: contention, workers: 4, load_pct: 100}}
-      - {{cpu: quota, pct: 15}}
+      - {{cpu: quota, pct: 4}}
   - {{name: recovery, duration: 20s}}
 expect:
   - alert_silent: {{phase: baseline}}
