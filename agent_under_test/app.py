@@ -88,7 +88,7 @@ class AgentServer:
         if opts.server == "grpcio":
             server = aio.server(options=opts.grpc_options())
         else:
-            server = LeanServer(max_receive_message_length=max(4 * 1024 * 1024, opts.max_message_bytes * 4),
+            server = LeanServer(max_receive_message_length=opts.max_receive_bytes,
                                 header_table_size=4096 if opts.hpack_table_size is None else opts.hpack_table_size,
                                 max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s,
                                 admit=admission(self.guard))

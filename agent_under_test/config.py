@@ -59,12 +59,16 @@ class ServeOptions:
             config.queue_light_depth = 1 << 30
         return config
 
+    @property
+    def max_receive_bytes(self) -> int:
+        """The server's own message size limit: well above ours, so oversize snapshots reach validation
+        (INVALID_ARGUMENT naming the field) instead of being cut off by the transport."""
+        return max(4 * 1024 * 1024, self.max_message_bytes * 4)
+
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel arguments for grpc.aio.server."""
         opts: list[tuple[str, int]] = [
-            # Oversize snapshots must reach validation (INVALID_ARGUMENT naming the field),
-            # so gRPC's own limit sits well above ours.
-            ("grpc.max_receive_message_length", max(4 * 1024 * 1024, self.max_message_bytes * 4)),
+            ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.so_reuseport", 0),
         ]
         if self.hpack_table_size is not None:

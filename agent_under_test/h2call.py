@@ -28,13 +28,13 @@ class Abort(aio.AbortError):
 class Call:
     """Stream state of one call. `inbox` holds decoded request messages not yet read by the handler."""
 
-    __slots__ = ("sid", "conn", "method", "handler", "ctx", "task", "buf", "inbox", "waiter", "remote_closed",
+    __slots__ = ("sid", "conn", "handler", "ctx", "task", "buf", "inbox", "waiter", "remote_closed",
                  "local_closed", "headers_sent", "window", "out", "trailers", "drained", "timer", "unacked",
                  "received_ns")
 
-    def __init__(self, sid: int, conn: Connection, method: str, handler: grpc.RpcMethodHandler,
+    def __init__(self, sid: int, conn: Connection, handler: grpc.RpcMethodHandler,
                  metadata: tuple[tuple[str, str], ...], window: int, timeout_s: float | None) -> None:
-        self.sid, self.conn, self.method, self.handler = sid, conn, method, handler
+        self.sid, self.conn, self.handler = sid, conn, handler
         self.received_ns = time.perf_counter_ns()
         self.ctx = Context(self, metadata, timeout_s)
         self.task: asyncio.Task[None] | None = None

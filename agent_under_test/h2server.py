@@ -81,9 +81,9 @@ class Connection(asyncio.Protocol):
             self.peer = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
         s = self.server
         self._send(w.settings({w.MAX_CONCURRENT_STREAMS: MAX_STREAMS, w.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                                         w.HEADER_TABLE_SIZE: s.header_table_size, w.ENABLE_PUSH: 0,
-                                         w.MAX_HEADER_LIST_SIZE: 1 << 20})
-                             + w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(WINDOW - 65535)))
+                               w.HEADER_TABLE_SIZE: s.header_table_size, w.ENABLE_PUSH: 0,
+                               w.MAX_HEADER_LIST_SIZE: 1 << 20})
+                   + w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(WINDOW - 65535)))
         s.connections.add(self)
         if s.max_connection_age_s is not None:
             self.age_timer = self.loop.call_later(s.max_connection_age_s, self.go_away)
@@ -173,13 +173,12 @@ class Connection(asyncio.Protocol):
         return None
 
     def _open(self, sid: int, fields: list[tuple[str, str]], ended: bool) -> None:
-        write = self._send
         if (self.going_away is not None and sid > self.going_away) or len(self.calls) >= MAX_STREAMS:
-            write(w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.REFUSED_STREAM)))
+            self._send(w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.REFUSED_STREAM)))
             return
         path = ctype = encoding = ""
         timeout: float | None = None
-        metadata = []
+        extra = []
         for k, v in fields:
             if k[0] == ":":
                 if k == ":path":
@@ -191,11 +190,12 @@ class Connection(asyncio.Protocol):
             elif k == "grpc-encoding":
                 encoding = v
             elif k not in _RESERVED:
-                metadata.append((k, v))
+                extra.append((k, v))
+        metadata = tuple(extra)
         if not ctype.startswith("application/grpc"):
-            write(w.headers(sid, w.block([(":status", "415")]), self.peer_max_frame, True))
+            self._send(w.headers(sid, w.block([(":status", "415")]), self.peer_max_frame, True))
             return
-        handler = self.server.lookup(path, tuple(metadata))
+        handler = self.server.lookup(path, metadata)
         if handler is None:
             self._trailers_only(sid, _UNIMPLEMENTED, f"Method not found: {path}", ended=ended)
             return
@@ -205,7 +205,7 @@ class Connection(asyncio.Protocol):
         if encoding not in ("", "identity", "gzip"):
             self._trailers_only(sid, _UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported", ended=ended)
             return
-        call = Call(sid, self, path, handler, tuple(metadata), self.peer_window, timeout)
+        call = Call(sid, self, handler, metadata, self.peer_window, timeout)
         self.calls[sid] = call
         if timeout is not None:
             call.timer = self.loop.call_later(timeout, self._expire, call)
@@ -286,10 +286,9 @@ class Connection(asyncio.Protocol):
             call.unacked = 0
 
     def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        write = self._send
         if ftype == w.SETTINGS and not flags & w.ACK:
             self._apply_settings(payload)
-            write(w.frame(w.SETTINGS, w.ACK, 0))
+            self._send(w.frame(w.SETTINGS, w.ACK, 0))
         elif ftype == w.WINDOW_UPDATE:
             inc = w.U32.unpack(payload)[0] & 0x7FFFFFFF
             if sid == 0:
@@ -299,7 +298,7 @@ class Connection(asyncio.Protocol):
             self._flush()
         elif ftype == w.PING:
             if not flags & w.ACK:
-                write(w.frame(w.PING, w.ACK, 0, payload))
+                self._send(w.frame(w.PING, w.ACK, 0, payload))
             elif payload == _SHUTDOWN_PING and self.going_away is None:
                 self._final_goaway()
         elif ftype == w.RST_STREAM:
@@ -368,12 +367,11 @@ class Connection(asyncio.Protocol):
         """Send held-back DATA in call order as far as the windows allow, then any trailers behind it."""
         if self.closed:
             return
-        write = self._send
         for _ in range(len(self.blocked)):
             call = self.blocked.popleft()
             n = min(len(call.out), self.send_window, call.window)
             if n > 0:
-                write(w.data_frames(call.sid, bytes(call.out[:n]), self.peer_max_frame))
+                self._send(w.data_frames(call.sid, bytes(call.out[:n]), self.peer_max_frame))
                 del call.out[:n]
                 self.send_window -= n
                 call.window -= n
@@ -383,7 +381,7 @@ class Connection(asyncio.Protocol):
             if call.drained is not None and not call.drained.done():
                 call.drained.set_result(None)
             if call.trailers is not None:
-                write(w.headers(call.sid, call.trailers, self.peer_max_frame, True))
+                self._send(w.headers(call.sid, call.trailers, self.peer_max_frame, True))
                 self._finished(call)
 
     def end(self, call: Call, code: int, message: str = "", metadata: tuple[tuple[str, str], ...] = ()) -> None:
@@ -409,9 +407,8 @@ class Connection(asyncio.Protocol):
 
     def _trailers_only(self, sid: int, code: int, message: str, metadata: tuple[tuple[str, str], ...] = (),
                        *, ended: bool) -> None:
-        self._send(w.headers(sid, w.status_block(code, message, metadata, trailers_only=True),
-                                       self.peer_max_frame, True)
-                             + (b"" if ended else w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.NO_ERROR))))
+        self._send(w.headers(sid, w.status_block(code, message, metadata, trailers_only=True), self.peer_max_frame, True)
+                   + (b"" if ended else w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.NO_ERROR))))
 
     def _finished(self, call: Call) -> None:
         """Our side is done: forget the call (telling the client to stop sending if it still is)."""
@@ -565,16 +562,13 @@ class LeanServer:
         """Run one call's handler and end the call with its result or status."""
         handler, ctx, conn = call.handler, call.ctx, call.conn
         try:
-            if handler.unary_unary is not None:
-                response = await handler.unary_unary(request, ctx)
+            unary = handler.unary_unary or handler.stream_unary  # one response: answered in one write
+            if unary is not None:
+                response = await unary(request, ctx)
                 if ctx._code is None or ctx._code == grpc.StatusCode.OK:
                     return conn.respond(call, call.serialize(response),
                                         w.status_block(0, ctx._details, ctx._trailing) if ctx._trailing
                                         else w.TRAILERS_OK)
-            elif handler.stream_unary is not None:
-                response = await handler.stream_unary(request, ctx)
-                if ctx._code is None or ctx._code == grpc.StatusCode.OK:
-                    return conn.respond(call, call.serialize(response))
             else:
                 behavior = handler.unary_stream or handler.stream_stream
                 result = behavior(request, ctx)
@@ -618,10 +612,6 @@ class LeanServer:
             await srv.wait_closed()
         self._servers.clear()
         self._sockets.clear()
-
-    async def wait_for_termination(self) -> None:
-        while self._servers:
-            await asyncio.sleep(0.5)
 
 
 class _CallDetails(grpc.HandlerCallDetails):

@@ -11,6 +11,7 @@ these few lines rather than sharing the replayer's client-side framing.
 
 from __future__ import annotations
 
+import base64
 import struct
 from urllib.parse import quote
 
@@ -126,12 +127,11 @@ def _status_block(code: int, message: str, metadata: tuple[tuple[str, str], ...]
     fields.append(("grpc-status", str(code)))
     if message:
         fields.append(("grpc-message", grpc_message(message)))
-    return block(fields + [(k, v) for k, v in metadata if not k.endswith("-bin")]) + b"".join(
-        field(k, _b64(v)) for k, v in metadata if k.endswith("-bin"))
+    return block(fields + [(k, _b64(v) if k.endswith("-bin") else v) for k, v in metadata])
 
 
 def _b64(value: str | bytes) -> str:
-    import base64
+    """A binary (-bin) metadata value as gRPC sends it: base64 without padding."""
     raw = value if isinstance(value, bytes) else value.encode()
     return base64.b64encode(raw).decode().rstrip("=")
 

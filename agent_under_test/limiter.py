@@ -165,6 +165,8 @@ class GradientLimiter(_BucketLimiter):
     queueing: p > T and p50 > queue_p50 x T;  overload: queueing and (p > surge x T or the last period queued)
     overload or lo > high x T (a cutting episode; it ends at the first period with hi <= high x T):
         in an episode and p < draining x last p:  hold (the last cut is draining the queue)
+        overload, good < rate <= good*(1 + step), no deep cut yet in this episode:
+            step back: rate = knee x good (a probe found the cliff; if the queue stays, the next period cuts deep)
         overload, and rate > good or no deep cut yet in this episode:
             deep cut:  rate = min(rate, done) * clamp(1 - (p-T)/P, min_cut, max_cut)
         overload otherwise (a confirmed queue is ours):  trim
@@ -174,12 +176,14 @@ class GradientLimiter(_BucketLimiter):
                 (cutting did not lower the latency: not our rate; undo rather than starve, test again)
             else trim
         trim:  rate = min(rate, done*(1 + step)) * (1 - step * min(1, (lo - high T) / (trim_span T)))
-        every cut lowers good to at most the rate that breached
+        every cut lowers good to at most the rate that breached; an overload cut sets cliff = min(rate, done)
     hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
     else grow, h = 1 - hi / (low x T):
         not limiting:                  rate = min(rate*(1 + step*h), headroom x offered)
         limiting, rate < knee x good:  rate = max(rate*(1 + step*h), rate + (knee x good - rate)/2)
-        limiting, else (probe k):      rate = rate*(1 + min(step, probe*2^k)*h), k = 0, 1, 2 ...
+        limiting, else (probe k):      rate = rate*(1 + min(cap, probe*2^k)), k = 0, 1, 2 ... (not reset by a
+                                       hold), cap = step below good, probe_cap above; within cliff_zone x
+                                       cliff at most plateau_probe, for plateau_periods, then cliff = None
     """
 
     policy = "gradient"

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc import aio
 
 from agent_under_test.errors import InvalidSnapshotError
+from agent_under_test.h2server import Admit, Refusal
 from agent_under_test.hooks import Guard
 from agent_under_test.pipeline import Pipeline
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
@@ -30,16 +31,16 @@ DECIDE_STREAM = f"/{SERVICE}/DecideStream"
 STREAM_WINDOW = 64  # messages of one stream in flight at once; the reader waits beyond that
 
 
-def refusal(retry_s: float) -> tuple[int, str, tuple[tuple[str, str], ...]]:
+def refusal(retry_s: float) -> Refusal:
     """RESOURCE_EXHAUSTED, its message and the retry hint in trailing metadata, for a refused call."""
     ms = str(max(0, int(retry_s * 1000)))
     return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], f"agent overloaded: retry after {ms} ms",
             (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms)))
 
 
-def admission(guard: Guard) -> Callable[[str], tuple[int, str, tuple[tuple[str, str], ...]] | None]:
+def admission(guard: Guard) -> Admit:
     """The guard's admission as the lean server runs it, on a call's headers (see h2server.LeanServer)."""
-    def admit(path: str) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
+    def admit(path: str) -> Refusal | None:
         if path != DECIDE and path != DECIDE_STREAM:
             return None  # health and reflection are never refused
         retry = guard.admit(path)

@@ -85,8 +85,12 @@ class LeanClient:
             raise RuntimeError(f"cannot talk HTTP/2 to {address}: {conn.error}")
         return cls(conn, address)
 
-    def call(self, body: bytes, on_end: Callable[[SendOutcome], None], timeout_s: float = 10.0) -> None:
-        framed = b"\x00" + len(body).to_bytes(4, "big") + body
+    @staticmethod
+    def framed(bodies: list[bytes]) -> list[bytes]:
+        """Request messages with gRPC's length prefix, built once (not per call)."""
+        return [b"\x00" + len(body).to_bytes(4, "big") + body for body in bodies]
+
+    def call(self, framed: bytes, on_end: Callable[[SendOutcome], None], timeout_s: float = 10.0) -> None:
         self.conn.open(self.block, framed, self.conn.loop.time() + timeout_s, on_end)
 
     def close(self) -> None:
@@ -96,7 +100,7 @@ class LeanClient:
 async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.ndarray:
     """Poisson open loop following `schedule` [(rate, seconds)]; rows (send_s, latency_s, ok, rejected)."""
     rng = random.Random(seed)
-    pool = payloads(rng)
+    pool = LeanClient.framed(payloads(rng))
     rows: list[tuple[float, float, int, int]] = []
     lags: list[float] = []
     client = await LeanClient.connect(address)
@@ -151,7 +155,7 @@ def drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.nd
 
 async def _saturate(address: str, seconds: float, workers: int, seed: int) -> float:
     """Closed loop: `workers` callers back to back for `seconds`; completed calls/s (throughput capacity)."""
-    pool = payloads(random.Random(seed))
+    pool = LeanClient.framed(payloads(random.Random(seed)))
     done = 0
     client = await LeanClient.connect(address)
     end = time.monotonic() + seconds

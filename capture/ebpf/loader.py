@@ -329,7 +329,6 @@ class EbpfBackend:
         self.sink.close_flow(key, ts_ns)
 
     def _open(self, key: tuple[int, int], h: EvHdr) -> None:
-        assert self.sink is not None
         si = h.si
         if key in self._held:                 # its fd was reused before its CLOSE came: it is complete
             old = self._held.pop(key)
@@ -344,8 +343,7 @@ class EbpfBackend:
         else:
             # connect() bound the local end already; /proc has it by the time we see the event
             client, server = procnet.local_end(h.tgid, h.fd) or ("0.0.0.0", 0), remote
-        self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
-                                      opened_ns=h.ts_ns, joined_midstream=False))
+        self._start(key, h, client, server)
 
     # ---- accepts with no address ----
 
@@ -369,7 +367,7 @@ class EbpfBackend:
             if ends is None and self._still_accepted(key, opened):
                 # open, yet /proc does not show it: record it now rather than hold a live flow
                 self.accepts["peer_unknown"] += 1
-                self._start(key, h, UNKNOWN_END, ("0.0.0.0", int(h.si.lport)), False)
+                self._start(key, h, UNKNOWN_END, ("0.0.0.0", int(h.si.lport)))
                 self._instances[key] = opened
                 return
         if ends is None:
@@ -377,14 +375,14 @@ class EbpfBackend:
             return
         self.accepts["peer_from_proc"] += 1
         local, remote, _family, _state = ends
-        self._start(key, h, remote, local, False)
+        self._start(key, h, remote, local)
         self._instances[key] = opened
 
-    def _start(self, key: tuple[int, ...], h: EvHdr, client: tuple[str, int], server: tuple[str, int],
-               joined: bool) -> None:
+    def _start(self, key: tuple[int, ...], h: EvHdr, client: tuple[str, int], server: tuple[str, int]) -> None:
+        """Open the flow an OPEN event announced (seen from its first byte: not joined midstream)."""
         assert self.sink is not None
         self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
-                                      opened_ns=h.ts_ns, joined_midstream=joined))
+                                      opened_ns=h.ts_ns, joined_midstream=False))
 
     def _close_accepted(self, key: tuple[int, int], h: EvHdr) -> None:
         """CLOSE of an accept with no address (sent at close's exit: the fd may be reused already)."""
@@ -411,7 +409,7 @@ class EbpfBackend:
             self.accepts["peer_unknown"] += 1
             client, server = UNKNOWN_END, ("0.0.0.0", int(h.si.lport))
         key = (h.tgid, h.fd, int(h.si.opened_ns))
-        self._start(key, h, client, server, False)
+        self._start(key, h, client, server)
         for raw in held.records:
             self._handle(raw, key)
         self._close(key, closed_ns)
