@@ -57,6 +57,7 @@ class Service:
         async for r in requests:
             total, n = total + len(r), n + 1
             await asyncio.sleep(0)
+        ctx.set_trailing_metadata((("count", str(n)),))
         return f"{n} {total}".encode()
 
     async def spray(self, request: bytes, ctx):
@@ -167,6 +168,12 @@ def test_flow_control_both_ways_beyond_the_initial_windows(lean) -> None:
     assert srv.method("Count", "stream_unary")(iter(chunks), timeout=30) == f"200 {200 * 65536}".encode()
     got = list(srv.method("Spray", "unary_stream")(b"60", timeout=30))
     assert [int.from_bytes(g[:4], "big") for g in got] == list(range(60)) and all(len(g) == 100_000 for g in got)
+
+
+def test_client_streaming_call_answers_with_its_trailing_metadata(lean) -> None:
+    srv = lean()
+    reply, call = srv.method("Count", "stream_unary").with_call(iter([b"ab", b"c"]), timeout=5)
+    assert reply == b"2 3" and dict(call.trailing_metadata())["count"] == "2"
 
 
 def test_message_over_the_receive_limit_is_resource_exhausted(lean) -> None:
