@@ -50,11 +50,14 @@ def _worker_main(i: int, n: int, path: str, target: str, opts: ReplayOptions, ou
             except Exception:  # read while the run writes: skip this snapshot, never the results
                 snapshot = None
             out.put(("progress", i, {"stats": snapshot, "results": batch}))
-    threading.Thread(target=report_progress, daemon=True).start()
+    reporter = threading.Thread(target=report_progress, daemon=True)
+    reporter.start()
     try:
         run.run()
     finally:
         done.set()
+        # A batch it popped must reach the queue before "done": the parent stops reading at "done".
+        reporter.join()
     cmp = run.options.compare
     out.put(("done", i, {"stats": run.stats.to_wire(), "results": list(pending), "end_ns": run.end_ns,
                          "problems": run.problems, "mismatches": cmp.summary() if cmp is not None else None}))  # type: ignore[attr-defined]
