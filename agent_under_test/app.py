@@ -28,6 +28,7 @@ from agent_under_test.h2server import LeanServer
 from agent_under_test.hooks import Guard
 from agent_under_test.pipeline import Pipeline
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
+from agent_under_test.saturation import ThreadSaturation
 from agent_under_test.server import SERVICE, TradingAgentServicer, admission
 
 
@@ -70,6 +71,9 @@ class AgentServer:
         except RuntimeError as exc:
             raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc}); pick a free port or --port 0") from exc
         await self._server.start()
+        watch = getattr(self.guard, "set_saturation_source", None)
+        if watch is not None:   # start() runs on the event loop thread: the one that serves every call
+            watch(ThreadSaturation().sample)
         self.guard.start()
         # Everything loaded so far (torch, the model, protobuf, grpc) lives as long as the process: keep it
         # out of the collector's reach, or each full collection walks it all and stalls the loop for tens of ms.

@@ -153,10 +153,13 @@ class GradientParams:
     cliff_zone: float = 0.9     # within this x the last rate that queued, probe only `plateau_probe` a period ...
     plateau_probe: float = 0.005
     plateau_periods: int = 10   # ... for this many healthy periods, then forget it (capacity may have grown)
+    busy: float = 0.85          # with saturation known: the serving thread's busy share to hold ...
+    busy_step: float = 0.5      # largest growth a period towards it (x1.5); cuts at most `step`
 
 
 class GradientLimiter(_BucketLimiter):
-    """Rate-based Gradient2/Vegas controller: smoothed signal, a deadband, bounded steps (docs/protection.md).
+    """Rate-based controller on the serving thread's saturation (held at `busy`) guarded by P99 with
+    Gradient2/Vegas rules: smoothed signal, a deadband, bounded steps (docs/protection.md).
 
     T threshold, P period, done = completed calls/s, p = this period's P99, s = median P99 of the last
     `window` periods (its low/high median while fewer), lo/hi = min/max(p, s), good = highest completed
@@ -176,7 +179,15 @@ class GradientLimiter(_BucketLimiter):
                 (cutting did not lower the latency: not our rate; undo rather than starve, test again)
             else trim
         trim:  rate = min(rate, done*(1 + step)) * (1 - step * min(1, (lo - high T) / (trim_span T)))
-        every cut lowers good to at most the rate that breached; an overload cut sets cliff = min(rate, done)
+        every cut lowers good to at most the rate that breached; an overload cut sets cliff = min(rate, done);
+        every cut clears the saturation estimates
+    saturation u known (the serving thread's busy share; the rules above still come first):
+        est = low median of the last `window` (done x busy / u), cleared by a cut and when refusing starts
+        not limiting: est >= done: rate = min(headroom x done, max(done x (1 + probe), sqrt(done x est)))
+                      else         rate = max(est, done x (1 - step))
+        limiting: est > rate and hi >= low x T: hold; else rate = clamp(est, min(rate, done(1 + step)) x
+                  (1 - step), rate x (1 + busy_step)); moves under `probe` of the rate are not made
+    saturation unknown:
     hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
     else grow, h = 1 - hi / (low x T):
         not limiting:                  rate = min(rate*(1 + step*h), headroom x offered)
@@ -201,6 +212,8 @@ class GradientLimiter(_BucketLimiter):
         self.since_cut = 0      # periods since the last cut (or undo) of this episode
         self.cliff: float | None = None   # the last rate at which our own queue formed
         self.plateau = 0        # healthy periods spent probing near it
+        self.estimates: deque[float] = deque(maxlen=self.p.window)   # rate at the saturation target, per period
+        self.limited = False    # the last period refused calls
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -214,6 +227,9 @@ class GradientLimiter(_BucketLimiter):
                                                                f"x{1 + self.p.step:g}")
         p99, last, t = summary.p99_ms, self.last_p99, self.s.threshold_ms
         self.last_p99 = p99
+        if summary.rejected and not self.limited:
+            self.estimates.clear()   # refusing costs the thread too: estimates from before do not hold
+        self.limited = summary.rejected > 0
         self.since_cut += 1
         self.recent.append(p99)
         # The window's median (low and high median while it is not full: two periods that disagree
@@ -231,6 +247,8 @@ class GradientLimiter(_BucketLimiter):
         if hi <= self.p.high * t:
             done = summary.count / summary.seconds
             self.good = done if self.good is None else max(self.good, done)
+        if summary.saturation is not None:
+            return self._track(summary, summary.saturation, hi < self.p.low * t)
         if hi >= self.p.low * t:
             return self._cap(summary)   # the band: hold; probing resumes where it was (a noisy period is no cut)
         return self._grow(summary, 1.0 - hi / (self.p.low * t))
@@ -282,7 +300,38 @@ class GradientLimiter(_BucketLimiter):
         if overload:
             self.cliff, self.plateau = min(old, done), 0   # in a queue, what completed is the capacity
         self.since_cut = 0
+        self.estimates.clear()   # they saw the rate that breached
         return self._move(base * g, reason)
+
+    def _track(self, summary: PeriodSummary, busy: float, may_grow: bool) -> Adjustment | None:
+        """Hold the serving thread's saturation at `busy`: a signal that rises with the load long before
+        P99 does (P99 stays flat up to the cliff), so the rate can sit close under the cliff without
+        probing it. Each period estimates the rate at the target, done x busy/measured (it errs towards
+        the current rate, because part of a thread's work does not scale with the rate: the rate
+        converges without overshoot); the rate follows the median of the last `window` estimates
+        (one noisy period moves nothing), at most `step` down and `busy_step` up a period."""
+        done = summary.count / summary.seconds
+        self.estimates.append(done * self.p.busy / max(busy, 1e-3))
+        est = statistics.median_low(self.estimates)
+        if summary.rejected == 0:
+            # Not limiting: the rate is a ceiling the load has not reached. Keep it between the load and
+            # the estimate (their geometric mean, at least 1 % above the load), so that a surge beyond
+            # what the thread can take is refused at once rather than queued; once the estimate is below
+            # the load, it is the ceiling (and limiting starts).
+            offered = done
+            if est >= offered:
+                target = min(self.p.headroom * offered, max(math.sqrt(offered * est), offered * (1 + self.p.probe)))
+            else:
+                target = max(est, offered * (1 - self.p.step))
+        elif est > self.rate and not may_grow:
+            return None    # the latency sits in the band: no growth, whatever the thread says
+        else:
+            target = min(est, self.rate * (1 + self.p.busy_step))
+            target = max(target, min(self.rate, done * (1 + self.p.step)) * (1 - self.p.step))
+        if abs(target - self.rate) <= self.p.probe * self.rate:
+            return None
+        return self._move(target, f"saturation {busy:.3f} (target {self.p.busy:g}): rate for it "
+                                  f"~{est:.1f}/s, moving to {target:.1f}/s")
 
     def _futile(self, hi: float) -> bool:
         """True when this episode has cut the rate by `step`+ and the latency did not follow (judged on

@@ -122,6 +122,8 @@ class Metrics:
         self.period_count = Gauge("agent_period_requests", "Calls finished in the last period", registry=r)
         self.alert_firing = Gauge("agent_alert_firing", "1 while the alert fires", ["alert"], registry=r)
         self.tier = Gauge("agent_model_tier", "1 for the tier being served", ["tier"], registry=r)
+        self.saturation = Gauge("agent_loop_saturation", "Serving thread's busy share of the last period "
+                                "(on a CPU or waiting for one; 1 = no spare capacity)", registry=r)
         self.queue_depth = Gauge("agent_queue_depth", "Batcher queue depth after the last batch", registry=r)
         self.batch_size = FastHistogram("agent_batch_size", "Requests per forward pass", _BATCH_BUCKETS, r)
         self.stage = FastHistogram("agent_stage_latency_seconds", "Per pipeline stage latency", _STAGE_BUCKETS, r,

@@ -11,6 +11,7 @@ slow calls, so it neither breaches nor heals an alert (see docs/protection.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from hdrh.histogram import HdrHistogram
@@ -42,6 +43,7 @@ class PeriodSummary:
     p95_ms: float | None
     p99_ms: float | None
     state: str          # breaching | healthy | insufficient
+    saturation: float | None = None   # the serving thread's busy share of the period (None: not measured)
 
     @property
     def seconds(self) -> float:
@@ -98,7 +100,7 @@ def classify(count: int, p99_ms: float | None, threshold_ms: float, min_samples:
 
 def summary_from_values(period: int, start: float, end: float, latencies_ms: list[float],
                         threshold_ms: float, min_samples: int, rejected: int = 0,
-                        errors: int = 0) -> PeriodSummary:
+                        errors: int = 0, saturation: float | None = None) -> PeriodSummary:
     """Build a summary from explicit latencies (tests and benchmarks); every latency counts as ok."""
     rec = PeriodRecorder(start)
     for ms in latencies_ms:
@@ -106,4 +108,4 @@ def summary_from_values(period: int, start: float, end: float, latencies_ms: lis
     for _ in range(errors):
         rec.record(0.001, "error")
     rec.rejected = rejected
-    return rec.summarize(period, end, threshold_ms, min_samples)
+    return dataclasses.replace(rec.summarize(period, end, threshold_ms, min_samples), saturation=saturation)

@@ -4,7 +4,7 @@
     finish() ---> PeriodRecorder (HDR) + Prometheus latency/outcome
     choose_tier(depth) ---> TierSelector.on_queue        on_batch() ---> queue depth, batch size
     tick(now), once per period on a thread driven by the clock:
-        summary -> "period" event -> alerts ("alert" events) -> limiter ("limiter") -> tier ("tier")
+        summary (+ the serving thread's saturation, when a source is set) -> "period" event -> alerts ("alert" events) -> limiter ("limiter") -> tier ("tier")
 
 All decisions happen in `tick(now)` and the hooks, under one lock, with time passed in: tests build a
 `ProtectionGuard` on a `FakeClock` and call `tick()` themselves (never `start()`).
@@ -57,6 +57,7 @@ class ProtectionGuard:
         self._server: MetricsServer | None = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._saturation: Callable[[], float | None] | None = None
 
     # -- the request path (hooks.Guard) -------------------------------------------------------------
 
@@ -90,6 +91,12 @@ class ProtectionGuard:
     def on_stage(self, stage: str, seconds: float) -> None:
         self.metrics.observe_stage(stage, seconds)
 
+    def set_saturation_source(self, source: Callable[[], float | None] | None) -> None:
+        """Where each period's saturation comes from (`saturation.ThreadSaturation(tid).sample` for the
+        serving thread); called once per period, at its end. None: periods carry no saturation."""
+        with self._lock:
+            self._saturation = source
+
     # -- periods --------------------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> PeriodSummary:
@@ -99,6 +106,8 @@ class ProtectionGuard:
             self.period += 1
             summary = self._recorder.summarize(self.period, now, self.config.p99_threshold_ms,
                                                self.config.min_samples)
+            if self._saturation is not None:
+                summary = dataclasses.replace(summary, saturation=self._saturation())
             self._recorder = PeriodRecorder(now)
             # alerts=False is the deliberately broken agent the chaos checks must catch.
             transitions = self.alerts.observe(summary) if self.config.alerts else []
@@ -117,6 +126,8 @@ class ProtectionGuard:
         for q, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms), ("0.99", summary.p99_ms)):
             m.period_latency.labels(q).set((value or 0.0) / 1000.0)
         m.period_count.set(summary.count)
+        if summary.saturation is not None:
+            m.saturation.set(summary.saturation)
         for t in transitions:
             self.events.emit("alert", t.event_fields(), mono=now)
             m.alert_firing.labels(t.alert).set(1 if t.to_state == "firing" else 0)

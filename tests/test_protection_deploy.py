@@ -57,7 +57,7 @@ def test_dashboard_shows_quantiles_rate_limiter_alert_and_tier():
     dash = json.loads((DEPLOY / "grafana" / "agent.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for needle in ('quantile="0.5"', 'quantile="0.95"', 'quantile="0.99"', "rate(agent_requests_total",
-                   "agent_limiter_rate", "agent_alert_firing", "agent_model_tier"):
+                   "agent_limiter_rate", "agent_alert_firing", "agent_model_tier", "agent_loop_saturation"):
         assert needle in exprs
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"] == "shadowtest-agent"

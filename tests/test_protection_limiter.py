@@ -20,14 +20,14 @@ T = 20.0
 
 
 def period(p99: float | None, count: int = 100, rejected: int = 0, seconds: float = 1.0, n: int = 1,
-           p50: float | None = None) -> PeriodSummary:
+           p50: float | None = None, saturation: float | None = None) -> PeriodSummary:
     """One period's summary; P50 defaults to the P99 (a queue: every call waits alike)."""
     state = "insufficient" if p99 is None else ("breaching" if p99 > T else "healthy")
     if p99 is not None and count < 20:
         state = "insufficient"
     return PeriodSummary(period=n, start=0.0, end=seconds, count=count if p99 is not None else 0, ok=count,
                          invalid=0, errors=0, rejected=rejected, p50_ms=p99 if p50 is None else p50,
-                         p95_ms=p99, p99_ms=p99, state=state)
+                         p95_ms=p99, p99_ms=p99, state=state, saturation=saturation)
 
 
 def trajectory(limiter, p99s):
@@ -255,11 +255,12 @@ def test_gradient_does_not_run_away_while_not_limiting():
 
 
 def simulate(policy: str, capacity: float = 1000.0, periods: int = 60, step: tuple[int, int] = (10, 40),
-             base_x: float = 1.0, hiccups: random.Random | None = None):
+             base_x: float = 1.0, hiccups: random.Random | None = None, saturation: bool = False):
     """A single-queue plant: per period, admitted = min(offered, rate), the server completes at most
     `capacity`, and P99 is 5 ms plus the wait behind the backlog (plus, with `hiccups`, a 20-300 ms
     spike in one period of five, as on a shared machine). Offered load is base_x x the capacity, 2x
-    during `step`."""
+    during `step`. With `saturation`, each period also reports the serving thread's busy share,
+    0.1 + 0.9 x its work / capacity (at most 1)."""
     lim = make_limiter(policy, LimiterSettings(threshold_ms=T, initial_rate=2000.0, min_rate=10.0,
                                                max_rate=20000.0))
     backlog, rows = 0.0, []
@@ -267,11 +268,13 @@ def simulate(policy: str, capacity: float = 1000.0, periods: int = 60, step: tup
         offered = capacity * (2.0 if step[0] <= n < step[1] else base_x)
         admitted = min(offered, lim.rate)
         done = min(capacity, backlog + admitted)
+        busy = min(1.0, 0.1 + 0.9 * (backlog + admitted) / capacity) if saturation else None
         backlog = backlog + admitted - done
         p99 = p50 = 5.0 + 1000.0 * backlog / capacity
         if hiccups is not None and hiccups.random() < 0.2:
             p99 += hiccups.uniform(20.0, 300.0)      # a tail spike: the median call is not slowed
-        lim.on_period(period(p99, count=max(1, int(done)), rejected=int(offered - admitted), n=n, p50=p50))
+        lim.on_period(period(p99, count=max(1, int(done)), rejected=int(offered - admitted), n=n, p50=p50,
+                             saturation=busy))
         rows.append((n, p99, lim.rate, done))
     return rows
 
@@ -299,3 +302,68 @@ def test_gradient_does_not_collapse_under_latency_hiccups_that_are_not_its_queue
     in_slo = {p: sum(d for _, p99, _, d in rows if p99 <= T) for p, rows in runs.items()}
     assert done["gradient"] >= 0.85 * 1000.0
     assert in_slo["gradient"] > in_slo["seed"]
+
+
+# -- with the serving thread's saturation known ---------------------------------------------------------
+
+
+def busy_period(saturation: float, count: int, rejected: int, p99: float = 5.0) -> PeriodSummary:
+    return period(p99, count=count, rejected=rejected, p50=3.0, saturation=saturation)
+
+
+def test_gradient_follows_the_median_rate_for_its_saturation_target_with_bounded_steps():
+    lim = gradient(1000.0)
+    rates = []
+    for sat, count, rejected in [(0.5, 1000, 500),    # rate for 0.85: 1700, growth capped at x1.5
+                                 (0.75, 1500, 500),   # 1700 again: there
+                                 (0.85, 1700, 300),   # on target: hold
+                                 (1.0, 1700, 300),    # one noisy period (1445): the median holds
+                                 (0.95, 1700, 300),   # 1521: still a minority
+                                 (0.95, 1700, 300)]:  # now the median: cut, but at most x0.9 a period
+        lim.on_period(busy_period(sat, count, rejected))
+        rates.append(lim.rate)
+    assert rates == pytest.approx([1500.0, 1700.0, 1700.0, 1700.0, 1700.0, 1530.0])
+
+
+def test_gradient_not_limiting_keeps_its_ceiling_between_the_load_and_what_the_thread_could_take():
+    lim = gradient(5000.0)
+    lim.on_period(busy_period(0.4, 1000, 0))            # could take 2125/s: ceiling sqrt(1000 x 2125)
+    assert lim.rate == pytest.approx(math.sqrt(1000.0 * 2125.0))
+    lim = gradient(5000.0)
+    lim.on_period(busy_period(0.05, 1000, 0))           # nearly idle: never above 2x the load
+    assert lim.rate == pytest.approx(2000.0)
+    lim = gradient(5000.0)
+    lim.on_period(busy_period(0.9, 1000, 0))            # past the target unrefused: start limiting
+    assert lim.rate == pytest.approx(1000.0 * 0.85 / 0.9)
+    lim.on_period(busy_period(0.85, 944, 60))           # the first refusals: estimates start afresh
+    assert list(lim.estimates) == pytest.approx([944.0])
+
+
+def test_gradient_grows_on_saturation_only_while_the_latency_is_below_the_band():
+    lim = gradient(1000.0)
+    assert lim.on_period(busy_period(0.5, 1000, 500, p99=16.0)) is None   # P99 in the 15-18 ms band: hold
+    lim.on_period(busy_period(1.0, 1000, 500, p99=16.0))                  # but a busy thread still cuts
+    assert lim.rate == pytest.approx(1000.0 * 0.9)        # (estimates 1700, 850: the low median, x0.9 floor)
+
+
+def test_gradient_with_saturation_still_cuts_deep_for_a_queue_and_forgets_its_estimates():
+    lim = gradient(1000.0)
+    lim.on_period(busy_period(0.5, 1000, 500))
+    adj = lim.on_period(period(200.0, count=800, rejected=500, saturation=0.6))
+    assert adj is not None and adj.new_rate == pytest.approx(800.0 * 0.82) and "our queue" in adj.reason
+    assert not lim.estimates
+
+
+def test_gradient_on_saturation_recovers_fast_keeps_goodput_and_holds_steady_on_the_queue_model():
+    # 0.6 x the capacity, then 2x: not limiting, its ceiling (691/s) already refuses most of the surge,
+    # so no queue ever forms; seed has grown x1.1 a period while healthy and admits the whole surge.
+    seed = simulate("seed", periods=120, step=(10, 100), base_x=0.6)
+    grad = simulate("gradient", periods=120, step=(10, 100), base_x=0.6, saturation=True)
+    assert recovery_periods(grad, 10) == 0 and recovery_periods(seed, 10) > 10
+    assert max(p99 for _, p99, _, _ in grad) <= T
+    steady = [rate for n, _, rate, _ in grad if 55 <= n < 100]
+    assert (max(steady) - min(steady)) / 2 <= 0.02 * (max(steady) + min(steady)) / 2
+    goodput = lambda rows: sum(done for n, p99, _, done in rows if 10 <= n < 100 and p99 <= T)  # noqa: E731
+    assert goodput(grad) >= goodput(seed)
+    # It settles where the thread is 85 % busy: 0.1 + 0.9 x rate / 1000 = 0.85 -> 833/s, within 2 %.
+    assert steady[-1] == pytest.approx(833.3, rel=0.02)

@@ -134,3 +134,30 @@ def test_rejections_arrive_as_resource_exhausted_with_a_retry_hint_and_are_count
         assert f'agent_requests_total{{outcome="ok"}} {float(codes["OK"])}' in text
         time.sleep(2 * PERIOD_S + 0.3)   # let the periods that saw the calls close
         assert sum(e["rejected"] for e in events(agent) if e["type"] == "period") == codes["RESOURCE_EXHAUSTED"]
+
+
+def test_gradient_reads_the_serving_threads_saturation_and_holds_its_ceiling_near_the_load():
+    with AgentProcess(device="cpu", limiter="gradient", period_s=PERIOD_S, initial_rate=20000.0,
+                      max_rate=20000.0) as agent:
+        time.sleep(2 * PERIOD_S)                                      # idle periods first
+        since = max(e["seq"] for e in events(agent))
+        codes, _ = load(agent.grpc_address, rate=300.0, count=900)    # 3 s at 300/s: ~150 calls a period
+        assert codes["OK"] == 900
+        seen = events(agent, since)
+        periods = [e for e in events(agent) if e["type"] == "period"]
+        gauge = next(line for line in metrics(agent).splitlines() if line.startswith("agent_loop_saturation "))
+    idle = [e["saturation"] for e in periods if e["count"] == 0]
+    busy = [e["saturation"] for e in periods if e["count"] >= 100]
+    assert idle and busy and all(0.0 <= s <= 1.05 for s in idle + busy)
+    # Serving 300 calls/s keeps the loop thread measurably busier than waiting for calls does.
+    assert min(busy) > max(idle) and min(busy) > 0.02
+    # Not limiting, the gradient keeps its ceiling between the load and what the thread could take: far
+    # below the 20,000/s it started at, never below the load itself.
+    moves = [e for e in seen if e["type"] == "limiter"]
+    assert moves and all("saturation" in e["reason"] for e in moves)
+    done = {e["mono"]: e["count"] / e["period_s"] for e in periods}    # a period's limiter event shares its mono
+    assert moves[0]["new_rate"] < 20000.0
+    for move in moves:
+        load_rate = done[move["mono"]]
+        assert 1.01 * load_rate - 1e-6 <= move["new_rate"] <= 2.0 * load_rate + 1e-6, (move, load_rate)
+    assert 0.0 < float(gauge.split()[1]) <= 1.05
