@@ -155,6 +155,7 @@ class GradientParams:
     plateau_periods: int = 10   # ... for this many healthy periods, then forget it (capacity may have grown)
     busy: float = 0.85          # with saturation known: the serving thread's busy share to hold ...
     busy_step: float = 0.5      # largest growth a period towards it (x1.5); cuts at most `step`
+    ceiling_share: float = 1 / 3   # not limiting: ceiling = done x (estimate / done)^this
 
 
 class GradientLimiter(_BucketLimiter):
@@ -183,7 +184,7 @@ class GradientLimiter(_BucketLimiter):
         every cut clears the saturation estimates
     saturation u known (the serving thread's busy share; the rules above still come first):
         est = low median of the last `window` (done x busy / u), cleared by a cut and when refusing starts
-        not limiting: est >= done: rate = min(headroom x done, max(done x (1 + probe), sqrt(done x est)))
+        not limiting: est >= done: rate = min(headroom x done, max(done x (1 + probe), done (est/done)^ceiling_share))
                       else         rate = max(est, done x (1 - step))
         limiting: est > rate and hi >= low x T: hold; else rate = clamp(est, min(rate, done(1 + step)) x
                   (1 - step), rate x (1 + busy_step)); moves under `probe` of the rate are not made
@@ -315,12 +316,13 @@ class GradientLimiter(_BucketLimiter):
         est = statistics.median_low(self.estimates)
         if summary.rejected == 0:
             # Not limiting: the rate is a ceiling the load has not reached. Keep it between the load and
-            # the estimate (their geometric mean, at least 1 % above the load), so that a surge beyond
-            # what the thread can take is refused at once rather than queued; once the estimate is below
-            # the load, it is the ceiling (and limiting starts).
+            # the estimate, nearer the load (at least 1 % above it), so that a surge beyond what the
+            # thread can take is refused at once rather than queued; once the estimate is below the
+            # load, it is the ceiling (and limiting starts).
             offered = done
             if est >= offered:
-                target = min(self.p.headroom * offered, max(math.sqrt(offered * est), offered * (1 + self.p.probe)))
+                target = min(self.p.headroom * offered,
+                             max(offered * (est / offered) ** self.p.ceiling_share, offered * (1 + self.p.probe)))
             else:
                 target = max(est, offered * (1 - self.p.step))
         elif est > self.rate and not may_grow:

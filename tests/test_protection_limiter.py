@@ -327,8 +327,10 @@ def test_gradient_follows_the_median_rate_for_its_saturation_target_with_bounded
 
 def test_gradient_not_limiting_keeps_its_ceiling_between_the_load_and_what_the_thread_could_take():
     lim = gradient(5000.0)
-    lim.on_period(busy_period(0.4, 1000, 0))            # could take 2125/s: ceiling sqrt(1000 x 2125)
-    assert lim.rate == pytest.approx(math.sqrt(1000.0 * 2125.0))
+    lim.on_period(busy_period(0.4, 1000, 0))            # could take 2125/s: ceiling 1000 x 2.125^(1/3)
+    assert lim.rate == pytest.approx(1000.0 * 2.125 ** (1 / 3))
+    lim.on_period(busy_period(0.84, 1000, 0))           # nearly at the target: at least 1 % above the load
+    assert lim.rate == pytest.approx(1010.0)
     lim = gradient(5000.0)
     lim.on_period(busy_period(0.05, 1000, 0))           # nearly idle: never above 2x the load
     assert lim.rate == pytest.approx(2000.0)
@@ -355,7 +357,7 @@ def test_gradient_with_saturation_still_cuts_deep_for_a_queue_and_forgets_its_es
 
 
 def test_gradient_on_saturation_recovers_fast_keeps_goodput_and_holds_steady_on_the_queue_model():
-    # 0.6 x the capacity, then 2x: not limiting, its ceiling (691/s) already refuses most of the surge,
+    # 0.6 x the capacity, then 2x: not limiting, its ceiling (660/s) already refuses most of the surge,
     # so no queue ever forms; seed has grown x1.1 a period while healthy and admits the whole surge.
     seed = simulate("seed", periods=120, step=(10, 100), base_x=0.6)
     grad = simulate("gradient", periods=120, step=(10, 100), base_x=0.6, saturation=True)
