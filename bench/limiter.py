@@ -417,11 +417,12 @@ def summarize(paths: list[Path]) -> None:
 
 
 def _median(rows: list[dict[str, float | None]], key: str, never: float | None = None) -> float | None:
-    """Median of `key` over runs; a None counts as `never` (then a median at `never` is None again)."""
-    vals = [float(v) for v in ((x.get(key) if x.get(key) is not None else never) for x in rows) if v is not None]
+    """Median of `key` over runs; a None counts as `never` (then a median at `never` is None again). With an
+    even number of runs, the upper of the two middle values: averaging a time with `never` means nothing."""
+    vals = sorted(float(v) for v in ((x.get(key) if x.get(key) is not None else never) for x in rows) if v is not None)
     if not vals:
         return None
-    v = float(np.median(vals))
+    v = vals[len(vals) // 2]
     return None if never is not None and v >= never else v
 
 
