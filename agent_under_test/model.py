@@ -35,7 +35,7 @@ class TierSpec:
 
 
 TIERS: dict[str, TierSpec] = {
-    "full": TierSpec(d_model=64, heads=4, layers=3, d_ff=256),
+    "full": TierSpec(d_model=64, heads=4, layers=5, d_ff=256),
     "light": TierSpec(d_model=32, heads=2, layers=1, d_ff=64),
 }
 DEFAULT_WINDOW = 5

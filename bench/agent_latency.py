@@ -7,8 +7,13 @@ queue), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean s
 --no-grpcio), it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
   - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
-and the server's own CPU time per call (psutil), which says what one core could sustain even when a shared
-host makes wall-clock latency noisy. A model-only section times the forward pass of each tier at batch 1
+    and the server's own CPU time per call (psutil), which says what one core could sustain even when
+    a shared host makes wall-clock latency noisy
+  - throughput: --callers calls in flight back to back for --throughput-s seconds from the replayer's lean
+    HTTP/2 client (bench/leanload.py, ~20 us of client CPU per call, so the server is the bottleneck):
+    completed calls/s, and the server's main thread saturation meanwhile (schedstat: ~1.0 = server-bound).
+    This is the tier's throughput; CPU per call at the open-loop rates also counts each wake-up's fixed
+    cost, which at low rates is a large share of both tiers' calls. A model-only section times the forward pass of each tier at batch 1
 and 32 (inferences/s). It prints the agent/echo and light/full ratios. Servers run in their own processes.
 
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
@@ -28,6 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from leanload import saturate  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
 from agent_under_test.market import MarketSim  # noqa: E402
@@ -111,6 +118,26 @@ def open_loop(address: str, pid: int, rate: float, duration: float) -> dict[str,
             "server_cpu_us_per_call": round(cpu_us)}
 
 
+def _busy_ns(pid: int) -> int | None:
+    """On-CPU + runnable ns of process `pid`'s main thread (its event loop), or None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) + int(wait)
+    except (OSError, ValueError):
+        return None
+
+
+def throughput(address: str, pid: int, seconds: float, callers: int) -> dict[str, float | None]:
+    """Closed-loop throughput and the server's main-thread saturation while it ran."""
+    saturate(address, 1.0, callers, 3)            # warm: connection, batch sizes, allocator
+    busy0, t0 = _busy_ns(pid), time.monotonic_ns()
+    calls_s = saturate(address, seconds, callers, 4)
+    busy1, t1 = _busy_ns(pid), time.monotonic_ns()
+    busy = None if busy0 is None or busy1 is None else round((busy1 - busy0) / (t1 - t0), 3)
+    return {"calls_s": round(calls_s), "server_saturation": busy}
+
+
 def model_only(rounds: int = 300) -> dict[str, dict[str, float]]:
     """Forward-pass throughput per tier (traced, one thread), no gRPC: inferences/s at batch 1 and 32."""
     import numpy as np
@@ -135,9 +162,12 @@ def model_only(rounds: int = 300) -> dict[str, dict[str, float]]:
     return out
 
 
-def measure(name: str, address: str, pid: int, rates: list[float], duration: float, n_seq: int) -> dict[str, object]:
+def measure(name: str, address: str, pid: int, rates: list[float], duration: float, n_seq: int,
+            tput: tuple[float, int]) -> dict[str, object]:
     out: dict[str, object] = {"batch1": batch_one(address, n_seq), "open_loop": []}
     print(f"{name:6s} batch1 {out['batch1']}", flush=True)
+    out["throughput"] = throughput(address, pid, *tput)
+    print(f"{name:6s} throughput {out['throughput']}", flush=True)
     for rate in rates:
         row = open_loop(address, pid, rate, duration)
         out["open_loop"].append(row)  # type: ignore[union-attr]
@@ -152,16 +182,20 @@ def main() -> None:
     ap.add_argument("--seq-calls", type=int, default=500)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-grpcio", action="store_true", help="skip the full tier on grpc.aio")
+    ap.add_argument("--throughput-s", type=float, default=4.0, help="closed-loop throughput run, seconds")
+    ap.add_argument("--callers", type=int, default=64, help="calls in flight in the throughput run")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.echo_server:
         asyncio.run(_echo_main(args.echo_server))
         return
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
+    tput = (args.throughput_s, args.callers)
     results["model"] = model_only()
     print(f"model  {results['model']}", flush=True)
     with EchoProcess() as echo:
-        results["echo"] = measure("echo", echo.grpc_address, echo.proc.pid, args.rates, args.duration, args.seq_calls)
+        results["echo"] = measure("echo", echo.grpc_address, echo.proc.pid, args.rates, args.duration, args.seq_calls,
+                                  tput)
     # full/light/grpcio pin their tier (no queue-depth or P99 degradation): a tier's own throughput.
     # "served" is the agent as shipped, which turns batches light while calls queue for the model.
     pinned = {"queue_light_depth": 0, "alerts": False}
@@ -169,7 +203,8 @@ def main() -> None:
     runs += [] if args.no_grpcio else [("grpcio", "full", "grpcio", pinned)]
     for name, tier, server, extra in runs:
         with AgentProcess(tier=tier, device="cpu", metrics_port=None, server=server, **extra) as agent:
-            results[name] = measure(name, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls)
+            results[name] = measure(name, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls,
+                                    tput)
     _print_ratios(results, args.rates)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -191,12 +226,15 @@ def _cpu_per_call(res: dict) -> float:
 def _print_ratios(results: dict, rates: list[float]) -> None:
     model = results["model"]
     print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors;"
-          " one core = 1e6 / server CPU us per call)")
+          " one core = 1e6 / server CPU us per call; throughput = closed loop, server saturation in brackets)")
     for name in [n for n in ("echo", "full", "light", "served", "grpcio") if n in results]:
         res, cpu = results[name], _cpu_per_call(results[name])
         print(f"{name:6s} batch1 {res['batch1']['calls_s']:8.1f} calls/s (p50 {res['batch1']['p50_ms']} ms)   "
-              f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s")
+              f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s"
+              f"   throughput {res['throughput']['calls_s']:6.0f} calls/s ({res['throughput']['server_saturation']})")
     full_cpu, light_cpu, echo_cpu = (_cpu_per_call(results[n]) for n in ("full", "light", "echo"))
+    tp = {n: results[n]["throughput"]["calls_s"] for n in ("full", "light")}
+    print(f"ratio light/full  throughput {tp['light'] / max(tp['full'], 1):.2f} (target >= 2)")
     print(f"ratio full/echo   one-core capacity {echo_cpu / full_cpu:.2f}   sustained "
           f"{_best_rate(results['full']) / max(_best_rate(results['echo']), 1):.2f}")
     print(f"ratio light/full  one-core capacity {full_cpu / light_cpu:.2f}   sustained "

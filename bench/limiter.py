@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,58 +44,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from leanload import LeanClient, payloads, saturate  # noqa: E402
+
 from agent_under_test.launch import AgentProcess  # noqa: E402
-from agent_under_test.proto import agent_pb2  # noqa: E402
 from replay.senders.base import OK, REJECTED, SendOutcome  # noqa: E402
-from replay.senders.h2conn import H2Connection  # noqa: E402
-from replay.senders.h2frames import request_block  # noqa: E402
-
-DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
-
-
-def payloads(rng: random.Random, n: int = 64) -> list[bytes]:
-    """Pre-built valid snapshots, so the client spends its CPU on sending, not on protobuf."""
-    out = []
-    for i in range(n):
-        mid, now = 100.0 + rng.uniform(-5, 5), time.time_ns()
-        levels = [agent_pb2.BookLevel(bid_price=round(mid - 0.01 * (k + 1), 4), bid_size=rng.uniform(50, 200),
-                                      ask_price=round(mid + 0.01 * (k + 1), 4), ask_size=rng.uniform(50, 200))
-                  for k in range(10)]
-        ticks = [agent_pb2.Tick(ts_ns=now - (16 - k) * 20_000_000, price=mid + rng.gauss(0, 0.01), size=10.0)
-                 for k in range(16)]
-        out.append(agent_pb2.MarketSnapshot(sequence_id=i, symbol=f"S{i % 4}", levels=levels, ticks=ticks,
-                                            ts_ns=now).SerializeToString())
-    return out
-
-
-class LeanClient:
-    """The bench's load generator: one HTTP/2 connection of the replayer's lean gRPC client (no task or
-    future per call), so that at 2C the client, not the agent, is the cheap side of a 2-core machine.
-    grpc.aio cost ~300-400 us per call here, more than the lean agent spends serving one."""
-
-    def __init__(self, conn: H2Connection, authority: str) -> None:
-        self.conn = conn
-        self.block = request_block(DECIDE, authority, (), 10.0)
-
-    @classmethod
-    async def connect(cls, address: str) -> LeanClient:
-        host, _, port = address.rpartition(":")
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: H2Connection(loop), host, int(port))
-        if not await conn.ready:
-            raise RuntimeError(f"cannot talk HTTP/2 to {address}: {conn.error}")
-        return cls(conn, address)
-
-    @staticmethod
-    def framed(bodies: list[bytes]) -> list[bytes]:
-        """Request messages with gRPC's length prefix, built once (not per call)."""
-        return [b"\x00" + len(body).to_bytes(4, "big") + body for body in bodies]
-
-    def call(self, framed: bytes, on_end: Callable[[SendOutcome], None], timeout_s: float = 10.0) -> None:
-        self.conn.open(self.block, framed, self.conn.loop.time() + timeout_s, on_end)
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.ndarray:
@@ -155,35 +106,6 @@ def drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.nd
     return asyncio.run(_drive(address, schedule, seed))
 
 
-async def _saturate(address: str, seconds: float, workers: int, seed: int) -> float:
-    """Closed loop: `workers` callers back to back for `seconds`; completed calls/s (throughput capacity)."""
-    pool = LeanClient.framed(payloads(random.Random(seed)))
-    done = 0
-    client = await LeanClient.connect(address)
-    end = time.monotonic() + seconds
-    idle = asyncio.get_running_loop().create_future()
-    running = workers
-
-    def again(out: SendOutcome | None) -> None:
-        nonlocal done, running
-        if out is not None:
-            done += 1
-        if time.monotonic() < end:
-            client.call(pool[done % len(pool)], again)
-        else:
-            running -= 1
-            if running == 0 and not idle.done():
-                idle.set_result(None)
-
-    try:
-        for _ in range(workers):
-            again(None)
-        await asyncio.wait_for(idle, seconds + 15.0)
-    finally:
-        client.close()
-    return done / seconds
-
-
 def calibrate(threshold_ms: float, seed: int, rates: list[float], seconds: float) -> float:
     """Highest offered rate the agent (limiter off) serves at the threshold: the median of its 1 s
     windows' client P99 <= threshold and >= 95 % served. Stops after two failing rates in a row; the
@@ -191,7 +113,7 @@ def calibrate(threshold_ms: float, seed: int, rates: list[float], seconds: float
     best, misses = rates[0], 0
     with AgentProcess(device="cpu", limiter="off", p99_threshold_ms=threshold_ms) as agent:
         drive(agent.grpc_address, [(rates[0], 1.0)], seed)     # warm the connection and the model
-        saturation = asyncio.run(_saturate(agent.grpc_address, 3.0, 64, seed))
+        saturation = saturate(agent.grpc_address, 3.0, 64, seed)
         print(f"  calibrate: throughput capacity X = {saturation:.0f}/s (64 callers back to back)", flush=True)
         for rate in rates:
             rows = drive(agent.grpc_address, [(rate, seconds)], seed)
