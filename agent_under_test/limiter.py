@@ -319,12 +319,11 @@ class GradientLimiter(_BucketLimiter):
             # the estimate, nearer the load (at least 1 % above it), so that a surge beyond what the
             # thread can take is refused at once rather than queued; once the estimate is below the
             # load, it is the ceiling (and limiting starts).
-            offered = done
-            if est >= offered:
-                target = min(self.p.headroom * offered,
-                             max(offered * (est / offered) ** self.p.ceiling_share, offered * (1 + self.p.probe)))
+            if est >= done:
+                target = min(self.p.headroom * done,
+                             max(done * (est / done) ** self.p.ceiling_share, done * (1 + self.p.probe)))
             else:
-                target = max(est, offered * (1 - self.p.step))
+                target = max(est, done * (1 - self.p.step))
         elif est > self.rate and not may_grow:
             return None    # the latency sits in the band: no growth, whatever the thread says
         else:

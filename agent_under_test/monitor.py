@@ -11,7 +11,6 @@ slow calls, so it neither breaches nor heals an alert (see docs/protection.md).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 
 from hdrh.histogram import HdrHistogram
@@ -78,7 +77,8 @@ class PeriodRecorder:
     def reject(self) -> None:
         self.rejected += 1
 
-    def summarize(self, period: int, end: float, threshold_ms: float, min_samples: int) -> PeriodSummary:
+    def summarize(self, period: int, end: float, threshold_ms: float, min_samples: int,
+                  saturation: float | None = None) -> PeriodSummary:
         """Quantiles and the period's verdict against `threshold_ms` (strictly above breaches)."""
         count = sum(self.counts.values())
         p50 = p95 = p99 = None
@@ -88,7 +88,7 @@ class PeriodRecorder:
             period=period, start=self.start, end=end, count=count, ok=self.counts["ok"],
             invalid=self.counts["invalid"], errors=self.counts["error"], rejected=self.rejected,
             p50_ms=p50, p95_ms=p95, p99_ms=p99,
-            state=classify(count, p99, threshold_ms, min_samples))
+            state=classify(count, p99, threshold_ms, min_samples), saturation=saturation)
 
 
 def classify(count: int, p99_ms: float | None, threshold_ms: float, min_samples: int) -> str:
@@ -108,4 +108,4 @@ def summary_from_values(period: int, start: float, end: float, latencies_ms: lis
     for _ in range(errors):
         rec.record(0.001, "error")
     rec.rejected = rejected
-    return dataclasses.replace(rec.summarize(period, end, threshold_ms, min_samples), saturation=saturation)
+    return rec.summarize(period, end, threshold_ms, min_samples, saturation)

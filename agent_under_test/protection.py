@@ -94,20 +94,19 @@ class ProtectionGuard:
     def set_saturation_source(self, source: Callable[[], float | None] | None) -> None:
         """Where each period's saturation comes from (`saturation.ThreadSaturation(tid).sample` for the
         serving thread); called once per period, at its end. None: periods carry no saturation."""
-        with self._lock:
-            self._saturation = source
+        self._saturation = source
 
     # -- periods --------------------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> PeriodSummary:
         """Close the current period at `now` (default: the clock's now) and act on it."""
         now = self.clock.now() if now is None else now
+        source = self._saturation   # read /proc before taking the lock every admit() needs
+        saturation = source() if source is not None else None
         with self._lock:
             self.period += 1
             summary = self._recorder.summarize(self.period, now, self.config.p99_threshold_ms,
-                                               self.config.min_samples)
-            if self._saturation is not None:
-                summary = dataclasses.replace(summary, saturation=self._saturation())
+                                               self.config.min_samples, saturation)
             self._recorder = PeriodRecorder(now)
             # alerts=False is the deliberately broken agent the chaos checks must catch.
             transitions = self.alerts.observe(summary) if self.config.alerts else []

@@ -21,10 +21,11 @@ import threading
 import time
 
 
-def read_schedstat(tid: int) -> tuple[int, int] | None:
-    """(ns on a CPU, ns waiting for one) of thread `tid` of this process, or None where unavailable."""
+def read_schedstat(tid: int, pid: int | str = "self") -> tuple[int, int] | None:
+    """(ns on a CPU, ns waiting for one) of thread `tid` of process `pid` (default: this one), or None
+    where unavailable."""
     try:
-        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
             fields = f.read().split()
         return int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError):

@@ -13,8 +13,8 @@ queue), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean s
     HTTP/2 client (bench/leanload.py, ~20 us of client CPU per call, so the server is the bottleneck):
     completed calls/s, and the server's main thread saturation meanwhile (schedstat: ~1.0 = server-bound).
     This is the tier's throughput; CPU per call at the open-loop rates also counts each wake-up's fixed
-    cost, which at low rates is a large share of both tiers' calls. A model-only section times the forward pass of each tier at batch 1
-and 32 (inferences/s). It prints the agent/echo and light/full ratios. Servers run in their own processes.
+    cost, which at low rates is a large share of both tiers' calls.
+A model-only section times the forward pass of each tier at batch 1 and 32 (inferences/s). It prints the agent/echo and light/full ratios. Servers run in their own processes.
 
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
     .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
@@ -38,6 +38,7 @@ from leanload import saturate  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
 from agent_under_test.market import MarketSim  # noqa: E402
+from agent_under_test.saturation import read_schedstat  # noqa: E402
 from agent_under_test.traffic import run_traffic  # noqa: E402
 
 
@@ -120,12 +121,8 @@ def open_loop(address: str, pid: int, rate: float, duration: float) -> dict[str,
 
 def _busy_ns(pid: int) -> int | None:
     """On-CPU + runnable ns of process `pid`'s main thread (its event loop), or None where unreadable."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as f:
-            run, wait = f.read().split()[:2]
-        return int(run) + int(wait)
-    except (OSError, ValueError):
-        return None
+    stat = read_schedstat(pid, pid)
+    return None if stat is None else stat[0] + stat[1]
 
 
 def throughput(address: str, pid: int, seconds: float, callers: int) -> dict[str, float | None]:
