@@ -19,7 +19,7 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy capture replay faults agent_under_test harness
+	$(VENV)/bin/mypy capture replay faults agent_under_test harness wire
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

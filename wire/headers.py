@@ -1,0 +1,267 @@
+"""HPACK for the wire: a static-table encoder, a cached strict decoder and a tolerant one.
+
+Encoding uses only HPACK's static table (indexed fields and literals *without indexing*), never the
+dynamic table, so one encoded block is valid on every connection, can be built once and reused byte
+for byte, and a capture that joins a connection mid-way can still decode it.
+
+    CachedDecoder    one per connection and direction; hpack.Decoder underneath, memoised per block
+                     while the dynamic table is unchanged; errors as H2Error
+    TolerantDecoder  for observers that joined mid-stream: an entry it never saw costs one field,
+                     not the block; can report literal value spans for masking in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import hpack
+from hpack.hpack import decode_huffman, decode_integer, encode_integer
+from hpack.table import HeaderTable
+
+from wire.h2 import ErrorCode, H2Error
+
+# ---- encoding ------------------------------------------------------------------------------------
+_EXACT: dict[tuple[bytes, bytes], int] = {}
+_NAME: dict[bytes, int] = {}
+for _i, (_n, _v) in enumerate(HeaderTable.STATIC_TABLE, 1):
+    _EXACT.setdefault((_n, _v), _i)
+    _NAME.setdefault(_n, _i)
+
+
+def _literal(s: bytes) -> bytes:
+    return (bytes((len(s),)) if len(s) < 127 else bytes(encode_integer(len(s), 7))) + s  # no Huffman
+
+
+def encode_field(name: str | bytes, value: str | bytes) -> bytes:
+    """One header field: indexed when the static table holds it whole, else a literal without indexing
+    (0000xxxx), so the peer's dynamic table is never touched."""
+    n = name.encode() if isinstance(name, str) else name
+    v = value.encode() if isinstance(value, str) else value
+    idx = _EXACT.get((n, v))
+    if idx is not None:
+        head = encode_integer(idx, 7)
+        head[0] |= 0x80
+        return bytes(head)
+    idx = _NAME.get(n)
+    if idx is not None:
+        return (bytes((idx,)) if idx < 15 else bytes(encode_integer(idx, 4))) + _literal(v)
+    return b"\x00" + _literal(n) + _literal(v)
+
+
+def encode_block(fields: Iterable[tuple[str | bytes, str | bytes]]) -> bytes:
+    return b"".join(encode_field(k, v) for k, v in fields)
+
+
+_FIELDS: dict[tuple[str, str], bytes] = {}
+
+
+def encode_field_cached(name: str, value: str) -> bytes:
+    """encode_field, memoised (bounded: recordings may carry a unique value per call)."""
+    enc = _FIELDS.get((name, value))
+    if enc is None:
+        if len(_FIELDS) >= 8192:
+            _FIELDS.clear()
+        enc = _FIELDS[(name, value)] = encode_field(name, value)
+    return enc
+
+
+# ---- strict decoding -----------------------------------------------------------------------------
+Fields = list[tuple[str, str]]
+_CONNECTION_SPECIFIC = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")     # never a traceback for a byte that is not UTF-8
+
+
+def field_problem(fields: Fields) -> str | None:
+    """Why a header list is malformed (RFC 9113 section 8.2), or None."""
+    regular = False
+    for name, value in fields:
+        if not name:
+            return "a header field with an empty name"
+        if name != name.lower():
+            return f"header name {name[:40]!r} is not lowercase"
+        if name[0] == ":":
+            if regular:
+                return f"pseudo-header {name} after a regular field"
+        else:
+            regular = True
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return f"connection-specific header {name}"
+    return None
+
+
+class CachedDecoder:
+    """One connection's HPACK decoder for one direction, memoised when that is exact.
+
+    A block's meaning depends only on the block and the dynamic table. `adds` counts every change of
+    that table, so a block whose decoding changed nothing is cached under the current count (what a
+    peer sends once its headers sit in the table: the same few bytes per call); a block that changes
+    the table is always decoded. With `validate`, a malformed header list is a stream error
+    (H2Error PROTOCOL_ERROR on `sid`): the table stays in step, the connection lives on."""
+
+    def __init__(self, max_table_size: int = 4096, max_header_list_size: int = 1 << 16,
+                 validate: bool = False) -> None:
+        self.decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
+        self.decoder.max_allowed_table_size = max_table_size
+        self.validate = validate
+        self.adds = 0
+        self._cache: dict[bytes, tuple[tuple[int, int], Fields, str | None]] = {}
+        table, add = self.decoder.header_table, self.decoder.header_table.add
+
+        def counted_add(name: bytes, value: bytes) -> None:
+            self.adds += 1
+            add(name, value)
+        table.add = counted_add  # type: ignore[method-assign]
+
+    def decode(self, block: bytes, sid: int = 0) -> Fields:
+        """The block's fields. Raises H2Error: COMPRESSION_ERROR (connection) for a block that is not
+        valid HPACK, ENHANCE_YOUR_CALM (connection) for one over the header list size, PROTOCOL_ERROR
+        on `sid` for a malformed field list when validating."""
+        state = (self.adds, self.decoder.header_table.maxsize)
+        hit = self._cache.get(block)
+        if hit is None or hit[0] != state:
+            hit = self._decode(block, state)
+        if hit[2] is not None:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, hit[2], sid)
+        return hit[1]
+
+    def _decode(self, block: bytes, state: tuple[int, int]) -> tuple[tuple[int, int], Fields, str | None]:
+        try:
+            raw = self.decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError as exc:
+            raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"header list too large: {exc}") from exc
+        except (hpack.HPACKError, IndexError, ValueError) as exc:
+            raise H2Error(ErrorCode.COMPRESSION_ERROR, f"cannot decode a header block: {exc}") from exc
+        fields = [(_text(k), _text(v)) for k, v in raw]
+        hit = (state, fields, field_problem(fields) if self.validate else None)
+        if (self.adds, self.decoder.header_table.maxsize) == state:
+            if len(self._cache) >= 256:
+                self._cache.clear()
+            self._cache[block] = hit
+        return hit
+
+
+# ---- tolerant decoding (observers) ---------------------------------------------------------------
+class HpackBlockError(Exception):
+    """The header block is malformed (not merely referring to unknown table entries)."""
+
+
+@dataclass
+class DecodedBlock:
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    missing: int = 0          # header fields that referred to dynamic-table entries we never saw
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # What a decoder derived from these headers: blocks repeat (and are cached above), so a
+    # decoder may keep its interpretation here and skip redoing it on the next identical block.
+    view: Any = None
+
+
+class TolerantDecoder:
+    """One direction's HPACK decoder that survives a missing dynamic table (connections joined mid-way).
+
+    Built on the `hpack` library's own pieces (HeaderTable, decode_integer, decode_huffman); only the
+    per-representation loop is ours, so that one unresolvable index costs one header, not the block.
+    Entries inserted *after* we joined sit at the front of the table, so their indices resolve; older
+    ones do not. Each unresolvable header is counted in `missing` and skipped; the rest is kept."""
+
+    def __init__(self) -> None:
+        self.table = HeaderTable()
+        self._mask: Callable[[str], bool] | None = None
+        # Blocks that only reference the table (no insertions) decode the same while the table
+        # is unchanged: gRPC repeats such blocks (":status 200", "grpc-status 0") on every call.
+        self._version = 0
+        self._cache: dict[tuple[bytes, int], DecodedBlock] = {}
+
+    def _lookup(self, index: int) -> tuple[bytes, bytes] | None:
+        try:
+            name, value = self.table.get_by_index(index)
+        except Exception:  # noqa: BLE001 - hpack raises InvalidTableIndex(Error)
+            return None
+        return name, value
+
+    def _string(self, data: memoryview, pos: int) -> tuple[bytes, int]:
+        if pos >= len(data):
+            raise HpackBlockError("header block ends inside a string")
+        huffman = bool(data[pos] & 0x80)
+        length, used = decode_integer(data[pos:], 7)
+        start = pos + used
+        raw = bytes(data[start:start + length])
+        if len(raw) != length:
+            raise HpackBlockError("header block ends inside a string")
+        return (decode_huffman(raw) if huffman else raw), start + length
+
+    def decode(self, block: bytes, mask: Callable[[str], bool] | None = None) -> DecodedBlock:
+        """Decode one complete header block (HEADERS + CONTINUATION payloads joined).
+
+        With `mask`, literal values whose header name it accepts are listed in `out.spans` as
+        (length-prefix offset, value start, value end) so the caller can blank them in place."""
+        key = (block, self._version)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        out = DecodedBlock()
+        self._mask = mask
+        data = memoryview(block)
+        pos = 0
+        try:
+            while pos < len(data):
+                pos = self._one(data, pos, out)
+        except HpackBlockError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hpack's integer/huffman errors
+            raise HpackBlockError(f"malformed header block: {exc}") from exc
+        if key[1] == self._version:
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[key] = out
+        return out
+
+    def _one(self, data: memoryview, pos: int, out: DecodedBlock) -> int:
+        b = data[pos]
+        if b & 0x80:                                   # indexed header field
+            index, used = decode_integer(data[pos:], 7)
+            entry = self._lookup(index)
+            if entry is None:
+                out.missing += 1
+            else:
+                out.headers.append((entry[0].decode("latin-1"), entry[1].decode("latin-1")))
+            return pos + used
+        if (b & 0xE0) == 0x20:                         # dynamic table size update
+            size, used = decode_integer(data[pos:], 5)
+            self.table.maxsize = size
+            self._version += 1
+            return pos + used
+        prefix, index_it = (6, True) if (b & 0xC0) == 0x40 else (4, False)
+        name_index, used = decode_integer(data[pos:], prefix)
+        pos += used
+        name: bytes | None
+        if name_index:
+            entry = self._lookup(name_index)
+            name = entry[0] if entry else None
+        else:
+            name, pos = self._string(data, pos)
+        value_at = pos
+        value, pos = self._string(data, pos)
+        if name is not None and self._mask and self._mask(name.decode("latin-1")):
+            _, used = decode_integer(data[value_at:], 7)
+            out.spans.append((value_at, value_at + used, pos))
+            value = b"*" * (pos - value_at - used)   # what a reader of the masked bytes will see
+        if name is None:
+            out.missing += 1
+            if index_it:
+                # Keep indices of later entries right even though this name is unknown.
+                self.table.add(b"x-shadowtest-unknown", value)
+                self._version += 1
+            return pos
+        if index_it:
+            self.table.add(name, value)
+            self._version += 1
+        out.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        return pos

@@ -1,0 +1,33 @@
+"""Flood budgets: a token bucket per kind of frame that costs us work without moving a call forward.
+
+A peer may send PING, SETTINGS, RST_STREAM or empty frames, but a peer that sends millions of them is
+attacking (CVE-2019-9512/9515/9518, CVE-2023-44487 "rapid reset"). Each kind has a burst and a refill
+rate; a peer that empties a bucket gets GOAWAY ENHANCE_YOUR_CALM. The clock is an argument so the
+rules run in virtual time in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class Budget:
+    """`burst` tokens, refilled at `per_s` a second; `spend()` is False once the bucket is empty."""
+
+    __slots__ = ("burst", "per_s", "tokens", "last", "clock")
+
+    def __init__(self, burst: float, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.per_s, self.clock = burst, per_s, clock
+        self.tokens = burst
+        self.last = clock()
+
+    def spend(self, n: float = 1.0) -> bool:
+        if self.tokens < n:                 # refill lazily: the clock is read only when running low
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.per_s)
+            self.last = now
+            if self.tokens < n:
+                return False
+        self.tokens -= n
+        return True
