@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc import aio
 
+from wire.messages import MessageReader
+from wire.status import Metadata
+
 if TYPE_CHECKING:
     from agent_under_test.h2server import Connection
 
@@ -28,21 +31,24 @@ class Abort(aio.AbortError):
 class Call:
     """Stream state of one call. `inbox` holds decoded request messages not yet read by the handler."""
 
-    __slots__ = ("sid", "conn", "handler", "ctx", "task", "buf", "inbox", "waiter", "remote_closed",
-                 "local_closed", "headers_sent", "window", "out", "trailers", "drained", "timer", "unacked",
-                 "received_ns")
+    __slots__ = ("sid", "conn", "handler", "ctx", "task", "reader", "encoding", "inbox", "waiter", "remote_closed",
+                 "local_closed", "headers_sent", "window", "recv_window", "held", "out", "trailers", "drained",
+                 "timer", "unacked", "received_ns")
 
-    def __init__(self, sid: int, conn: Connection, handler: grpc.RpcMethodHandler,
-                 metadata: tuple[tuple[str, str], ...], window: int, timeout_s: float | None) -> None:
+    def __init__(self, sid: int, conn: Connection, handler: grpc.RpcMethodHandler, metadata: Metadata,
+                 window: int, timeout_s: float | None, recv_window: int, max_receive: int) -> None:
         self.sid, self.conn, self.handler = sid, conn, handler
         self.received_ns = time.perf_counter_ns()
         self.ctx = Context(self, metadata, timeout_s)
         self.task: asyncio.Task[None] | None = None
-        self.buf: bytearray | None = None          # a request message split over DATA frames
+        self.reader = MessageReader(max_receive)    # request messages split over DATA frames
+        self.encoding = ""                          # grpc-encoding of the request messages
         self.inbox: deque[Any] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.remote_closed = self.local_closed = self.headers_sent = False
         self.window = window                        # what the client lets us send on this stream
+        self.recv_window = recv_window              # what the client may still send us on it
+        self.held = 0                               # request bytes buffered for this call (the connection caps the sum)
         self.out = bytearray()                      # DATA payload held back by flow control
         self.trailers: bytes | None = None          # the end of the call, sent once `out` has drained
         self.drained: asyncio.Future[None] | None = None
@@ -82,18 +88,19 @@ class Requests:
 class Context:
     """The handler's view of its call (a subset of grpc.aio.ServicerContext)."""
 
-    def __init__(self, call: Call, metadata: tuple[tuple[str, str], ...], timeout_s: float | None) -> None:
+    def __init__(self, call: Call, metadata: Metadata, timeout_s: float | None) -> None:
         self._call = call
         self._metadata = metadata
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._code: grpc.StatusCode | None = None
         self._details = ""
-        self._trailing: tuple[tuple[str, str], ...] = ()
+        self._trailing: Metadata = ()
         self._cancelled = False
         self._callbacks: list[Callable[[Context], None]] = []
 
     # -- what the call carries
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+    def invocation_metadata(self) -> Metadata:
+        """The request's metadata; `-bin` values as bytes, as grpc gives them."""
         return self._metadata
 
     def peer(self) -> str:
@@ -120,14 +127,14 @@ class Context:
     def details(self) -> str:
         return self._details
 
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+    def set_trailing_metadata(self, metadata: Metadata) -> None:
         self._trailing = tuple(metadata)
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    def trailing_metadata(self) -> Metadata:
         return self._trailing
 
     async def abort(self, code: grpc.StatusCode, details: str = "",
-                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                    trailing_metadata: Metadata = ()) -> None:
         if code == grpc.StatusCode.OK:
             raise ValueError("abort() needs a non-OK status code")
         self._code, self._details = code, details
@@ -136,7 +143,7 @@ class Context:
         raise Abort()
 
     # -- streaming
-    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+    async def send_initial_metadata(self, metadata: Metadata) -> None:
         self._call.conn.send_headers(self._call, tuple(metadata))
 
     async def write(self, message: Any) -> None:

@@ -6,15 +6,25 @@ rate nor refuse calls cheaply under overload. This server parses frames straight
 buffer, answers a unary call with one write (cached HEADERS block + DATA + cached trailers) and keeps
 no per-call objects beyond the call itself. `--server grpcio` keeps grpc.aio for comparison.
 
-    socket --data_received--> frames --HEADERS--> Call (handler by :path; unknown: UNIMPLEMENTED)
-                                     --DATA-----> messages --unary: task(handler(request, ctx))
-                                                          --client stream: Call.inbox -> Requests
+    socket --data_received--> wire.h2.split --HEADERS--> Call (handler by :path; unknown: UNIMPLEMENTED)
+                                             --DATA-----> MessageReader --unary: task(handler(request, ctx))
+                                                                       --client stream: Call.inbox -> Requests
     handler result --> respond(): HEADERS + DATA + trailers, within the client's flow-control windows
 
 It hosts ordinary grpc.aio servicers: generated `add_*_to_server()` functions register through
 add_generic_rpc_handlers / add_registered_method_handlers, and each handler gets an h2call.Context.
-Flow control: the connection window is given back as data arrives; a stream's window as its messages are
-consumed, so a slow streaming handler holds its client back instead of growing our memory.
+
+The peer is hostile until it proves otherwise (the limits are grpc-go's and nghttp2's ideas):
+- frames over our MAX_FRAME_SIZE, malformed frames and SETTINGS, frames inside a header block: GOAWAY
+  with the RFC 9113 error code, one log line, the connection closed; a malformed request: RST_STREAM;
+- header blocks capped while they are assembled (max_header_list_size), before END_HEADERS;
+- flow control enforced both ways: a peer that overruns a window gets FLOW_CONTROL_ERROR; a stream's
+  window is given back as its messages are consumed, so a slow streaming handler holds its client
+  back; request bytes held per connection are capped (MAX_HELD);
+- messages limited by their declared size and again after decompression (bounded inflater);
+- PING, SETTINGS, reset-before-complete ("rapid reset") and empty-frame floods: GOAWAY
+  ENHANCE_YOUR_CALM once a per-connection token bucket is empty;
+- a peer that does not read stops being read (write backpressure), handshake and idle timeouts.
 Shutdown: GOAWAY(2^31-1) + PING, then GOAWAY(last stream seen) once the PING returns; in-flight calls
 finish within the grace period, then are cancelled.
 """
@@ -22,25 +32,48 @@ finish within the grace period, then are cancelled.
 from __future__ import annotations
 
 import asyncio
-import gzip
+import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import grpc
-import hpack
 
-from agent_under_test import h2wire as w
 from agent_under_test.h2call import Abort, Call, Requests
+from wire import h2
+from wire.h2 import ErrorCode, Flag, FrameType, H2Error, Setting
+from wire.headers import CachedDecoder, encode_block
+from wire.limits import Budget
+from wire.messages import SUPPORTED_ENCODINGS, decompress
+from wire.status import (
+    RESPONSE_HEADERS,
+    TRAILERS_OK,
+    GrpcError,
+    Metadata,
+    Status,
+    metadata_in,
+    metadata_out,
+    parse_timeout,
+    status_block,
+)
+
+log = logging.getLogger(__name__)
 
 WINDOW = 1 << 24          # connection receive window we advertise
 STREAM_WINDOW = 1 << 20   # per-stream receive window (a streaming handler's unread backlog is bounded by it)
 MAX_STREAMS = 4096        # concurrent calls per connection; beyond: REFUSED_STREAM (retryable)
 HIGH_WATER = 1 << 16      # a streaming writer waits while more than this is held back by flow control
+MAX_HELD = 32 << 20       # request bytes held per connection (partial messages, unread inboxes): 8 max-size calls
+# Flood budgets per connection (burst, refill per second). A legitimate client stays far below:
+# grpc-js keepalive pings about once a second, a replayer cancels what it abandons, not 1,000/s.
+PING_BUDGET = (1000, 100)
+SETTINGS_BUDGET = (100, 10)
+RESET_BUDGET = (2000, 1000)     # resets of streams whose request never completed ("rapid reset")
+EMPTY_BUDGET = (1000, 100)      # empty DATA/CONTINUATION, PRIORITY, unknown frame types
 _SHUTDOWN_PING = b"shutdown"
-_UNAVAILABLE, _INTERNAL, _UNIMPLEMENTED, _UNKNOWN = 14, 13, 12, 2
-_CANCELLED, _DEADLINE, _RESOURCE_EXHAUSTED = 1, 4, 8
+_DATA, _HEADERS, _CONTINUATION = FrameType.DATA, FrameType.HEADERS, FrameType.CONTINUATION
+_END_STREAM, _END_HEADERS, _PAD_OR_PRIO = Flag.END_STREAM, Flag.END_HEADERS, Flag.PADDED | Flag.PRIORITY
 _RESERVED = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
                        "user-agent", "grpc-message-type"})
 
@@ -56,21 +89,21 @@ class Connection(asyncio.Protocol):
         self.calls: dict[int, Call] = {}
         self.last_sid = 0
         self.buf = b""
-        self.preface = False
+        self.preface = self.handshaken = False
         self.closed = False
         self.going_away: int | None = None      # the last stream id we still serve, once GOAWAY is final
-        self.decoder = hpack.Decoder()
-        self.decoder.max_allowed_table_size = server.header_table_size
-        self.decoder.max_header_list_size = 1 << 20
-        self._decoded: dict[bytes, tuple[tuple[int, int], list[tuple[str, str]]]] = {}
-        self._adds = 0
-        self._count_adds()
-        self._partial: tuple[int, int, list[bytes]] | None = None
-        self.peer_window, self.peer_max_frame = 65535, 16384
-        self.send_window = 65535
+        self.decoder = CachedDecoder(server.header_table_size, server.max_header_list_size, validate=True)
+        self.block = h2.BlockAssembler(server.max_header_list_size)
+        self.peer_window, self.peer_max_frame = h2.DEFAULT_WINDOW, h2.DEFAULT_MAX_FRAME
+        self.send_window = h2.DEFAULT_WINDOW
+        self.recv_window = WINDOW                # what the client may still send before our next update
         self.recv_unacked = 0
+        self.held = 0                            # request bytes buffered on this connection's calls
         self.blocked: deque[Call] = deque()      # calls with DATA held back by flow control
         self.age_timer: asyncio.TimerHandle | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.pings, self.settings = Budget(*PING_BUDGET), Budget(*SETTINGS_BUDGET)
+        self.resets, self.empties = Budget(*RESET_BUDGET), Budget(*EMPTY_BUDGET)
         self._out: list[bytes] = []             # frames written in this loop iteration, sent together
 
     # ---- asyncio Protocol --------------------------------------------------------------------------
@@ -80,22 +113,34 @@ class Connection(asyncio.Protocol):
         if isinstance(peer, tuple):
             self.peer = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
         s = self.server
-        self._send(w.settings({w.MAX_CONCURRENT_STREAMS: MAX_STREAMS, w.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                               w.HEADER_TABLE_SIZE: s.header_table_size, w.ENABLE_PUSH: 0,
-                               w.MAX_HEADER_LIST_SIZE: 1 << 20})
-                   + w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(WINDOW - 65535)))
+        self._send(h2.settings({Setting.MAX_CONCURRENT_STREAMS: MAX_STREAMS, Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                                Setting.HEADER_TABLE_SIZE: s.header_table_size, Setting.ENABLE_PUSH: 0,
+                                Setting.MAX_HEADER_LIST_SIZE: s.max_header_list_size})
+                   + h2.window_update(0, WINDOW - h2.DEFAULT_WINDOW))
         s.connections.add(self)
         if s.max_connection_age_s is not None:
             self.age_timer = self.loop.call_later(s.max_connection_age_s, self.go_away)
+        if s.handshake_timeout_s is not None:
+            self.idle_timer = self.loop.call_later(s.handshake_timeout_s, self._timed_out, "handshake")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        if self.age_timer is not None:
-            self.age_timer.cancel()
+        for timer in (self.age_timer, self.idle_timer):
+            if timer is not None:
+                timer.cancel()
         for call in list(self.calls.values()):
             self._drop(call, cancelled=True)
         self.server.call_ended()
+
+    def pause_writing(self) -> None:
+        """The peer is not reading what we write: stop reading what it sends (PINGs, calls) meanwhile."""
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def _send(self, data: bytes) -> None:
         """Queue bytes for the socket; everything queued in one loop iteration leaves in one write.
@@ -113,68 +158,84 @@ class Connection(asyncio.Protocol):
 
     # ---- receiving -----------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        try:
+            self._receive(data)
+        except H2Error as exc:
+            self._connection_error(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours must cost one connection, not the server
+            log.warning("h2 %s: internal error, closing the connection: %s: %s", self.peer, type(exc).__name__, exc)
+            self._connection_error(H2Error(ErrorCode.INTERNAL_ERROR, "internal error"), logged=True)
+
+    def _receive(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
-        pos, size = 0, len(buf)
+        pos = 0
         if not self.preface:
-            if size < 24:
+            if len(buf) < 24:
                 self.buf = buf
                 return
-            if buf[:24] != w.PREFACE:  # an HTTP/1 client or garbage: nothing gRPC can answer
-                self._send(w.goaway(0, w.PROTOCOL_ERROR, b"expected the HTTP/2 preface"))
-                self.close()
-                return
+            if buf[:24] != h2.PREFACE:  # an HTTP/1 client or garbage: nothing gRPC can answer
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, "expected the HTTP/2 preface")
             self.preface, pos = True, 24
-        while size - pos >= 9:
-            hi, lo, ftype, flags, sid = w.HEAD.unpack_from(buf, pos)
-            end = pos + 9 + (hi << 16 | lo)
-            if end > size:
-                break
-            payload = buf[pos + 9:end]
-            pos = end
-            sid &= 0x7FFFFFFF
-            if ftype == w.DATA:
-                self._on_data(sid, flags, payload)
-            elif ftype == w.HEADERS or ftype == w.CONTINUATION:
-                self._on_headers(ftype, sid, flags, payload)
-            else:
-                self._on_control(ftype, sid, flags, payload)
+        frames, pos, error = h2.split(buf, pos, h2.DEFAULT_MAX_FRAME)
+        for ftype, flags, sid, payload in frames:
+            try:
+                if self.block.sid and ftype != _CONTINUATION:
+                    raise H2Error(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} inside a header block")
+                if ftype == _DATA:
+                    self._on_data(sid, flags, payload)
+                elif ftype == _HEADERS:
+                    self._on_headers(sid, flags, payload)
+                elif ftype == _CONTINUATION:
+                    self._on_continuation(sid, flags, payload)
+                else:
+                    self._on_control(ftype, sid, flags, payload)
+            except H2Error as exc:
+                if not exc.stream:
+                    raise
+                self._stream_error(exc)
             if self.closed:
                 return
+        if error is not None:
+            raise error
         self.buf = buf[pos:]
 
-    def _on_headers(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        if ftype == w.HEADERS:
-            if flags & w.PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & w.PRIORITY_FLAG:
-                payload = payload[5:]
-            self._partial = (sid, flags, [payload])
-        elif self._partial is None or self._partial[0] != sid:
-            return self._protocol_error("CONTINUATION without HEADERS")
-        else:
-            self._partial[2].append(payload)
-        if not flags & w.END_HEADERS:
-            return None
-        sid, first, parts = self._partial
-        self._partial = None
-        try:
-            fields = self._decode(b"".join(parts))
-        except hpack.HPACKError as exc:
-            return self._protocol_error(f"cannot decode request headers: {exc}", error=0x9)
+    def _on_headers(self, sid: int, flags: int, payload: bytes) -> None:
+        if not sid or not self.handshaken:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0" if sid else "HEADERS before SETTINGS")
+        fragment = h2.strip(_HEADERS, flags, payload) if flags & _PAD_OR_PRIO else payload
+        block = self.block.headers(sid, flags, fragment)
+        if block is None:
+            if not fragment:
+                self._spend(self.empties, "empty header fragments")
+            return
+        self._header_block(sid, flags, block)
+
+    def _on_continuation(self, sid: int, flags: int, payload: bytes) -> None:
+        if not payload and not flags & _END_HEADERS:
+            self._spend(self.empties, "empty CONTINUATION frames")
+        block = self.block.continuation(sid, flags, payload)
+        if block is not None:
+            self._header_block(sid, self.block.flags, block)
+
+    def _header_block(self, sid: int, flags: int, block: bytes) -> None:
         call = self.calls.get(sid)
+        new = call is None and sid > self.last_sid
+        if new:
+            if not sid & 1:
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"a client opened even stream {sid}")
+            self.last_sid = sid
+        fields = self.decoder.decode(block, sid)   # a malformed field list: RST_STREAM, table in step
         if call is not None:  # trailers from the client: only END_STREAM matters
-            if first & w.END_STREAM:
-                self._remote_end(call)
-            return None
-        if sid <= self.last_sid or not sid & 1:
-            return None if sid <= self.last_sid else self._protocol_error(f"bad stream id {sid}")
-        self.last_sid = sid
-        self._open(sid, fields, bool(first & w.END_STREAM))
-        return None
+            if not flags & _END_STREAM:
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", sid)
+            self._remote_end(call)
+        elif new:
+            self._open(sid, fields, bool(flags & _END_STREAM))
+        # else: a stream we already ended; decoded only to keep the HPACK table in step
 
     def _open(self, sid: int, fields: list[tuple[str, str]], ended: bool) -> None:
         if (self.going_away is not None and sid > self.going_away) or len(self.calls) >= MAX_STREAMS:
-            self._send(w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.REFUSED_STREAM)))
+            self._send(h2.rst_stream(sid, ErrorCode.REFUSED_STREAM))
             return
         path = ctype = encoding = ""
         timeout: float | None = None
@@ -186,27 +247,38 @@ class Connection(asyncio.Protocol):
             elif k == "content-type":
                 ctype = v
             elif k == "grpc-timeout":
-                timeout = w.parse_timeout(v)
+                timeout = parse_timeout(v)
             elif k == "grpc-encoding":
                 encoding = v
             elif k not in _RESERVED:
                 extra.append((k, v))
-        metadata = tuple(extra)
+        if not path:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "a request without :path", sid)
         if not ctype.startswith("application/grpc"):
-            self._send(w.headers(sid, w.block([(":status", "415")]), self.peer_max_frame, True))
+            self._send(h2.headers(sid, encode_block([(":status", "415")]), self.peer_max_frame, True))
             return
+        try:
+            metadata = tuple(metadata_in(extra))
+        except ValueError as exc:
+            return self._trailers_only(sid, Status.INTERNAL, str(exc), ended=ended)
         handler = self.server.lookup(path, metadata)
         if handler is None:
-            self._trailers_only(sid, _UNIMPLEMENTED, f"Method not found: {path}", ended=ended)
-            return
+            return self._trailers_only(sid, Status.UNIMPLEMENTED, f"Method not found: {path}", ended=ended)
         if self.server.admit is not None and (refusal := self.server.admit(path)) is not None:
-            self._trailers_only(sid, *refusal, ended=ended)  # refused before any per-call object exists
-            return
-        if encoding not in ("", "identity", "gzip"):
-            self._trailers_only(sid, _UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported", ended=ended)
-            return
-        call = Call(sid, self, handler, metadata, self.peer_window, timeout)
+            return self._trailers_only(sid, *refusal, ended=ended)  # refused before any per-call object exists
+        if encoding not in SUPPORTED_ENCODINGS and encoding:
+            return self._trailers_only(sid, Status.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported",
+                                       ended=ended)
+        self._start(sid, handler, metadata, timeout, encoding, ended)
+
+    def _start(self, sid: int, handler: grpc.RpcMethodHandler, metadata: Metadata, timeout: float | None,
+               encoding: str, ended: bool) -> None:
+        call = Call(sid, self, handler, metadata, self.peer_window, timeout, STREAM_WINDOW, self.server.max_receive)
+        call.encoding = encoding
         self.calls[sid] = call
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
         if timeout is not None:
             call.timer = self.loop.call_later(timeout, self._expire, call)
         if handler.request_streaming:
@@ -215,56 +287,69 @@ class Connection(asyncio.Protocol):
             self._remote_end(call)
 
     def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
+        if not sid:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         n = len(payload)
+        self.recv_window -= n
+        if self.recv_window < 0:
+            raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self.recv_unacked += n
-        if self.recv_unacked >= WINDOW // 2:
-            self._send(w.frame(w.WINDOW_UPDATE, 0, 0, w.U32.pack(self.recv_unacked)))
+        if self.recv_unacked >= WINDOW // 2:   # the connection window comes back as data arrives (grpc-go)
+            self._send(h2.window_update(0, self.recv_unacked))
+            self.recv_window += self.recv_unacked
             self.recv_unacked = 0
+        if not n and not flags & _END_STREAM:
+            self._spend(self.empties, "empty DATA frames")
         call = self.calls.get(sid)
-        if call is None or call.remote_closed:
+        if call is None:
+            if sid > self.last_sid:
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return  # a call we already ended: counted for the connection window, then dropped
-        if flags & w.PADDED:
-            payload = payload[1:n - payload[0]]
+        if call.remote_closed:
+            raise H2Error(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM", sid)
+        call.recv_window -= n
+        if call.recv_window < 0:
+            raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the stream window", sid)
+        data = h2.strip(_DATA, flags, payload) if flags & Flag.PADDED else payload
         if not call.handler.request_streaming:
             self.consumed(call, n)  # a unary request is buffered whole anyway (bounded by the size limit)
-        self._take(call, payload)
-        if flags & w.END_STREAM and not call.local_closed:
+        elif len(data) < n:
+            self.consumed(call, n - len(data))  # padding is never read by anyone: give it back now
+        self._take(call, data)
+        if flags & _END_STREAM and not call.local_closed:
             self._remote_end(call)
 
     def _take(self, call: Call, payload: bytes) -> None:
         """Cut complete length-prefixed messages out of the call's DATA."""
-        if call.buf is None and len(payload) >= 5 and len(payload) == 5 + int.from_bytes(payload[1:5], "big"):
-            self._message(call, payload[0], payload[5:])  # the usual case: one whole message in one frame
-            return
-        buf = call.buf = (call.buf or bytearray()) + payload
-        while len(buf) >= 5 and not call.local_closed:
-            size = int.from_bytes(buf[1:5], "big")
-            if size > self.server.max_receive:
-                self._message(call, buf[0], b"", size)  # refused before it is buffered whole
-                return
-            if len(buf) < 5 + size:
-                break
-            self._message(call, buf[0], bytes(buf[5:5 + size]))
-            del buf[:5 + size]
-        if not buf:
-            call.buf = None
-
-    def _message(self, call: Call, flag: int, data: bytes, size: int | None = None) -> None:
-        size = len(data) if size is None else size
-        if size > self.server.max_receive:
-            return self.end(call, _RESOURCE_EXHAUSTED,
-                            f"Received message larger than max ({size} vs. {self.server.max_receive})")
+        call.held += len(payload)
+        self.held += len(payload)
+        if self.held > MAX_HELD:
+            return self.end(call, Status.RESOURCE_EXHAUSTED, f"over {MAX_HELD} request bytes held on the connection")
         try:
-            raw = gzip.decompress(data) if flag else data
+            messages = call.reader.feed(payload)
+        except GrpcError as exc:
+            return self.end(call, exc.status, exc.message)
+        for flag, data in messages:
+            self._message(call, flag, data)
+            if call.local_closed:
+                return None
+        return None
+
+    def _message(self, call: Call, flag: int, data: bytes) -> None:
+        size = len(data)
+        try:
+            raw = decompress(data, call.encoding, self.server.max_receive) if flag else data
             deserialize = call.handler.request_deserializer
             message = deserialize(raw) if deserialize is not None else raw  # None: the handler takes bytes
+        except GrpcError as exc:
+            return self.end(call, exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - the client sent bytes that are not the request type
-            return self.end(call, _INTERNAL, f"cannot parse the request message: {type(exc).__name__}: {exc}")
+            return self.end(call, Status.INTERNAL, f"cannot parse the request message: {type(exc).__name__}: {exc}")
         if call.handler.request_streaming:
             call.inbox.append((message, size + 5))
             call.wake()
         elif call.inbox:
-            self.end(call, _UNIMPLEMENTED, "a unary call received a second request message")
+            self.end(call, Status.UNIMPLEMENTED, "a unary call received a second request message")
         else:
             call.inbox.append((message, size + 5))
         return None
@@ -274,55 +359,113 @@ class Connection(asyncio.Protocol):
         if call.handler.request_streaming:
             call.wake()
         elif not call.inbox:
-            self.end(call, _UNIMPLEMENTED, "a unary call ended without a request message")
+            self.end(call, Status.UNIMPLEMENTED, "a unary call ended without a request message")
         else:
+            self._release(call, call.held)  # the handler owns its request from here
             call.task = self.loop.create_task(self.server.run(call, call.inbox.popleft()[0]))
 
     def consumed(self, call: Call, n: int) -> None:
         """Give `n` bytes of the stream's window back once they have been taken."""
+        call.recv_window += n
         call.unacked += n
+        if call.handler.request_streaming:
+            self._release(call, n)
         if call.unacked >= STREAM_WINDOW // 2 and not call.remote_closed and not self.closed:
-            self._send(w.frame(w.WINDOW_UPDATE, 0, call.sid, w.U32.pack(call.unacked)))
+            self._send(h2.window_update(call.sid, call.unacked))
             call.unacked = 0
 
+    def _release(self, call: Call, n: int) -> None:
+        n = min(n, call.held)
+        call.held -= n
+        self.held -= n
+
     def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        if ftype == w.SETTINGS and not flags & w.ACK:
-            self._apply_settings(payload)
-            self._send(w.frame(w.SETTINGS, w.ACK, 0))
-        elif ftype == w.WINDOW_UPDATE:
-            inc = w.U32.unpack(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.send_window += inc
-            elif (call := self.calls.get(sid)) is not None:
-                call.window += inc
-            self._flush()
-        elif ftype == w.PING:
-            if not flags & w.ACK:
-                self._send(w.frame(w.PING, w.ACK, 0, payload))
+        if ftype == FrameType.SETTINGS:
+            return self._on_settings(sid, flags, payload)
+        if not self.handshaken:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} before SETTINGS")
+        if ftype > FrameType.CONTINUATION or ftype == FrameType.PRIORITY:
+            h2.check_control(ftype, flags, sid, payload)
+            return self._spend(self.empties, "PRIORITY or unknown frames")
+        h2.check_control(ftype, flags, sid, payload)
+        if ftype == FrameType.WINDOW_UPDATE:
+            self._on_window_update(sid, h2.U32.unpack(payload)[0] & h2.MAX_WINDOW)
+        elif ftype == FrameType.PING:
+            if not flags & Flag.ACK:
+                self._spend(self.pings, "PING frames")
+                self._send(h2.ping(payload, ack=True))
             elif payload == _SHUTDOWN_PING and self.going_away is None:
                 self._final_goaway()
-        elif ftype == w.RST_STREAM:
-            if (call := self.calls.get(sid)) is not None:
-                self._drop(call, cancelled=True)
-        elif ftype == w.GOAWAY:
+        elif ftype == FrameType.RST_STREAM:
+            self._on_reset(sid)
+        elif ftype == FrameType.GOAWAY:
             if not self.calls:
                 self.close()
-        elif ftype == w.PUSH_PROMISE:
-            self._protocol_error("a client sent PUSH_PROMISE")
+        elif ftype == FrameType.PUSH_PROMISE:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+        return None
 
-    def _apply_settings(self, payload: bytes) -> None:
-        for i in range(0, len(payload) - 5, 6):
-            key, value = w.SETTING.unpack_from(payload, i)
-            if key == w.INITIAL_WINDOW_SIZE:
+    def _on_settings(self, sid: int, flags: int, payload: bytes) -> None:
+        if not self.handshaken and flags & Flag.ACK:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "the client's first frame is not its SETTINGS")
+        pairs = h2.parse_settings(flags, sid, payload)
+        if flags & Flag.ACK:
+            return
+        if self.handshaken:
+            self._spend(self.settings, "SETTINGS frames")
+        else:
+            self.handshaken = True
+            self._arm_idle()
+        for key, value in pairs:
+            if key == Setting.INITIAL_WINDOW_SIZE:
                 for call in self.calls.values():
-                    call.window += value - self.peer_window
+                    call.window = h2.grow_window(call.window, value - self.peer_window, 0)
                 self.peer_window = value
-            elif key == w.MAX_FRAME_SIZE:
+            elif key == Setting.MAX_FRAME_SIZE:
                 self.peer_max_frame = value
+        self._send(h2.SETTINGS_ACK)
         self._flush()
 
+    def _on_window_update(self, sid: int, inc: int) -> None:
+        if sid == 0:
+            self.send_window = h2.grow_window(self.send_window, inc, 0)
+        elif (call := self.calls.get(sid)) is not None:
+            call.window = h2.grow_window(call.window, inc, sid)
+        elif sid > self.last_sid:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
+        self._flush()
+
+    def _on_reset(self, sid: int) -> None:
+        if sid > self.last_sid:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+        call = self.calls.get(sid)
+        if call is None:
+            return
+        if not call.remote_closed:  # reset before its request was complete: what rapid reset does
+            self._spend(self.resets, "streams reset before their request completed")
+        self._drop(call, cancelled=True)
+
+    def _spend(self, budget: Budget, what: str) -> None:
+        if not budget.spend():
+            raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"too many {what}")
+
+    def _stream_error(self, exc: H2Error) -> None:
+        log.info("h2 %s: stream error: %s", self.peer, exc)
+        self._send(h2.rst_stream(exc.stream, exc.code))
+        call = self.calls.get(exc.stream)
+        if call is not None:
+            call.local_closed = True
+            self._drop(call, cancelled=True)
+
+    def _connection_error(self, exc: H2Error, logged: bool = False) -> None:
+        if not logged:
+            log.warning("h2 %s: closing the connection: %s", self.peer, exc)
+        if not self.closed:
+            self._send(h2.goaway(self.last_sid, exc.code, exc.why.encode()[:200]))
+            self.close()
+
     # ---- sending -------------------------------------------------------------------------------------
-    def respond(self, call: Call, payload: bytes, trailers: bytes = w.TRAILERS_OK) -> None:
+    def respond(self, call: Call, payload: bytes, trailers: bytes = TRAILERS_OK) -> None:
         """A unary response and the call's end, in one write when the windows allow (they nearly always do)."""
         if call.local_closed:
             return
@@ -335,17 +478,17 @@ class Connection(asyncio.Protocol):
         call.window -= n
         call.headers_sent = True
         self._send(
-            w.frame(w.HEADERS, w.END_HEADERS, call.sid, w.RESPONSE_HEADERS)
-            + w.HEAD.pack(n >> 16, n & 0xFFFF, w.DATA, 0, call.sid) + (n - 5).to_bytes(5, "big") + payload
-            + w.frame(w.HEADERS, w.END_HEADERS | w.END_STREAM, call.sid, trailers))
+            h2.frame(_HEADERS, _END_HEADERS, call.sid, RESPONSE_HEADERS)
+            + h2.HEAD.pack(n >> 16, n & 0xFFFF, _DATA, 0, call.sid) + (n - 5).to_bytes(5, "big") + payload
+            + h2.frame(_HEADERS, _END_HEADERS | _END_STREAM, call.sid, trailers))
         self._finished(call)
 
-    def send_headers(self, call: Call, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def send_headers(self, call: Call, metadata: Metadata = ()) -> None:
         if call.headers_sent or call.local_closed or self.closed:
             return
         call.headers_sent = True
-        block = w.RESPONSE_HEADERS + w.block(metadata) if metadata else w.RESPONSE_HEADERS
-        self._send(w.headers(call.sid, block, self.peer_max_frame, False))
+        block = RESPONSE_HEADERS + encode_block(metadata_out(metadata)) if metadata else RESPONSE_HEADERS
+        self._send(h2.headers(call.sid, block, self.peer_max_frame, False))
 
     def send_message_nowait(self, call: Call, payload: bytes) -> None:
         self.send_headers(call)
@@ -371,7 +514,7 @@ class Connection(asyncio.Protocol):
             call = self.blocked.popleft()
             n = min(len(call.out), self.send_window, call.window)
             if n > 0:
-                self._send(w.data_frames(call.sid, bytes(call.out[:n]), self.peer_max_frame))
+                self._send(h2.data_frames(call.sid, bytes(call.out[:n]), self.peer_max_frame))
                 del call.out[:n]
                 self.send_window -= n
                 call.window -= n
@@ -381,18 +524,18 @@ class Connection(asyncio.Protocol):
             if call.drained is not None and not call.drained.done():
                 call.drained.set_result(None)
             if call.trailers is not None:
-                self._send(w.headers(call.sid, call.trailers, self.peer_max_frame, True))
+                self._send(h2.headers(call.sid, call.trailers, self.peer_max_frame, True))
                 self._finished(call)
 
-    def end(self, call: Call, code: int, message: str = "", metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def end(self, call: Call, code: int, message: str = "", metadata: Metadata = ()) -> None:
         """End the call with a status (after whatever it has already sent)."""
         if call.local_closed:
             return
         if not call.headers_sent and not call.out:
             call.headers_sent = True
-            self._close_local(call, w.status_block(code, message, metadata, trailers_only=True))
+            self._close_local(call, status_block(code, message, metadata, trailers_only=True))
         else:
-            self._close_local(call, w.status_block(code, message, metadata))
+            self._close_local(call, status_block(code, message, metadata))
         if call.task is not None and not call.task.done() and call.task is not asyncio.current_task():
             call.task.cancel()
 
@@ -402,25 +545,25 @@ class Connection(asyncio.Protocol):
         if call.out:
             call.trailers = trailers  # sent by _flush after the data
             return
-        self._send(w.headers(call.sid, trailers, self.peer_max_frame, True))
+        self._send(h2.headers(call.sid, trailers, self.peer_max_frame, True))
         self._finished(call)
 
-    def _trailers_only(self, sid: int, code: int, message: str, metadata: tuple[tuple[str, str], ...] = (),
-                       *, ended: bool) -> None:
-        self._send(w.headers(sid, w.status_block(code, message, metadata, trailers_only=True), self.peer_max_frame, True)
-                   + (b"" if ended else w.frame(w.RST_STREAM, 0, sid, w.U32.pack(w.NO_ERROR))))
+    def _trailers_only(self, sid: int, code: int, message: str, metadata: Metadata = (), *, ended: bool) -> None:
+        self._send(h2.headers(sid, status_block(code, message, metadata, trailers_only=True), self.peer_max_frame, True)
+                   + (b"" if ended else h2.rst_stream(sid, ErrorCode.NO_ERROR)))
 
     def _finished(self, call: Call) -> None:
         """Our side is done: forget the call (telling the client to stop sending if it still is)."""
         call.local_closed = True
         if not call.remote_closed and not self.closed:
-            self._send(w.frame(w.RST_STREAM, 0, call.sid, w.U32.pack(w.NO_ERROR)))
+            self._send(h2.rst_stream(call.sid, ErrorCode.NO_ERROR))
         self._drop(call, cancelled=False)
 
     def _drop(self, call: Call, cancelled: bool) -> None:
         if self.calls.pop(call.sid, None) is None:
             return
         call.local_closed = True
+        self._release(call, call.held)
         if call.timer is not None:
             call.timer.cancel()
         if cancelled and call.task is not None and not call.task.done():
@@ -432,24 +575,42 @@ class Connection(asyncio.Protocol):
         if not self.calls:
             if self.going_away is not None:
                 self.close()
+            self._arm_idle()
             self.server.call_ended()
 
     def _expire(self, call: Call) -> None:
         call.timer = None
         if not call.local_closed:
-            self.end(call, _DEADLINE, "Deadline Exceeded")
+            self.end(call, Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     # ---- connection lifecycle -------------------------------------------------------------------------
+    def _arm_idle(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        after = self.server.idle_timeout_s
+        self.idle_timer = None if after is None or self.closed else self.loop.call_later(after, self._timed_out, "idle")
+
+    def _timed_out(self, what: str) -> None:
+        self.idle_timer = None
+        if self.closed or self.calls:
+            return
+        if what == "handshake" and not self.handshaken:
+            log.info("h2 %s: no HTTP/2 handshake within %ss, closing", self.peer, self.server.handshake_timeout_s)
+            return self.close()
+        if what == "idle":
+            self._send(h2.goaway(self.last_sid, ErrorCode.NO_ERROR, b"idle"))
+            self.close()
+
     def go_away(self) -> None:
         """Start a graceful close: no new calls once the client has seen GOAWAY; current ones finish."""
         if self.closed or self.going_away is not None:
             return
-        self._send(w.goaway(0x7FFFFFFF, w.NO_ERROR) + w.frame(w.PING, 0, 0, _SHUTDOWN_PING))
+        self._send(h2.goaway(h2.MAX_STREAM_ID, ErrorCode.NO_ERROR) + h2.ping(_SHUTDOWN_PING))
         self.age_timer = self.loop.call_later(self.server.grace_s, self.close)  # a client that never answers
 
     def _final_goaway(self) -> None:
         self.going_away = self.last_sid
-        self._send(w.goaway(self.last_sid, w.NO_ERROR))
+        self._send(h2.goaway(self.last_sid, ErrorCode.NO_ERROR))
         if not self.calls:
             self.close()
 
@@ -461,39 +622,11 @@ class Connection(asyncio.Protocol):
 
     def cancel_all(self) -> None:
         for call in list(self.calls.values()):
-            self.end(call, _UNAVAILABLE, "the server is shutting down")
+            self.end(call, Status.UNAVAILABLE, "the server is shutting down")
         self.close()
 
-    def _protocol_error(self, why: str, error: int = w.PROTOCOL_ERROR) -> None:
-        if not self.closed:
-            self._send(w.goaway(self.last_sid, error, why.encode()[:200]))
-            self.close()
 
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """Decode through the connection's decoder; memoised when the block changed nothing in its table
-        (a client's repeated request headers, once they sit in the dynamic table)."""
-        table = self.decoder.header_table
-        state = (self._adds, table.maxsize)
-        hit = self._decoded.get(block)
-        if hit is not None and hit[0] == state:
-            return hit[1]
-        fields = cast(list[tuple[str, str]], self.decoder.decode(block))
-        if (self._adds, table.maxsize) == state:
-            if len(self._decoded) >= 256:
-                self._decoded.clear()
-            self._decoded[block] = (state, fields)
-        return fields
-
-    def _count_adds(self) -> None:
-        table, add = self.decoder.header_table, self.decoder.header_table.add
-
-        def counted_add(name: bytes, value: bytes) -> None:
-            self._adds += 1
-            add(name, value)
-        table.add = counted_add  # type: ignore[method-assign]
-
-
-Refusal = tuple[int, str, tuple[tuple[str, str], ...]]  # gRPC code, message, trailing metadata
+Refusal = tuple[int, str, Metadata]  # gRPC code, message, trailing metadata
 Admit = Callable[[str], Refusal | None]
 
 
@@ -501,15 +634,22 @@ class LeanServer:
     """The subset of grpc.aio.Server the agent uses: register servicers, bind, start, stop(grace).
 
     `admit(path)`, when given, runs as a call's headers arrive, before anything is allocated for it:
-    a Refusal ends the call there (trailers only), which is what keeps refusing cheap under overload."""
+    a Refusal ends the call there (trailers only), which is what keeps refusing cheap under overload.
+    `handshake_timeout_s`: a connection that has not sent the preface and SETTINGS by then is closed;
+    `idle_timeout_s`: one with no call for that long gets GOAWAY(NO_ERROR) and is closed (None: never)."""
 
     def __init__(self, *, max_receive_message_length: int = 4 << 20, header_table_size: int = 4096,
-                 max_connection_age_s: float | None = None, grace_s: float = 5.0, admit: Admit | None = None) -> None:
+                 max_connection_age_s: float | None = None, grace_s: float = 5.0, admit: Admit | None = None,
+                 handshake_timeout_s: float | None = 10.0, idle_timeout_s: float | None = 600.0,
+                 max_header_list_size: int = 1 << 16) -> None:
         self.admit = admit
         self.max_receive = max_receive_message_length
         self.header_table_size = header_table_size
         self.max_connection_age_s = max_connection_age_s
         self.grace_s = grace_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_header_list_size = max_header_list_size
         self.connections: set[Connection] = set()
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
@@ -525,7 +665,7 @@ class LeanServer:
         for name, handler in handlers.items():
             self._handlers[f"/{service}/{name}"] = handler
 
-    def lookup(self, path: str, metadata: tuple[tuple[str, str], ...]) -> grpc.RpcMethodHandler | None:
+    def lookup(self, path: str, metadata: Metadata) -> grpc.RpcMethodHandler | None:
         handler = self._handlers.get(path)
         if handler is None:
             details = _CallDetails(path, metadata)
@@ -565,10 +705,10 @@ class LeanServer:
             unary = handler.unary_unary or handler.stream_unary  # one response: answered in one write
             if unary is not None:
                 response = await unary(request, ctx)
-                if ctx._code is None or ctx._code == grpc.StatusCode.OK:
+                if ctx.code() in (None, grpc.StatusCode.OK):
+                    trailing = ctx.trailing_metadata()
                     return conn.respond(call, call.serialize(response),
-                                        w.status_block(0, ctx._details, ctx._trailing) if ctx._trailing
-                                        else w.TRAILERS_OK)
+                                        status_block(0, ctx.details(), trailing) if trailing else TRAILERS_OK)
             else:
                 behavior = handler.unary_stream or handler.stream_stream
                 result = behavior(request, ctx)
@@ -584,10 +724,11 @@ class LeanServer:
                 return  # ended on purpose (deadline, client reset, shutdown): the status is out already
             raise
         except Exception as exc:  # noqa: BLE001 - a handler bug becomes UNKNOWN, as grpc does
-            if ctx._code is None or ctx._code == grpc.StatusCode.OK:
-                ctx._code, ctx._details = grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handling: {exc!r}"
-        code = ctx._code.value[0] if ctx._code is not None else 0
-        conn.end(call, code, ctx._details, ctx._trailing)
+            if ctx.code() in (None, grpc.StatusCode.OK):
+                ctx.set_code(grpc.StatusCode.UNKNOWN)
+                ctx.set_details(f"Unexpected error in RPC handling: {exc!r}")
+        code = ctx.code()
+        conn.end(call, code.value[0] if code is not None else 0, ctx.details(), ctx.trailing_metadata())
 
     def call_ended(self) -> None:
         if self._idle is not None and not any(c.calls for c in self.connections):
@@ -615,6 +756,5 @@ class LeanServer:
 
 
 class _CallDetails(grpc.HandlerCallDetails):
-    def __init__(self, method: str, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, method: str, metadata: Metadata) -> None:
         self.method, self.invocation_metadata = method, metadata
-
