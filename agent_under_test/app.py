@@ -95,7 +95,7 @@ class AgentServer:
             server = LeanServer(max_receive_message_length=opts.max_receive_bytes,
                                 header_table_size=4096 if opts.hpack_table_size is None else opts.hpack_table_size,
                                 max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s,
-                                admit=admission(self.guard))
+                                idle_timeout_s=opts.idle_timeout_s or None, admit=admission(self.guard))
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
             TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),
                                  self.guard, admits=not isinstance(server, LeanServer)), server)

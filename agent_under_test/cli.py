@@ -55,6 +55,8 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
       help="serve new batches light while more than this many calls queue for the model (0: never)")
 @_opt("--hpack-table-size", type=int, default=None, help="HPACK dynamic table size (0: captures decode mid-stream)")
 @_opt("--max-connection-age-s", type=float, default=None, help="close connections after this age")
+@_opt("--idle-timeout-s", type=click.FloatRange(0), default=_D.idle_timeout_s,
+      help="GOAWAY a connection that has had no call this long (0: never)")
 @_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
 @_opt("--max-message-bytes", type=int, default=_D.max_message_bytes, help="larger snapshots are rejected")
 @_opt("--ready-file", type=click.Path(dir_okay=False), default=None, help="also write the ready line here")

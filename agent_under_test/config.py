@@ -47,6 +47,7 @@ class ServeOptions:
     queue_light_depth: int = 5           # batcher queue deeper than this serves new batches light; 0: never
     hpack_table_size: int | None = None  # 0 lets a mid-stream capture decode every header block
     max_connection_age_s: float | None = None
+    idle_timeout_s: float = 600.0        # a connection with no call this long gets GOAWAY; 0: never
     grace_s: float = 5.0                 # how long SIGTERM waits for in-flight calls
     max_message_bytes: int = 65536       # larger snapshots are INVALID_ARGUMENT ('message')
     ready_file: str | None = None
@@ -74,6 +75,8 @@ class ServeOptions:
         if self.hpack_table_size is not None:
             opts += [("grpc.http2.hpack_table_size.decoder", self.hpack_table_size),
                      ("grpc.http2.hpack_table_size.encoder", self.hpack_table_size)]
+        if self.idle_timeout_s > 0:
+            opts.append(("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)))
         if self.max_connection_age_s is not None:
             age_ms = int(self.max_connection_age_s * 1000)
             opts += [("grpc.max_connection_age_ms", age_ms),
