@@ -74,8 +74,9 @@ EMPTY_BUDGET = (1000, 100)      # empty DATA/CONTINUATION, PRIORITY, unknown fra
 _SHUTDOWN_PING = b"shutdown"
 _DATA, _HEADERS, _CONTINUATION = FrameType.DATA, FrameType.HEADERS, FrameType.CONTINUATION
 _END_STREAM, _END_HEADERS, _PAD_OR_PRIO = Flag.END_STREAM, Flag.END_HEADERS, Flag.PADDED | Flag.PRIORITY
+# Not metadata for the handler; user-agent is (grpc.aio's invocation_metadata() has it too).
 _RESERVED = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
-                       "user-agent", "grpc-message-type"})
+                       "grpc-message-type"})
 
 
 class Connection(asyncio.Protocol):

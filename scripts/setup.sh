@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent set-up for `make test` / `make demo`: system packages, kernel headers for bcc,
-# tracefs, and the virtual environment at .venv. A second run with nothing changed takes seconds.
+# tracefs, the virtual environment at .venv and the node modules of the grpc-js interop tests.
+# A second run with nothing changed takes seconds.
 # Where a step cannot be done (not root, no apt) it says what is missing and what is lost, and goes on.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-SYS_PKGS="python3-bpfcc linux-headers-amd64 stress-ng prometheus tshark tcpdump"
+SYS_PKGS="python3-bpfcc linux-headers-amd64 stress-ng prometheus tshark tcpdump nghttp2-client"
+NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] WARNING: %s\n' "$*" >&2; }
 
@@ -21,7 +23,8 @@ install_system_packages() {
     if ! is_root || ! command -v apt-get >/dev/null; then
         warn "cannot install:$missing (needs root and apt-get)."
         warn "without them: eBPF capture (python3-bpfcc, linux-headers-amd64), stress-ng CPU contention,"
-        warn "promtool rule tests (prometheus), tshark export checks and tcpdump import checks are skipped."
+        warn "promtool rule tests (prometheus), tshark export checks, tcpdump import checks and the h2load"
+        warn "interop tests (nghttp2-client: tests/test_interop_h2load.py) are skipped."
         return
     fi
     say "installing:$missing"
@@ -73,8 +76,34 @@ make_venv() {
     fi
 }
 
+install_node_modules() {
+    # @grpc/grpc-js for tests/test_interop_grpcjs.py, pinned by the committed package-lock.json.
+    # Reinstalled only when package.json or package-lock.json changed since the last `npm ci`.
+    local stamp="$NODE_DIR/node_modules/.shadowtest-stamp" want
+    [ -f "$NODE_DIR/package-lock.json" ] || return 0
+    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+        warn "node/npm not found: the grpc-js interop tests (tests/test_interop_grpcjs.py) are skipped"
+        return
+    fi
+    want=$(cat "$NODE_DIR/package.json" "$NODE_DIR/package-lock.json" | sha256sum | cut -d' ' -f1)
+    if [ -d "$NODE_DIR/node_modules" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+        say "node modules for the interop tests up to date"
+        return
+    fi
+    say "installing @grpc/grpc-js for the interop tests (npm ci in $NODE_DIR)"
+    if (cd "$NODE_DIR" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) \
+            >/tmp/shadowtest-npm.log 2>&1; then
+        echo "$want" > "$stamp"
+    else
+        rm -rf "$NODE_DIR/node_modules"  # nothing half-installed: the tests skip instead of failing
+        warn "npm ci failed (see /tmp/shadowtest-npm.log): the grpc-js interop tests"
+        warn "(tests/test_interop_grpcjs.py) will skip"
+    fi
+}
+
 install_system_packages
 link_kernel_headers
 mount_tracefs
 make_venv
+install_node_modules
 say "done"
