@@ -1,28 +1,16 @@
-"""Prometheus metrics and the HTTP endpoint: /metrics, /events (JSON lines, streamed), /healthz.
+"""Prometheus metrics of the agent: counters, gauges and fast histograms in the guard's own registry.
 
-    GET /metrics                 Prometheus text exposition (the guard's own CollectorRegistry)
-    GET /events?since=SEQ&follow=1   chunked JSON lines: events after SEQ, then new ones as they happen
-    GET /events?follow=0         what exists now, then close
-    GET /healthz                 "ok"
-    POST /threshold?p99_ms=20    change the P99 threshold from the next period on (tests, chaos runs)
-
-The server is stdlib `ThreadingHTTPServer` in a daemon thread: one thread per streaming reader, and
-nothing of it on the request path.
+The HTTP endpoint that serves them (/metrics, /events, /healthz, /threshold) is `metrics_http.py`.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -30,8 +18,6 @@ from prometheus_client import (
 )
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
-
-from agent_under_test.events import EventLog, to_line
 
 OUTCOME_LABELS = ("ok", "rejected", "invalid", "error")
 STAGES = ("parse", "features", "strategy", "risk", "order")
@@ -148,121 +134,3 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet: no stderr per request
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        url = urlsplit(self.path)
-        query = parse_qs(url.query)
-        if url.path == "/metrics":
-            self._send(HTTPStatus.OK, CONTENT_TYPE_LATEST, self.server.metrics.exposition())
-        elif url.path == "/healthz":
-            self._send(HTTPStatus.OK, "text/plain; charset=utf-8", b"ok\n")
-        elif url.path == "/events":
-            self._events(query)
-        else:
-            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"try /metrics, /events, /healthz\n")
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        url = urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(min(length, 65536))   # drain a body we do not use
-        if url.path != "/threshold" or self.server.set_threshold is None:
-            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"POST /threshold?p99_ms=MS\n")
-            return
-        try:
-            ms = float(parse_qs(url.query)["p99_ms"][0])
-            self.server.set_threshold(ms)
-        except (KeyError, ValueError) as exc:
-            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8",
-                       f"need ?p99_ms=<positive number>: {exc}\n".encode())
-            return
-        self._send(HTTPStatus.OK, "application/json", b'{"p99_threshold_ms": %s}\n' % repr(ms).encode())
-
-    def _send(self, status: HTTPStatus, ctype: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _events(self, query: dict[str, list[str]]) -> None:
-        try:
-            since = int(query.get("since", ["0"])[0])
-            follow = query.get("follow", ["1"])[0] not in ("0", "false", "no")
-        except ValueError:
-            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", b"since must be an integer\n")
-            return
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        try:
-            self._stream(self.server.events, since, follow)
-            self.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the reader went away: nothing to clean up
-        self.close_connection = True
-
-    def _stream(self, log: EventLog, since: int, follow: bool) -> None:
-        events = log.since(since)
-        while True:
-            if events:
-                body = b"".join(to_line(e) for e in events)
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(body), body))
-                self.wfile.flush()
-                since = int(events[-1]["seq"])
-            if not follow or log.closed or self.server.stopping.is_set():
-                return
-            events = log.wait_after(since, 0.5)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, addr: tuple[str, int], metrics: Metrics, events: EventLog,
-                 set_threshold: Callable[[float], None] | None) -> None:
-        self.metrics = metrics
-        self.events = events
-        self.set_threshold = set_threshold
-        self.stopping = threading.Event()
-        if ":" in addr[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(addr, _Handler)
-
-
-class MetricsServer:
-    """The endpoint in a daemon thread. `url` is "http://host:port" once started (port 0: any free)."""
-
-    def __init__(self, host: str, port: int, metrics: Metrics, events: EventLog,
-                 set_threshold: Callable[[float], None] | None = None) -> None:
-        self._server = _Server((host, port), metrics, events, set_threshold)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="agent-metrics", daemon=True)
-        bound_host, bound_port = self._server.server_address[:2]
-        self.url = f"http://{_url_host(str(bound_host))}:{bound_port}"
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop serving and end every streaming reader; idempotent."""
-        self._server.stopping.set()
-        self._server.events.close()
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join(timeout=5)
-        self._server.server_close()
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -24,7 +24,8 @@ from agent_under_test.degrade import TierChange, TierSelector
 from agent_under_test.events import EventLog
 from agent_under_test.hooks import Guard, GuardConfig, NullGuard
 from agent_under_test.limiter import Adjustment, Limiter, LimiterSettings, make_limiter
-from agent_under_test.metrics import Metrics, MetricsServer
+from agent_under_test.metrics import Metrics
+from agent_under_test.metrics_http import MetricsServer
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary
 
 P99_ALERT = "P99High"
@@ -144,9 +145,10 @@ class ProtectionGuard:
         """Change the P99 threshold from the next period on (e.g. to restore it after a test lowered it).
 
         The latency histogram keeps its bucket edge at the threshold it started with (Prometheus
-        buckets are fixed for a process). Raises ValueError for a threshold that is not positive."""
-        if not threshold_ms > 0:
-            raise ValueError("the P99 threshold must be positive")
+        buckets are fixed for a process). Raises ValueError for a threshold that is not a finite positive
+        number (an infinite one would keep the P99 alert from ever firing); nothing changes then."""
+        if not (math.isfinite(threshold_ms) and threshold_ms > 0):
+            raise ValueError("the P99 threshold must be a finite positive number")
         with self._lock:
             self.config = dataclasses.replace(self.config, p99_threshold_ms=threshold_ms)
             settings = getattr(self.limiter, "s", None)
