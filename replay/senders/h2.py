@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import ERROR, SendOutcome, replayable_metadata
-from replay.senders.h2conn import REFUSED, H2Connection, Stream
-from replay.senders.h2frames import DEADLINE_EXCEEDED, connection_failed, outcome, request_block
+from replay.senders.h2conn import MAX_RECEIVE_MESSAGE, REFUSED, WINDOW, H2Connection, Stream
+from replay.senders.h2frames import connection_failed, outcome, request_block
+from wire.status import Status
 
 _REFUSED_RETRIES = 3
 
@@ -75,8 +76,8 @@ class _Started:
         if self.retry is not None:
             self.retry.cancel()
         elif self.st is not None:
-            self.conn.cancel(self.st, outcome(1, "cancelled"))
-        self._report(outcome(1, "cancelled"))  # no-op when the stream's end already reported
+            self.conn.cancel(self.st, outcome(Status.CANCELLED, "cancelled"))
+        self._report(outcome(Status.CANCELLED, "cancelled"))  # no-op when the stream's end already reported
 
 
 class H2Sender:
@@ -85,11 +86,17 @@ class H2Sender:
     Args:
         target: "host:port" (IPv6 as "[::1]:port").
         share_connection: one connection for all recorded connections (default: one each).
+        max_receive_message_length: the largest response message accepted, after decompression, and
+            the most one call's responses may hold in all (default 64 MiB, as the grpc sender); over
+            it the call ends RESOURCE_EXHAUSTED and its stream is reset.
+        window: the HTTP/2 receive window advertised for each stream and the connection (16 MiB).
     A connection that is lost, refused or told GOAWAY is replaced by a new one for later calls.
     """
 
-    def __init__(self, target: str, *, share_connection: bool = False, **_: object) -> None:
+    def __init__(self, target: str, *, share_connection: bool = False,
+                 max_receive_message_length: int = MAX_RECEIVE_MESSAGE, window: int = WINDOW, **_: object) -> None:
         host, port = target.rsplit(":", 1)
+        self.max_receive_message_length, self.window = max_receive_message_length, window
         self.target, self.host, self.port = target, host.strip("[]"), int(port)
         self.share = share_connection
         self._conns: dict[str, H2Connection] = {}
@@ -102,7 +109,8 @@ class H2Sender:
         conn = self._conns.get(key)
         if conn is None or not conn.usable:
             loop = asyncio.get_running_loop()
-            conn = self._conns[key] = H2Connection(loop)
+            conn = self._conns[key] = H2Connection(loop, max_receive_message_length=self.max_receive_message_length,
+                                                   window=self.window)
             self._all = {c for c in self._all if not c.closed}
             self._all.add(conn)
             task = loop.create_task(self._connect(conn))  # held: the loop keeps only weak references
@@ -157,7 +165,7 @@ class H2Sender:
         timeout = timeout_s + planned.last_offset_ns / 1e9
         deadline = conn.loop.time() + timeout
         if not conn.ready.done() and not await self._within(deadline, asyncio.shield(conn.ready)):
-            return outcome(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
         block = self._block(planned, timeout)
         if planned.kind in ("client_stream", "bidi"):
             refused = await self._refused(conn, deadline)
@@ -187,7 +195,7 @@ class H2Sender:
     async def _refused(self, conn: H2Connection, deadline: float) -> SendOutcome | None:
         """Why a stream cannot open on `conn` now (after waiting for a slot), or None when it can."""
         if len(conn.streams) >= conn.peer_max_streams and not await self._within(deadline, conn.slot()):
-            return outcome(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if not conn.ready.result() or not conn.usable:
             return connection_failed(conn.error or "the connection is going away")
         return None
@@ -225,7 +233,7 @@ class H2Sender:
             assert st.fut is not None  # opened without on_end
             return await st.fut
         except asyncio.CancelledError:  # the engine stopped us: tell the server too
-            conn.cancel(st, outcome(1, "cancelled"))
+            conn.cancel(st, outcome(Status.CANCELLED, "cancelled"))
             raise
 
     async def close(self) -> None:

@@ -1,108 +1,148 @@
 """One cleartext HTTP/2 connection (prior knowledge, as gRPC uses it) as an asyncio Protocol.
 
 Only what a gRPC client needs, written for low CPU per call: a unary call is one `transport.write`
-(HEADERS from a cached block + DATA with END_STREAM); the response path parses frames straight out of
-the receive buffer. Flow control: we advertise a 16 MiB window for the connection and every stream and
-send WINDOW_UPDATEs once half of it is consumed; our sends respect the peer's windows (data that does
-not fit waits in one FIFO until a WINDOW_UPDATE or SETTINGS frees room). MAX_CONCURRENT_STREAMS and
-MAX_FRAME_SIZE from the peer are honoured. Every header block goes through the one hpack Decoder in
-arrival order, also for streams we have already finished, so its dynamic table stays in step.
+(HEADERS from a cached block + DATA with END_STREAM); the response path splits frames straight out of
+the receive buffer into tuples (`wire.h2.split`). Flow control: we advertise a 16 MiB window for the
+connection and every stream and send WINDOW_UPDATEs once half of it is consumed; our sends respect
+the peer's windows (data that does not fit waits in one FIFO until a WINDOW_UPDATE or SETTINGS frees
+room). MAX_CONCURRENT_STREAMS and MAX_FRAME_SIZE from the peer are honoured. Every header block goes
+through the connection's one HPACK decoder in arrival order, also for streams we have already
+finished, so its dynamic table stays in step.
+
+The server is a target we do not control, so it is held to the protocol as grpc-go's client holds it:
+
+- connection errors (GOAWAY with the error code, close, every open call fails UNAVAILABLE with a
+  detail naming what the server did): a frame over 16384 bytes (we advertise no MAX_FRAME_SIZE), a
+  first frame that is not SETTINGS, invalid SETTINGS or control frames, a window pushed over 2^31-1,
+  DATA/HEADERS on stream 0 or on a stream we never opened, PUSH_PROMISE (push is off), any frame but
+  CONTINUATION inside a header block, a header block over 1 MiB or 64 frames (ENHANCE_YOUR_CALM),
+  undecodable HPACK (COMPRESSION_ERROR), DATA beyond the connection's receive window
+  (FLOW_CONTROL_ERROR), PING or SETTINGS floods (ENHANCE_YOUR_CALM);
+- stream errors (RST_STREAM with the code, that call fails INTERNAL): DATA beyond the stream's receive
+  window, DATA before the response headers, trailers without END_STREAM, a malformed header list;
+- message errors (RST_STREAM CANCEL): a response message over the max receive size, also after
+  decompression, or a call's responses over it in all -> RESOURCE_EXHAUSTED; a compressed message
+  without a usable grpc-encoding -> INTERNAL (UNIMPLEMENTED for an encoding we cannot decode).
+
+No exception escapes `data_received`: an unexpected one is a bug of ours, answered with GOAWAY
+INTERNAL_ERROR and one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
-import struct
+import logging
 from collections import deque
 from collections.abc import Callable
-from typing import cast
-
-import hpack
 
 from replay.senders.base import OK, SendOutcome
-from replay.senders.h2frames import (
-    ACK,
-    CANCEL,
-    CONTINUATION,
-    DATA,
-    DEADLINE_EXCEEDED,
-    ENABLE_PUSH,
-    END_HEADERS,
-    END_STREAM,
-    FRAME_HEAD,
-    GOAWAY,
-    HEADERS,
-    INITIAL_WINDOW_SIZE,
-    INTERNAL,
-    MAX_CONCURRENT_STREAMS,
-    MAX_FRAME_SIZE,
-    PADDED,
-    PING,
+from replay.senders.h2frames import connection_failed, outcome
+from wire.h2 import (
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    HEAD,
+    MAX_STREAM_ID,
+    MAX_WINDOW,
     PREFACE,
-    PRIORITY_FLAG,
-    PROTOCOL_ERROR,
-    RST_STREAM,
-    RST_TO_GRPC,
-    SETTINGS,
-    WINDOW_UPDATE,
-    connection_failed,
-    frame,
-    headers_frames,
-    outcome,
+    SETTINGS_ACK,
+    U32,
+    BlockAssembler,
+    ErrorCode,
+    Flag,
+    FrameType,
+    H2Error,
+    Setting,
+    check_control,
+    error_name,
+    goaway,
+    grow_window,
+    headers,
+    parse_settings,
+    ping,
     rst_stream,
-    settings_frame,
-    status_from_headers,
+    settings,
+    split,
+    strip,
     window_update,
 )
+from wire.headers import CachedDecoder
+from wire.limits import Budget
+from wire.messages import PREFIX_LEN, MessageReader, decompress
+from wire.status import RST_TO_STATUS, GrpcError, Status, status_from_headers
 
-REFUSED_STREAM = 0x7
+log = logging.getLogger(__name__)
+
 REFUSED = "stream refused by the server (REFUSED_STREAM): not processed"  # the detail that allows a retry
 WINDOW = 1 << 24  # what we let the server send before a WINDOW_UPDATE (connection and each stream)
-_U32 = struct.Struct(">L")
-_PAIR = struct.Struct(">HL")
+MAX_RECEIVE_MESSAGE = 64 << 20  # as the grpc sender sets it: both senders accept what the recording held
+MAX_HEADER_BLOCK = 1 << 20  # an encoded response header block (and its decoded list): gRPC sends ~100 bytes
+# Floods (CVE-2019-9512 PING, -9515 SETTINGS): each costs us a frame back; a real server sends a few.
+PING_BURST, PING_PER_S = 1000, 100.0
+SETTINGS_BURST, SETTINGS_PER_S = 1000, 100.0
+SERVER_ERROR = "server protocol error"  # how every detail about a misbehaving server starts
+
+# plain ints for the per-frame dispatch (an IntEnum member lookup per frame is measurable)
+_DATA, _HEADERS, _CONTINUATION = int(FrameType.DATA), int(FrameType.HEADERS), int(FrameType.CONTINUATION)
+_SETTINGS, _PING, _WINDOW_UPDATE = int(FrameType.SETTINGS), int(FrameType.PING), int(FrameType.WINDOW_UPDATE)
+_RST_STREAM, _GOAWAY, _PRIORITY = int(FrameType.RST_STREAM), int(FrameType.GOAWAY), int(FrameType.PRIORITY)
+_PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
+_END_STREAM, _END_HEADERS, _ACK = int(Flag.END_STREAM), int(Flag.END_HEADERS), int(Flag.ACK)
+
+
+def _frame_name(ftype: int) -> str:
+    try:
+        return FrameType(ftype).name
+    except ValueError:
+        return f"frame type {ftype:#x}"
 
 
 class Stream:
     """One call's state on a connection; its SendOutcome goes to `on_end` if given, else to `fut`."""
 
-    __slots__ = ("sid", "fut", "on_end", "responses", "buf", "http_status", "got_headers", "window", "unacked",
-                 "half_closed", "timer")
+    __slots__ = ("sid", "fut", "on_end", "responses", "reader", "size", "encoding", "http_status", "got_headers",
+                 "window", "recv_window", "unacked", "half_closed", "timer")
 
     def __init__(self, sid: int, fut: asyncio.Future[SendOutcome] | None, window: int,
-                 on_end: Callable[[SendOutcome], None] | None = None) -> None:
+                 on_end: Callable[[SendOutcome], None] | None = None, recv_window: int = WINDOW,
+                 max_message: int = MAX_RECEIVE_MESSAGE) -> None:
         self.sid, self.fut, self.window, self.on_end = sid, fut, window, on_end
         self.responses: list[bytes] = []
-        self.buf: bytearray | None = None  # a gRPC message split over DATA frames
+        self.reader = MessageReader(max_message)  # gRPC messages, also those split over DATA frames
+        self.size = 0  # the responses' bytes so far (prefixes included): bounded by the max message size
+        self.encoding = ""  # the response's grpc-encoding
         self.http_status: int | None = None
         self.got_headers = self.half_closed = False
+        self.recv_window = recv_window  # what the server may still send on this stream
         self.unacked = 0
         self.timer: asyncio.TimerHandle | None = None
 
     def take(self, payload: bytes) -> None:
-        """Append DATA payload and cut out the complete length-prefixed gRPC messages."""
-        if self.buf is None and len(payload) >= 5 and len(payload) == 5 + int.from_bytes(payload[1:5], "big"):
-            self.responses.append(_message(payload[0], payload[5:]))  # the usual case: one whole message
-            return
-        buf = self.buf = (self.buf or bytearray()) + payload
-        while len(buf) >= 5:
-            n = int.from_bytes(buf[1:5], "big")
-            if len(buf) < 5 + n:
-                break
-            self.responses.append(_message(buf[0], bytes(buf[5:5 + n])))
-            del buf[:5 + n]
-        if not buf:
-            self.buf = None
-
-
-def _message(flag: int, data: bytes) -> bytes:
-    return gzip.decompress(data) if flag else data  # we advertise no encoding; gzip is the only one seen
+        """Add DATA payload: the complete messages, decompressed, go to `responses`.
+        Raises GrpcError for a message over the limit, a bad flag or encoding."""
+        limit = self.reader.limit
+        for flag, message in self.reader.feed(payload):
+            if flag:
+                if flag != 1:
+                    raise GrpcError(Status.INTERNAL, f"message with compressed flag {flag} (not 0 or 1)")
+                message = decompress(message, self.encoding, limit)
+            self.size += PREFIX_LEN + len(message)
+            if self.size > PREFIX_LEN + limit:  # room for one message of the limit, prefix included
+                raise GrpcError(Status.RESOURCE_EXHAUSTED,
+                                f"responses to one call over the max receive message size ({limit} bytes)")
+            self.responses.append(message)
 
 
 class H2Connection(asyncio.Protocol):
-    """A client HTTP/2 connection; the sender opens streams on it while it is `usable`."""
+    """A client HTTP/2 connection; the sender opens streams on it while it is `usable`.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    `max_receive_message_length` bounds each response message (after decompression) and all of one
+    call's responses together; `window` is the receive window advertised for the connection and each
+    stream (the connection's is never below HTTP/2's 65535)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, max_receive_message_length: int = MAX_RECEIVE_MESSAGE,
+                 window: int = WINDOW) -> None:
+        if not 0 < window <= MAX_WINDOW:
+            raise ValueError(f"window {window} outside 1..2^31-1")
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[bool] = loop.create_future()  # True with the server's SETTINGS, False: failed
@@ -110,28 +150,37 @@ class H2Connection(asyncio.Protocol):
         self.closed = self.going_away = False
         self.streams: dict[int, Stream] = {}
         self.next_sid = 1
-        self.decoder = hpack.Decoder()
-        self.decoder.max_header_list_size = 1 << 20
-        self._decoded: dict[bytes, tuple[tuple[int, int], list[tuple[str, str]]]] = {}  # see _decode
-        self._adds = 0
-        self._count_adds()
+        self.max_message = max_receive_message_length
+        self.decoder = CachedDecoder(max_header_list_size=MAX_HEADER_BLOCK, validate=True)
+        self.blocks = BlockAssembler(MAX_HEADER_BLOCK)
         self.buf = b""
-        self.peer_max_frame, self.peer_max_streams, self.peer_window = 16384, 1 << 31, 65535
-        self.send_window = 65535
+        self.peer_max_frame, self.peer_max_streams, self.peer_window = DEFAULT_MAX_FRAME, 1 << 31, DEFAULT_WINDOW
+        self.send_window = DEFAULT_WINDOW
+        # our receive side: the stream window we advertise, the connection's, what is left of it
+        self.window = window
+        self.conn_window = max(window, DEFAULT_WINDOW)
+        self.recv_window = self.conn_window
         self.recv_unacked = 0
+        # Until the server ACKs our SETTINGS it may still assume 65535 per stream: a smaller advertised
+        # window is enforced only from then on.
+        self.recv_floor = min(0, window - DEFAULT_WINDOW)
+        self.got_preface = False  # the server's first frame (which must be SETTINGS) arrived
+        self.ping_budget = Budget(PING_BURST, PING_PER_S)
+        self.settings_budget = Budget(SETTINGS_BURST, SETTINGS_PER_S)
         self.blocked: deque[list] = deque()  # [stream, memoryview, end_stream] waiting for window
         self.slot_waiters: deque[asyncio.Future[None]] = deque()
-        self._partial: tuple[int, int, list[bytes]] | None = None  # a header block awaiting CONTINUATION
 
     @property
     def usable(self) -> bool:
-        return not self.closed and not self.going_away and self.next_sid < (1 << 31) - 2
+        return not self.closed and not self.going_away and self.next_sid < MAX_STREAM_ID - 2
 
     # ---- asyncio Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        transport.write(PREFACE + settings_frame({ENABLE_PUSH: 0, INITIAL_WINDOW_SIZE: WINDOW})  # type: ignore[attr-defined]
-                        + window_update(0, WINDOW - 65535))
+        preface = PREFACE + settings({Setting.ENABLE_PUSH: 0, Setting.INITIAL_WINDOW_SIZE: self.window})
+        if self.conn_window > DEFAULT_WINDOW:
+            preface += window_update(0, self.conn_window - DEFAULT_WINDOW)
+        transport.write(preface)  # type: ignore[attr-defined]
         # Ready only with the server's first SETTINGS (as grpc-core does): before it we would not know
         # its MAX_CONCURRENT_STREAMS, and streams beyond it would be refused.
 
@@ -172,9 +221,11 @@ class H2Connection(asyncio.Protocol):
         one, set on the stream's `fut`."""
         sid, self.next_sid = self.next_sid, self.next_sid + 2
         fut = self.loop.create_future() if on_end is None else None
-        st = self.streams[sid] = Stream(sid, fut, self.peer_window, on_end)
+        st = self.streams[sid] = Stream(sid, fut, self.peer_window, on_end, self.window, self.max_message)
         st.timer = self.loop.call_at(deadline, self._deadline, st)
-        head = headers_frames(sid, block, self.peer_max_frame)
+        n = len(block)
+        head = (HEAD.pack(n >> 16, n & 0xFFFF, _HEADERS, _END_HEADERS, sid) + block if n <= self.peer_max_frame
+                else headers(sid, block, self.peer_max_frame))  # the usual case without IntFlag arithmetic
         if payload is None:
             self.transport.write(head)  # type: ignore[union-attr]
             return st
@@ -183,7 +234,7 @@ class H2Connection(asyncio.Protocol):
         if not self.blocked and n <= self.send_window and n <= st.window and n <= self.peer_max_frame:
             self.send_window -= n
             st.window -= n
-            self.transport.write(b"".join((head, FRAME_HEAD.pack(n >> 16, n & 0xFFFF, DATA, END_STREAM, sid),  # type: ignore[union-attr]
+            self.transport.write(b"".join((head, HEAD.pack(n >> 16, n & 0xFFFF, _DATA, _END_STREAM, sid),  # type: ignore[union-attr]
                                            payload)))
         else:
             self.transport.write(head)  # type: ignore[union-attr]
@@ -202,7 +253,7 @@ class H2Connection(asyncio.Protocol):
     def cancel(self, st: Stream, out: SendOutcome) -> None:
         """End a stream locally (RST_STREAM CANCEL) with `out`."""
         if st.sid in self.streams:
-            self._end(st, out, reset=CANCEL)
+            self._end(st, out, reset=ErrorCode.CANCEL)
 
     def _flush(self) -> None:
         """Send queued DATA in FIFO order as far as the connection and stream windows allow."""
@@ -217,8 +268,8 @@ class H2Connection(asyncio.Protocol):
             if n <= 0 and len(data):
                 return  # wait for a WINDOW_UPDATE (head of line: simple, and fair to call order)
             rest = data[n:]
-            flags = END_STREAM if end and not rest else 0
-            write(FRAME_HEAD.pack(n >> 16, n & 0xFFFF, DATA, flags, st.sid) + bytes(data[:n]))
+            flags = _END_STREAM if end and not rest else 0
+            write(HEAD.pack(n >> 16, n & 0xFFFF, _DATA, flags, st.sid) + bytes(data[:n]))
             self.send_window -= n
             st.window -= n
             if rest:
@@ -228,7 +279,7 @@ class H2Connection(asyncio.Protocol):
 
     def _deadline(self, st: Stream) -> None:
         st.timer = None
-        self.cancel(st, outcome(DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        self.cancel(st, outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def _end(self, st: Stream, out: SendOutcome, reset: int | None = None) -> None:
         self.streams.pop(st.sid, None)
@@ -254,158 +305,214 @@ class H2Connection(asyncio.Protocol):
 
     # ---- receiving ----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self._receive(data)
+        except H2Error as exc:
+            self._connection_error(exc.code, f"{SERVER_ERROR}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug of ours must not leave the connection half-parsed
+            log.error("h2 sender: unexpected %s while handling the server's frames: %s", type(exc).__name__, exc)
+            self._connection_error(ErrorCode.INTERNAL_ERROR, f"h2 sender internal error: {type(exc).__name__}: {exc}")
+
+    def _receive(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
-        pos, size = 0, len(buf)
-        while size - pos >= 9:
-            hi, lo, ftype, flags, sid = FRAME_HEAD.unpack_from(buf, pos)
-            end = pos + 9 + (hi << 16 | lo)
-            if end > size:
-                break
-            payload = buf[pos + 9:end]
-            pos = end
-            if ftype == DATA:
-                self._on_data(sid & 0x7FFFFFFF, flags, payload)
-            elif ftype == HEADERS or ftype == CONTINUATION:
-                self._on_headers(ftype, sid & 0x7FFFFFFF, flags, payload)
-            else:
-                self._on_control(ftype, sid & 0x7FFFFFFF, flags, payload)
+        if not self.got_preface and buf[:5] == b"HTTP/":
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "the server answered in HTTP/1.x, not HTTP/2")
+        frames, pos, err = split(buf, 0, DEFAULT_MAX_FRAME)  # we advertise no larger MAX_FRAME_SIZE
+        if not self.got_preface and frames:
+            ftype, flags = frames[0][0], frames[0][1]
+            if ftype != _SETTINGS or flags & _ACK:
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"the server's first frame is {_frame_name(ftype)}, not SETTINGS")
+            self.got_preface = True
+        blocks = self.blocks
+        for ftype, flags, sid, payload in frames:
+            if blocks.sid and ftype != _CONTINUATION:
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"{_frame_name(ftype)} on stream {sid} inside the header "
+                                                        f"block of stream {blocks.sid}")
+            try:
+                if ftype == _DATA:
+                    self._on_data(sid, flags, payload)
+                elif ftype == _HEADERS:
+                    if not sid:
+                        raise H2Error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+                    block = blocks.headers(sid, flags, strip(_HEADERS, flags, payload))
+                    if block is not None:
+                        self._on_block(sid, flags, block)
+                elif ftype == _CONTINUATION:
+                    block = blocks.continuation(sid, flags, payload)
+                    if block is not None:
+                        self._on_block(sid, blocks.flags, block)
+                else:
+                    self._on_control(ftype, sid, flags, payload)
+            except H2Error as exc:
+                if not exc.stream:
+                    raise
+                self._stream_error(exc)
             if self.closed:
                 return
+        if err is not None:
+            raise err
         self.buf = buf[pos:]
 
+    def _idle(self, sid: int) -> bool:
+        """A stream we never opened (the server cannot open streams: push is off)."""
+        return not sid & 1 or sid >= self.next_sid
+
     def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
-        n = len(payload)
+        if not sid:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        n = len(payload)  # padding included: flow control counts the whole payload
+        if n > self.recv_window:
+            raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, f"{n}-byte DATA beyond the connection's receive window "
+                                                        f"({self.recv_window} bytes left)")
+        self.recv_window -= n
         self.recv_unacked += n
-        if self.recv_unacked >= WINDOW // 2:
+        if self.recv_unacked >= self.conn_window // 2:
             self.transport.write(window_update(0, self.recv_unacked))  # type: ignore[union-attr]
+            self.recv_window += self.recv_unacked
             self.recv_unacked = 0
         st = self.streams.get(sid)
         if st is None:
+            if self._idle(sid):
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"DATA on stream {sid}, which we never opened")
             return  # a stream we already ended: counted for the connection window, then dropped
-        if flags & PADDED:
-            payload = payload[1:n - payload[0]]
-        st.take(payload)
-        if flags & END_STREAM:
+        if n > st.recv_window - self.recv_floor:
+            raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, f"{n}-byte DATA beyond the stream's receive window "
+                                                        f"({max(0, st.recv_window)} bytes left)", sid)
+        st.recv_window -= n
+        if not st.got_headers:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "DATA before the response HEADERS", sid)
+        try:
+            st.take(strip(_DATA, flags, payload))
+        except GrpcError as exc:
+            self._end(st, outcome(exc.status, exc.message), reset=ErrorCode.CANCEL)
+            return
+        if flags & _END_STREAM:
             self._remote_end(st, [])
             return
         st.unacked += n
-        if st.unacked >= WINDOW // 2:
+        if st.unacked >= self.window // 2:
             self.transport.write(window_update(sid, st.unacked))  # type: ignore[union-attr]
+            st.recv_window += st.unacked
             st.unacked = 0
 
-    def _on_headers(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        if ftype == HEADERS:
-            if flags & PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            self._partial = (sid, flags, [payload])
-        elif self._partial is None or self._partial[0] != sid:
-            return self._protocol_error("CONTINUATION without HEADERS")
-        else:
-            self._partial[2].append(payload)
-        if not flags & END_HEADERS:
-            return None
-        sid, first_flags, parts = self._partial
-        self._partial = None
-        try:
-            headers = self._decode(b"".join(parts))
-        except hpack.HPACKError as exc:
-            return self._protocol_error(f"cannot decode response headers: {exc}")
+    def _on_block(self, sid: int, flags: int, block: bytes) -> None:
+        """A complete header block: decoded whatever its stream (the HPACK table must stay in step)."""
+        fields = self.decoder.decode(block, sid)
         st = self.streams.get(sid)
         if st is None:
-            return None
+            if self._idle(sid):
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {sid}, which we never opened")
+            return
         if not st.got_headers:
             st.got_headers = True
-            st.http_status = next((int(v) for k, v in headers if k == ":status" and v.isdigit()), None)
-            if not first_flags & END_STREAM:
-                return None  # response headers; the trailers come later
-        self._remote_end(st, headers)  # trailers, or the headers of a trailers-only response
-        return None
-
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """Decode one header block through the connection's decoder, memoised when that is exact.
-
-        A block's meaning depends only on the block and the decoder's dynamic table. `_adds` counts
-        every change of that table, so a block whose decoding changed nothing is cached under the
-        current count (what a server sends once its headers sit in the table: the same few bytes per
-        response); a block that changes the table is always decoded."""
-        table = self.decoder.header_table
-        state = (self._adds, table.maxsize)
-        hit = self._decoded.get(block)
-        if hit is not None and hit[0] == state:
-            return hit[1]
-        headers = cast(list[tuple[str, str]], self.decoder.decode(block))  # a list of str pairs (raw=False)
-        if (self._adds, table.maxsize) == state:
-            if len(self._decoded) >= 256:
-                self._decoded.clear()
-            self._decoded[block] = (state, headers)
-        return headers
-
-    def _count_adds(self) -> None:
-        table, add = self.decoder.header_table, self.decoder.header_table.add
-
-        def counted_add(name: bytes, value: bytes) -> None:
-            self._adds += 1
-            add(name, value)
-        table.add = counted_add  # type: ignore[method-assign]
+            for k, v in fields:
+                if k == ":status":
+                    st.http_status = int(v) if v.isdigit() else None
+                elif k == "grpc-encoding":
+                    st.encoding = v
+            if not flags & _END_STREAM:
+                return  # response headers; the trailers come later
+        elif not flags & _END_STREAM:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", sid)
+        self._remote_end(st, fields)  # trailers, or the headers of a trailers-only response
 
     def _remote_end(self, st: Stream, trailers: list[tuple[str, str]]) -> None:
         status = status_from_headers(trailers, st.http_status)
         if status is None:
-            out = outcome(INTERNAL, "the server ended the stream without grpc-status")
+            out = outcome(Status.INTERNAL, "the server ended the stream without grpc-status")
         elif status[0] == 0:
-            out = SendOutcome(OK, "OK", 0, st.responses)
+            pending = st.reader.pending
+            out = (SendOutcome(OK, "OK", 0, st.responses) if not pending else
+                   outcome(Status.INTERNAL, f"the stream ended inside a message ({pending} bytes of it received)"))
         else:
             out = outcome(*status)
-        self._end(st, out, reset=None if st.half_closed else CANCEL)
+        self._end(st, out, reset=None if st.half_closed else ErrorCode.CANCEL)
 
     def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
         write = self.transport.write  # type: ignore[union-attr]
-        if ftype == SETTINGS and not flags & ACK:
-            self._apply_settings(payload)
-            write(frame(SETTINGS, ACK, 0))
-        elif ftype == WINDOW_UPDATE:
-            inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
-            st = self.streams.get(sid) if sid else None
+        if ftype == _SETTINGS:
+            if not self.settings_budget.spend():
+                raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"SETTINGS flood (over {SETTINGS_BURST} at "
+                                                           f"{SETTINGS_PER_S:g}/s)")
+            pairs = parse_settings(flags, sid, payload)
+            if flags & _ACK:
+                self.recv_floor = 0  # our (possibly smaller) initial window is in force now
+            else:
+                self._apply_settings(pairs)
+                write(SETTINGS_ACK)
+        elif ftype == _PING:
+            if not self.ping_budget.spend():
+                raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"PING flood (over {PING_BURST} at {PING_PER_S:g}/s)")
+            check_control(ftype, flags, sid, payload)
+            if not flags & _ACK:
+                write(ping(payload, ack=True))
+        elif ftype == _WINDOW_UPDATE:
+            check_control(ftype, flags, sid, payload)
+            inc = U32.unpack(payload)[0] & MAX_WINDOW
             if sid == 0:
-                self.send_window += inc
-            elif st is not None:
-                st.window += inc
+                self.send_window = grow_window(self.send_window, inc, 0)
+            else:
+                st = self.streams.get(sid)
+                if st is None:
+                    if self._idle(sid):
+                        raise H2Error(ErrorCode.PROTOCOL_ERROR, f"WINDOW_UPDATE on stream {sid}, which we never opened")
+                    return
+                st.window = grow_window(st.window, inc, sid)
             self._flush()
-        elif ftype == PING and not flags & ACK:
-            write(frame(PING, ACK, 0, payload))
-        elif ftype == RST_STREAM:
+        elif ftype == _RST_STREAM:
+            check_control(ftype, flags, sid, payload)
             st = self.streams.get(sid)
             if st is not None:
-                err = _U32.unpack(payload)[0]
-                why = REFUSED if err == REFUSED_STREAM else f"stream reset by the server (HTTP/2 error {err})"
-                self._end(st, outcome(RST_TO_GRPC.get(err, INTERNAL), why))
-        elif ftype == GOAWAY:
-            last, err = struct.unpack(">LL", payload[:8])
+                err = U32.unpack(payload)[0]
+                why = (REFUSED if err == ErrorCode.REFUSED_STREAM else
+                       f"stream reset by the server (HTTP/2 error {err})")
+                self._end(st, outcome(RST_TO_STATUS.get(err, Status.INTERNAL), why))
+            elif self._idle(sid):
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"RST_STREAM on stream {sid}, which we never opened")
+        elif ftype == _GOAWAY:
+            check_control(ftype, flags, sid, payload)
+            last, err = U32.unpack_from(payload, 0)[0] & MAX_STREAM_ID, U32.unpack_from(payload, 4)[0]
             self.going_away = True
-            for st in [s for s in self.streams.values() if s.sid > last & 0x7FFFFFFF]:
+            for st in [s for s in self.streams.values() if s.sid > last]:
                 self._end(st, connection_failed(f"GOAWAY (error {err}): not processed, retryable"))
             self._wake_waiters(all_of_them=True)
+        elif ftype == _PRIORITY:
+            check_control(ftype, flags, sid, payload)  # valid on any stream; we do not prioritise
+        elif ftype == _PUSH_PROMISE:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE, though we disabled push")
+        # other frame types: extensions we do not speak, ignored as RFC 9113 asks
 
-    def _apply_settings(self, payload: bytes) -> None:
-        for i in range(0, len(payload) - 5, 6):
-            key, value = _PAIR.unpack_from(payload, i)
-            if key == INITIAL_WINDOW_SIZE:
+    def _apply_settings(self, pairs: list[tuple[int, int]]) -> None:
+        for key, value in pairs:
+            if key == Setting.INITIAL_WINDOW_SIZE:
+                delta = value - self.peer_window
                 for st in self.streams.values():
-                    st.window += value - self.peer_window
+                    st.window += delta
+                    if st.window > MAX_WINDOW:
+                        raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE {value} took "
+                                                                    f"stream {st.sid}'s window over 2^31-1")
                 self.peer_window = value
-            elif key == MAX_FRAME_SIZE:
+            elif key == Setting.MAX_FRAME_SIZE:
                 self.peer_max_frame = value
-            elif key == MAX_CONCURRENT_STREAMS:
+            elif key == Setting.MAX_CONCURRENT_STREAMS:
                 self.peer_max_streams = value
         if not self.ready.done():
             self.ready.set_result(True)
         self._flush()
         self._wake_waiters()
 
-    def _protocol_error(self, why: str) -> None:
+    def _stream_error(self, exc: H2Error) -> None:
+        """RST_STREAM with the error's code; the call fails INTERNAL (as grpc-go fails it)."""
+        st = self.streams.get(exc.stream)
+        if st is not None:
+            self._end(st, outcome(Status.INTERNAL, f"{SERVER_ERROR}: {exc}"), reset=exc.code)
+
+    def _connection_error(self, code: ErrorCode, detail: str) -> None:
+        """GOAWAY with `code`, close, and fail every open call with `detail`."""
         if self.transport is not None and not self.closed:
-            self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">LL", 0, PROTOCOL_ERROR)))
+            self.transport.write(goaway(0, code, detail.encode()[:256]))  # we accept no server streams: last 0
             self.transport.close()
-        self.fail_all(why)
+        log.debug("h2 sender: GOAWAY %s to %s: %s", error_name(code), self.transport, detail)
+        self.fail_all(detail)
