@@ -43,6 +43,7 @@ class SinkStats:
     lost_events: int = 0
     truncated_events: int = 0
     unknown_method_calls: int = 0
+    truncated_messages: int = 0      # messages over the decoder's size cap: chunks only, no message row
     gaps: int = 0
     methods: dict[str, int] = field(default_factory=dict)
 
@@ -173,6 +174,7 @@ class FlowSink:
                 self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))  # type: ignore[arg-type]
                 st.stored[direction] += 1
         self._store_calls(st, st.decoder.finish(ts_ns))
+        self.stats.truncated_messages += st.decoder.truncated_messages
         if ts_ns is not None:
             self.writer.update_flow(st.flow_id, closed_ns=ts_ns)
 
@@ -191,7 +193,8 @@ class FlowSink:
                 st.stored[direction] += 1
                 self._store_calls(st, st.decoder.feed(direction, ts_ns, data))
             self._store_calls(st, st.decoder.finish(closed_ns))
-        self.writer.set_meta({"calls_decoded": True})
+            self.stats.truncated_messages += st.decoder.truncated_messages
+        self.writer.set_meta({"calls_decoded": True, "truncated_messages": self.stats.truncated_messages})
 
     def add_loss(self, lost: int = 0, truncated: int = 0) -> None:
         with self._lock:
@@ -215,6 +218,7 @@ class FlowSink:
             self.writer.set_meta({"lost_events": self.stats.lost_events,
                                   "truncated_events": self.stats.truncated_events,
                                   "unknown_method_calls": self.stats.unknown_method_calls,
+                                  "truncated_messages": self.stats.truncated_messages,
                                   "redaction_rules": self.redactor.specs} | (meta or {}))
             self.writer.flush()
         return self.stats

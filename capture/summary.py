@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from capture.decode.h2grpc import MAX_MESSAGE
 from capture.deferred import calls_pending, pending_message
 from capture.recording import Recording
 
@@ -57,7 +58,7 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
         "calls_pending": calls_pending(meta),
         "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
-                     + _unknown_peers(meta)),
+                     + _unknown_peers(meta) + _oversized(meta)),
     }
     return out
 
@@ -69,6 +70,15 @@ def _unknown_peers(meta: dict[str, Any]) -> list[str]:
         return []
     return [f"{n} accepted connection(s) kept with client 0.0.0.0:0: the server accepted without an address "
             "and the connection was gone before its peer could be read from /proc (their bytes are all here)"]
+
+
+def _oversized(meta: dict[str, Any]) -> list[str]:
+    """gRPC messages the decoder would not buffer (over its per-message cap)."""
+    n = int(meta.get("truncated_messages", 0) or 0)
+    if not n:
+        return []
+    return [f"{n} gRPC message(s) over the decoder's {MAX_MESSAGE >> 20} MiB cap were not stored as messages "
+            "(their calls lack them; the bytes are in the chunks)"]
 
 
 def _undecoded(rec: Recording) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from capture.decode import FlowDecoder
 from capture.recording import Call
 from capture.testing import GrpcCall, h2_conversation
@@ -122,23 +124,65 @@ def test_anything_else_is_raw_tcp_without_calls() -> None:
     assert calls == [] and dec.protocol == "tcp"
 
 
-def test_frame_unpadding_agrees_with_hyperframe_on_random_frames() -> None:
-    # The decoder splits frames itself (hot path); hyperframe is the reference for what to keep/skip.
-    import random
+def test_header_block_over_continuation_frames_decodes_whole() -> None:
+    # 40 KB of metadata: HEADERS + CONTINUATION frames (16 KiB each), assembled before HPACK decoding
+    big = "v" * 40_000
+    parts = h2_conversation([GrpcCall(M, [b"q"], [b"a"], metadata=[("x-big", big)]), GrpcCall(M, [b"2"], [b"b"])])
+    assert any(d == "c2s" and b"\x09\x04\x00\x00\x00\x01" in data for d, data in parts)  # a final CONTINUATION
+    for chunks in (parts, [(d, data[i:i + 1000]) for d, data in parts for i in range(0, len(data), 1000)]):
+        calls, _ = _decode(chunks)
+        assert [(c.method, [m.data for m in c.requests]) for c in calls] == [(M, [b"q"]), (M, [b"2"])]
+        assert ("x-big", big) in calls[0].request_metadata
 
-    from hyperframe.frame import Frame
 
-    from capture.decode.h2grpc import frame_body
+def test_header_block_over_the_cap_is_undecodable_not_buffered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import capture.decode.h2grpc as h2grpc
 
-    rnd = random.Random(4)
-    for _ in range(20000):
-        ftype, flags = rnd.choice((0, 1)), rnd.randrange(256)
-        body = bytes(rnd.randrange(256) if rnd.random() < 0.3 else rnd.randrange(8) for _ in range(rnd.randrange(12)))
-        header = len(body).to_bytes(3, "big") + bytes((ftype, flags)) + (5).to_bytes(4, "big")
-        try:
-            frame, _ = Frame.parse_frame_header(memoryview(header))
-            frame.parse_body(memoryview(body))
-            expected: bytes | None = frame.data  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - hyperframe's several error types: the frame is skipped
-            expected = None
-        assert frame_body(ftype, flags, body) == expected, (ftype, flags, body)
+    monkeypatch.setattr(h2grpc, "MAX_HEADER_BLOCK", 20_000)
+    parts = h2_conversation([GrpcCall(M, [b"q"], [b"a"], metadata=[("x-big", "v" * 40_000)])])
+    calls, dec = _decode(parts)
+    # the call is kept with its messages and status; its request headers are lost, and counted
+    assert [(c.method, c.method_unknown, [m.data for m in c.responses], c.status) for c in calls] == \
+           [(None, True, [b"a"], 0)]
+    assert dec.inner.unknown_method_calls == 1  # type: ignore[union-attr]
+
+
+def test_message_over_the_limit_is_skipped_and_counted_not_buffered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture.decode.h2grpc import H2Decoder
+
+    monkeypatch.setattr(H2Decoder, "max_message", 1000)
+    parts = h2_conversation([GrpcCall(S, [b"a", b"x" * 5000, b"b", b"y" * 1001, b"c"], [b"r" * 1000, b"s" * 1001]),
+                             GrpcCall(M, [b"next"], [b"ok"])])
+    whole, dec = _decode(parts)
+    tiny, dec2 = _decode([(d, data[i:i + 7]) for d, data in parts for i in range(0, len(data), 7)])
+    for calls, d in ((whole, dec), (tiny, dec2)):
+        assert [([m.data for m in c.requests], [m.data for m in c.responses]) for c in calls] == \
+               [([b"a", b"b", b"c"], [b"r" * 1000]), ([b"next"], [b"ok"])]
+        assert d.inner.truncated_messages == 3  # type: ignore[union-attr]
+        assert [c.status for c in calls] == [0, 0]
+
+
+def test_skipped_messages_reach_the_recording_and_inspect_says_so(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture.decode.h2grpc import H2Decoder
+    from capture.record import build_redactor
+    from capture.recording import Flow, Recording, RecordingWriter
+    from capture.sink import FlowSink
+    from capture.summary import summarize
+
+    monkeypatch.setattr(H2Decoder, "max_message", 1000)
+    parts = h2_conversation([GrpcCall(M, [b"x" * 5000], [b"ok"]), GrpcCall(M, [b"small"], [b"y" * 2000])])
+    path = tmp_path / "big.rec"
+    with RecordingWriter(path) as w:
+        sink = FlowSink(w, build_redactor(True, []))
+        sink.open_flow("k", Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 50051)))
+        for i, (d, data) in enumerate(parts):
+            sink.data("k", d, 1000 + i, data)  # type: ignore[arg-type]
+        sink.close_flow("k", 99999)
+        stats = sink.close()
+    assert stats.truncated_messages == 2
+    with Recording(path) as rec:
+        assert rec.meta["truncated_messages"] == 2
+        problems = summarize(rec)["problems"]
+    assert [p for p in problems if "over the decoder's" in p] == [
+        "2 gRPC message(s) over the decoder's 16 MiB cap were not stored as messages "
+        "(their calls lack them; the bytes are in the chunks)"]

@@ -11,9 +11,11 @@ import re
 from collections.abc import Callable
 
 from capture.decode.base import RawDecoder, StreamDecoder
-from capture.decode.h2grpc import PREFACE, H2Decoder, plausible_frames
+from capture.decode.h2grpc import H2Decoder
 from capture.decode.http1 import Http1Decoder
 from capture.recording import Call, Direction
+from wire.h2 import PREFACE
+from wire.h2 import frame_lengths_plausible as plausible_frames
 
 DECODERS: dict[str, Callable[[int | None, bool], StreamDecoder]] = {
     "http2": lambda flow_id, joined: H2Decoder(flow_id, joined),
@@ -107,6 +109,11 @@ class FlowDecoder:
             done += self.inner.feed(d, t, b)
         self._held.clear()
         return done
+
+    @property
+    def truncated_messages(self) -> int:
+        """Messages too large to keep as messages (their bytes stay in the chunks)."""
+        return int(getattr(self.inner, "truncated_messages", 0))
 
     def gap(self, direction: Direction) -> None:
         """Bytes are missing before the next ones: resynchronise (or wait to detect afresh)."""

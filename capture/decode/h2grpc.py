@@ -1,4 +1,4 @@
-"""HTTP/2 and gRPC decoding: frames split here, headers with `hpack` (capture/decode/hpack_tolerant.py).
+"""HTTP/2 and gRPC decoding on `wire`: frames split by `wire.h2`, headers by its tolerant HPACK decoder.
 
     c2s bytes --frames--> HEADERS (:path, metadata) / DATA (5-byte-prefixed messages) --+
     s2c bytes --frames--> HEADERS (status) / DATA (messages) / trailers (grpc-status) ---+--> Call
@@ -9,63 +9,32 @@ bytes may start inside a frame: each direction stays unsynchronised until a chun
 frames, and header fields that refer to dynamic-table entries we never saw are skipped and the call
 is marked `method_unknown` when its :path was among them.
 
-Frames are split on their 9-byte header and unpadded here rather than through `hyperframe` objects:
-this runs for every frame a production service sends while it is being recorded, and a frame object
-per frame was a third of the recorder's CPU. The rules are hyperframe's: a frame whose padding or
-RST_STREAM body is malformed, or a stream frame on stream 0, is skipped (the raw chunks keep it).
+This observes, it never answers: whatever `wire` would refuse as a peer is skipped here (the raw
+chunks keep it). A frame whose padding or RST_STREAM body is malformed, or a stream frame on stream
+0, is skipped; a header block over MAX_HEADER_BLOCK (or the assembler's fragment limit) is treated as
+undecodable; a gRPC message whose prefix declares more than MAX_MESSAGE bytes is not buffered: its
+bytes are skipped and counted in `truncated_messages` (the Call/Message model has no field for it).
+Frames are split with one struct unpack each into plain tuples (`wire.h2.split`), no frame object:
+this runs for every frame a production service sends while it is being recorded.
 """
 
 from __future__ import annotations
 
-import struct
-
-from capture.decode.hpack_tolerant import DecodedBlock, HpackBlockError, TolerantDecoder
 from capture.recording import Call, Direction, Message
+from wire.h2 import PREFACE, BlockAssembler, Flag, FrameType, H2Error, split, strip_or_none
+from wire.h2 import frame_lengths_plausible as plausible_frames
+from wire.headers import DecodedBlock, HpackBlockError, TolerantDecoder
+from wire.messages import PREFIX_LEN
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_MAX_FRAME = 1 << 24
-_DATA, _HEADERS, _RST_STREAM, _CONTINUATION = 0, 1, 3, 9
-_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
-_HEADER = struct.Struct(">HBBBI")   # length (24 bits as 16 + 8), type, flags, stream id
+__all__ = ["MAX_HEADER_BLOCK", "MAX_MESSAGE", "H2Decoder"]
 
+MAX_HEADER_BLOCK = 1 << 20   # per direction: a block still open holds at most this much of ours
+MAX_MESSAGE = 16 << 20       # per stream and direction: a longer message is skipped, not buffered
 
-def frame_body(ftype: int, flags: int, body: bytes) -> bytes | None:
-    """The data or header-block fragment of a DATA/HEADERS frame without padding and priority
-    fields; None where hyperframe would raise (padding too long, fields cut short)."""
-    if not flags & (_PADDED | _PRIORITY):
-        return body                      # the usual case: nothing to strip
-    start = pad = 0
-    if flags & _PADDED:
-        if not body:
-            return None
-        pad, start = body[0], 1
-    body_len = len(body)                 # hyperframe compares DATA padding with the whole body...
-    if ftype == _HEADERS:
-        body_len -= start                # ...and HEADERS padding with what follows the pad length
-        if flags & _PRIORITY:
-            if body_len < 5:
-                return None
-            start += 5
-    if pad and pad >= body_len:
-        return None
-    return body[start:len(body) - pad]
-
-
-def plausible_frames(data: bytes) -> bool:
-    """True when `data` parses as a run of well-formed HTTP/2 frame headers (at least one)."""
-    pos, seen = 0, 0
-    while pos + 9 <= len(data):
-        length = int.from_bytes(data[pos:pos + 3], "big")
-        ftype, stream = data[pos + 3], struct.unpack(">I", data[pos + 5:pos + 9])[0]
-        if ftype > 9 or stream & 0x80000000 or length >= _MAX_FRAME:
-            return False
-        if ftype in (4, 6, 7) and stream != 0:   # SETTINGS, PING, GOAWAY live on stream 0
-            return False
-        if ftype in (0, 1, 3) and stream == 0:
-            return False
-        pos += 9 + length
-        seen += 1
-    return seen > 0
+# Plain ints for the hot path: `int & IntFlag` runs IntFlag.__rand__ in Python and builds a member.
+_DATA, _HEADERS, _RST_STREAM, _CONTINUATION = (int(FrameType.DATA), int(FrameType.HEADERS),
+                                               int(FrameType.RST_STREAM), int(FrameType.CONTINUATION))
+_END_STREAM = int(Flag.END_STREAM)
 
 
 class _Side:
@@ -75,7 +44,7 @@ class _Side:
         self.buf = b""                 # a partial frame carried to the next chunk
         self.synced = synced
         self.hpack = TolerantDecoder()
-        self.block: tuple[int, bytearray, int] | None = None   # (stream, fragment, flags)
+        self.block = BlockAssembler(MAX_HEADER_BLOCK)
         self.skipped = 0
 
 
@@ -83,6 +52,7 @@ class _Stream:
     def __init__(self, call: Call) -> None:
         self.call = call
         self.buf = {"c2s": bytearray(), "s2c": bytearray()}
+        self.skip = {"c2s": 0, "s2c": 0}      # bytes still to come of a message over max_message
         self.ended = {"c2s": False, "s2c": False}
         self.headers_seen = 0
 
@@ -91,6 +61,7 @@ class H2Decoder:
     """Decode one HTTP/2 connection into gRPC (or plain HTTP/2) calls."""
 
     protocol = "grpc"
+    max_message = MAX_MESSAGE
 
     def __init__(self, flow_id: int | None = None, joined: bool = False) -> None:
         self.flow_id = flow_id
@@ -99,6 +70,7 @@ class H2Decoder:
         self.streams: dict[int, _Stream] = {}
         self.saw_preface = joined
         self.unknown_method_calls = 0
+        self.truncated_messages = 0   # messages over max_message: skipped, their bytes only in the chunks
         self.grpc_seen = False
 
     # -- bytes in -------------------------------------------------------------------------
@@ -119,18 +91,15 @@ class H2Decoder:
                 buf = buf[len(PREFACE):]
             self.saw_preface = True
         done: list[Call] = []
-        pos, end, unpack = 0, len(buf), _HEADER.unpack_from
-        while pos + 9 <= end:
-            hi, lo, ftype, flags, stream_id = unpack(buf, pos)
-            nxt = pos + 9 + (hi << 8 | lo)
-            if nxt > end:
-                break
+        # No size limit to enforce: an observer takes whatever 24-bit length the peers agreed on.
+        frames, pos, _ = split(buf)
+        for ftype, flags, stream_id, body in frames:
             # SETTINGS, PING, WINDOW_UPDATE, ...: no call content, not worth a look
-            if ftype in (_DATA, _HEADERS, _CONTINUATION, _RST_STREAM) and stream_id & 0x7FFFFFFF:
-                done += self._frame(direction, ts_ns, ftype, flags, stream_id & 0x7FFFFFFF, buf[pos + 9:nxt])
-            pos = nxt
+            if stream_id and (ftype == _DATA or ftype == _HEADERS or ftype == _CONTINUATION
+                              or ftype == _RST_STREAM):
+                done += self._frame(direction, ts_ns, ftype, flags, stream_id, body)
         # Only a partial last frame stays behind (at most the peer's maximum frame size).
-        side.buf = buf[pos:] if pos < end else b""
+        side.buf = buf[pos:] if pos < len(buf) else b""
         return done
 
     def _frame(self, direction: Direction, ts_ns: int, ftype: int, flags: int, stream_id: int,
@@ -139,7 +108,7 @@ class H2Decoder:
             return self._reset(ts_ns, stream_id, int.from_bytes(body, "big")) if len(body) == 4 else []
         if ftype == _CONTINUATION:
             return self._continuation(direction, ts_ns, stream_id, flags, body)
-        payload = frame_body(ftype, flags, body)
+        payload = strip_or_none(ftype, flags, body)
         if payload is None:
             return []   # malformed padding: skip, the raw chunks keep it
         if ftype == _HEADERS:
@@ -150,37 +119,49 @@ class H2Decoder:
 
     def _headers_start(self, direction: Direction, ts_ns: int, stream_id: int, flags: int,
                        fragment: bytes) -> list[Call]:
-        side = self.sides[direction]
-        side.block = (stream_id, bytearray(fragment), flags & _END_STREAM)
-        if flags & _END_HEADERS:
-            return self._headers_done(direction, ts_ns)
-        return []
+        asm = self.sides[direction].block
+        if asm.sid:
+            asm.reset()            # HEADERS inside another block: that one is lost, this one starts
+        try:
+            block = asm.headers(stream_id, flags, fragment)
+        except H2Error:            # over MAX_HEADER_BLOCK: undecodable, the stream goes on
+            return self._headers_done(direction, ts_ns, stream_id, flags, None)
+        if block is None:
+            return []
+        return self._headers_done(direction, ts_ns, stream_id, flags, block)
 
     def _continuation(self, direction: Direction, ts_ns: int, stream_id: int, flags: int,
                       fragment: bytes) -> list[Call]:
-        side = self.sides[direction]
-        if side.block is None or side.block[0] != stream_id:
-            return []
-        side.block[1].extend(fragment)
-        if flags & _END_HEADERS:
-            return self._headers_done(direction, ts_ns)
-        return []
-
-    def _headers_done(self, direction: Direction, ts_ns: int) -> list[Call]:
-        side = self.sides[direction]
-        assert side.block is not None
-        stream_id, block, end_stream = side.block
-        side.block = None
+        asm = self.sides[direction].block
+        if asm.sid != stream_id:
+            return []              # no block open on this stream (joined mid-block, or a skipped one)
+        first_flags = asm.flags
         try:
-            decoded = side.hpack.decode(bytes(block))
-        except HpackBlockError:
+            block = asm.continuation(stream_id, flags, fragment)
+        except H2Error:            # over the size or fragment cap: give the block up, its frames
+            asm.reset()            # that follow are ignored as CONTINUATION without a block
+            return self._headers_done(direction, ts_ns, stream_id, first_flags, None)
+        if block is None:
+            return []
+        return self._headers_done(direction, ts_ns, stream_id, first_flags, block)
+
+    def _headers_done(self, direction: Direction, ts_ns: int, stream_id: int, flags: int,
+                      block: bytes | None) -> list[Call]:
+        side = self.sides[direction]
+        decoded = None
+        if block is not None:
+            try:
+                decoded = side.hpack.decode(block)
+            except HpackBlockError:
+                pass
+        if decoded is None:
             decoded = DecodedBlock(missing=1)
         st = self._stream(stream_id, ts_ns, direction)
         if direction == "c2s":
             self._request_headers(st, decoded)
         else:
             self._response_headers(st, ts_ns, decoded)
-        if end_stream:
+        if flags & _END_STREAM:
             return self._end(st, direction, ts_ns)
         return []
 
@@ -234,15 +215,30 @@ class H2Decoder:
 
     def _data(self, direction: Direction, ts_ns: int, stream_id: int, flags: int, payload: bytes) -> list[Call]:
         st = self._stream(stream_id, ts_ns, direction)
-        buf = st.buf[direction]
-        buf += payload
+        skip = st.skip[direction]
+        if skip:                                   # inside a message too large to keep
+            n = min(skip, len(payload))
+            st.skip[direction] = skip - n
+            payload = payload[n:]
         msgs = st.call.requests if direction == "c2s" else st.call.responses
-        while len(buf) >= 5:
-            size = int.from_bytes(buf[1:5], "big")
-            if len(buf) < 5 + size:
-                break
-            msgs.append(Message(direction, len(msgs), ts_ns, bytes(buf[5:5 + size]), bool(buf[0] & 1)))
-            del buf[:5 + size]
+        buf = st.buf[direction]
+        n = len(payload)
+        size = int.from_bytes(payload[1:5], "big") if not buf and n >= PREFIX_LEN else -1
+        if n == PREFIX_LEN + size and size <= self.max_message:   # one whole message in one frame
+            msgs.append(Message(direction, len(msgs), ts_ns, payload[PREFIX_LEN:], bool(payload[0] & 1)))
+        elif payload:
+            buf += payload
+            while len(buf) >= PREFIX_LEN:
+                size = int.from_bytes(buf[1:5], "big")
+                if size > self.max_message:        # refuse to buffer it: skip what is here and the rest
+                    self.truncated_messages += 1
+                    st.skip[direction] = max(0, PREFIX_LEN + size - len(buf))
+                    del buf[:PREFIX_LEN + size]
+                    continue
+                if len(buf) < PREFIX_LEN + size:
+                    break
+                msgs.append(Message(direction, len(msgs), ts_ns, bytes(buf[5:5 + size]), bool(buf[0] & 1)))
+                del buf[:PREFIX_LEN + size]
         if direction == "s2c" and st.call.response_ts_ns is None:
             st.call.response_ts_ns = ts_ns
         if flags & _END_STREAM:
@@ -280,10 +276,11 @@ class H2Decoder:
         """Bytes went missing: drop partial frames and messages, wait for a frame boundary."""
         side = self.sides[direction]
         side.buf = b""
-        side.block = None
+        side.block.reset()
         side.synced = False
         for st in self.streams.values():
             st.buf[direction].clear()
+            st.skip[direction] = 0
 
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         """Calls still open when the flow ended or capture stopped (status None)."""

@@ -5,16 +5,23 @@ becomes '*' bytes, so the chunk stream stays valid HTTP/2 that decodes (and expo
 the secret. DATA payloads get the body rules' same-length masks. Chunks are held back only while a
 frame that spans them is incomplete, then released with their own timestamps. A chunk that starts
 on a frame boundary (the usual case) is read in place and copied only when something in it is masked.
+
+Frames are read with `wire.h2` and header blocks with `wire.headers.TolerantDecoder`, the decoder
+(capture/decode/h2grpc.py) uses the same, so both keep the same HPACK table: a frame whose padding
+`wire.h2.strip` rejects is skipped by both. Each HEADERS or CONTINUATION fragment is decoded on its
+own: a field split across two fragments is not masked (a header block over one frame, 16 KiB).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from capture.decode.h2grpc import PREFACE, plausible_frames
-from capture.decode.hpack_tolerant import HpackBlockError, TolerantDecoder
+from wire.h2 import HEAD, PREFACE, Flag, FrameType, frame_lengths_plausible, strip_or_none
+from wire.headers import HpackBlockError, TolerantDecoder
 
-_MASKED_TYPES = frozenset((0, 1, 9))   # DATA, HEADERS, CONTINUATION
+_DATA, _HEADERS, _CONTINUATION = int(FrameType.DATA), int(FrameType.HEADERS), int(FrameType.CONTINUATION)
+_MASKED_TYPES = frozenset((_DATA, _HEADERS, _CONTINUATION))
+_PADDED, _PRIORITY = int(Flag.PADDED), int(Flag.PRIORITY)
 # (payload start, payload end, new payload or None, header value spans to blank)
 _Edit = tuple[int, int, bytes | None, list[tuple[int, int, int]]]
 
@@ -45,7 +52,7 @@ class H2ChunkMasker:
 
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
         if not self.synced:
-            if not plausible_frames(data):
+            if not frame_lengths_plausible(data):
                 return [(ts_ns, data)]   # we cannot parse it, so it holds nothing we could mask
             self.synced = True
         if not self.held and not self.need_preface:
@@ -58,8 +65,8 @@ class H2ChunkMasker:
             self.pos = len(PREFACE) if self.buf.startswith(PREFACE) else 0
             self.need_preface = False
         while self.pos + 9 <= len(self.buf):
-            length = int.from_bytes(self.buf[self.pos:self.pos + 3], "big")
-            end = self.pos + 9 + length
+            hi, lo = HEAD.unpack_from(self.buf, self.pos)[:2]
+            end = self.pos + 9 + (hi << 16 | lo)
             if end > len(self.buf):
                 break
             edit = self._edit(self.buf, self.pos, end)
@@ -73,11 +80,13 @@ class H2ChunkMasker:
         read in place and the chunk is copied only when one of them has something to mask."""
         out: bytearray | None = None
         pos, end = 0, len(data)
+        unpack = HEAD.unpack_from
         while pos + 9 <= end:
-            nxt = pos + 9 + int.from_bytes(data[pos:pos + 3], "big")
+            hi, lo, ftype = unpack(data, pos)[:3]
+            nxt = pos + 9 + (hi << 16 | lo)
             if nxt > end:
                 break
-            if data[pos + 3] in _MASKED_TYPES:
+            if ftype in _MASKED_TYPES:
                 edit = self._edit(data, pos, nxt)
                 if edit is not None:
                     if out is None:
@@ -97,25 +106,26 @@ class H2ChunkMasker:
         """What masking the frame at buf[start:end] changes, or None. A header block is decoded
         here exactly once (decoding updates the HPACK table)."""
         ftype, flags = buf[start + 3], buf[start + 4]
-        lo, hi = start + 9, end
-        if ftype in (0, 1) and flags & 0x8 and lo < hi:       # PADDED
-            lo, hi = lo + 1, hi - buf[lo]
-        if ftype == 1 and flags & 0x20:                        # HEADERS with PRIORITY
-            lo += 5
-        hi = max(lo, hi)
-        if ftype == 0:                                         # DATA
-            if not self.body_mask:
-                return None
-            block = bytes(buf[lo:hi])
+        if ftype not in _MASKED_TYPES or (ftype == _DATA and not self.body_mask):
+            return None
+        block = strip_or_none(ftype, flags, bytes(buf[start + 9:end]))
+        if block is None:
+            return None            # malformed padding: a peer rejects the frame, the decoder skips it
+        lo = start + 9
+        if ftype != _CONTINUATION and flags & _PADDED:
+            lo += 1                                            # the pad length
+        if ftype == _HEADERS and flags & _PRIORITY:
+            lo += 5                                            # stream dependency and weight
+        hi = lo + len(block)
+        if ftype == _DATA:
+            assert self.body_mask is not None
             masked = self.body_mask(block)
             return None if masked == block else (lo, hi, masked, [])
-        if ftype in (1, 9):                                    # HEADERS, CONTINUATION
-            try:
-                spans = self.hpack.decode(bytes(buf[lo:hi]), self.header_mask).spans
-            except HpackBlockError:
-                return None            # a block split over CONTINUATION frames: left as is
-            return (lo, hi, None, spans) if spans else None
-        return None
+        try:                                                   # HEADERS, CONTINUATION
+            spans = self.hpack.decode(block, self.header_mask).spans
+        except HpackBlockError:
+            return None            # a block split over CONTINUATION frames: left as is
+        return (lo, hi, None, spans) if spans else None
 
     def _release(self) -> list[tuple[int, bytes]]:
         """Give back every held chunk that lies wholly before the incomplete frame at `pos`."""

@@ -20,51 +20,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
-import hpack
+from wire.h2 import (
+    HEAD,
+    PREFACE,
+    BlockAssembler,
+    ErrorCode,
+    Flag,
+    FrameType,
+    H2Error,
+    frame,
+    rst_stream,
+    split,
+    strip,
+    window_update,
+)
+from wire.headers import CachedDecoder
+from wire.status import status_block
+
+__all__ = ["PREFACE", "CallRule", "H2Tap"]
 
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_DATA, _HEADERS, _RST, _WINDOW_UPDATE, _CONTINUATION = 0, 1, 3, 8, 9
-_END_STREAM, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x4, 0x8, 0x20
-_CANCEL = 0x8
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    """One serialized HTTP/2 frame."""
-    return struct.pack(">I", len(payload))[1:] + bytes((ftype, flags)) + struct.pack(">I", stream_id) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_trailers_only(status: int, message: str) -> bytes:
-    """HPACK block for a gRPC trailers-only response that never touches the dynamic table.
-
-    `:status: 200` is static index 8; every other field is "literal never indexed" with a literal
-    name, so the client's decoder state is exactly as the server left it.
-    """
-    block = bytearray(b"\x88")
-    for name, value in ((b"content-type", b"application/grpc"), (b"grpc-status", str(status).encode()),
-                        (b"grpc-message", quote(message, safe=" ").encode())):
-        block += b"\x10" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
-    return bytes(block)
+_DATA, _HEADERS, _RST, _CONTINUATION = (int(FrameType.DATA), int(FrameType.HEADERS),
+                                        int(FrameType.RST_STREAM), int(FrameType.CONTINUATION))
+_PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
+_END_STREAM, _END_HEADERS = int(Flag.END_STREAM), int(Flag.END_HEADERS)
+MAX_HEADER_BLOCK = 1 << 20   # a client block open longer than this turns the tap off (it is forwarded)
 
 
 @dataclass
@@ -97,9 +82,8 @@ class H2Tap:
         self._push_up, self._push_down, self._rules, self._rng = push_up, push_down, rules, rng
         self._up = bytearray()
         self._preface_left = len(PREFACE)
-        self._decoder = hpack.Decoder()
-        self._decoder.max_allowed_table_size = 1 << 20
-        self._block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) until END_HEADERS
+        self._decoder = CachedDecoder(max_table_size=1 << 20)
+        self._block = BlockAssembler(MAX_HEADER_BLOCK)   # the client's open header block, if any
         self._max_stream = 0
         self._fates: dict[int, _Fate] = {}
         self._d_hdr = bytearray()
@@ -108,30 +92,32 @@ class H2Tap:
         self._inject: list[bytes] = []
         self._deferred_up: list[bytes] = []  # timer-released frames waiting for a header block to end
         self.broken = False
+        self._open_on_wire = False  # off while the client's header block was open: still find its end
         self.calls_seen = 0
         self.calls_delayed = 0
         self.calls_failed = 0
 
     # --- client -> server -------------------------------------------------------------------
     def feed_up(self, data: bytes) -> None:
-        if self.broken:
+        if self.broken and not self._open_on_wire:
+            if self._up:        # a partial frame from before we switched off goes first
+                data = bytes(self._up) + data
+                self._up.clear()
             return self._push_up(data)
         if self._preface_left:
             n = min(self._preface_left, len(data))
             self._preface_left -= n
             self._push_up(data[:n])
             data = data[n:]
-        self._up += data
+        buf = bytes(self._up) + data if self._up else bytes(data)
+        frames, used, _ = split(buf)   # no size limit here: the server enforces its MAX_FRAME_SIZE
         out: list[bytes] = []
-        pos, buf = 0, self._up
-        while len(buf) - pos >= 9:
-            length = int.from_bytes(buf[pos:pos + 3], "big")
-            end = pos + 9 + length
-            if len(buf) < end:
-                break
-            self._on_up_frame(bytes(buf[pos:end]), out)
+        pos = 0
+        for ftype, flags, sid, payload in frames:
+            end = pos + 9 + len(payload)
+            self._on_up_frame(ftype, flags, sid, payload, buf[pos:end], out)
             pos = end
-        del buf[:pos]
+        self._up = bytearray(buf[used:])
         if out:
             self._push_up(b"".join(out))
 
@@ -141,12 +127,10 @@ class H2Tap:
             self._push_up(bytes(self._up))
             self._up.clear()
 
-    def _on_up_frame(self, raw: bytes, out: list[bytes]) -> None:
-        ftype, flags = raw[3], raw[4]
-        sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
-        if ftype in (_HEADERS, _CONTINUATION):
+    def _on_up_frame(self, ftype: int, flags: int, sid: int, payload: bytes, raw: bytes, out: list[bytes]) -> None:
+        if ftype == _HEADERS or ftype == _CONTINUATION:
             out.append(raw)
-            return self._on_header_fragment(ftype, flags, sid, raw[9:], out)
+            return self._on_header_fragment(ftype, flags, sid, payload, out)
         fate = self._fates.get(sid) if sid else None
         if fate is None:
             out.append(raw)
@@ -166,32 +150,51 @@ class H2Tap:
             out.append(raw)
 
     def _on_header_fragment(self, ftype: int, flags: int, sid: int, payload: bytes, out: list[bytes]) -> None:
-        if ftype == _HEADERS:
-            pad = payload[0] if flags & _PADDED else 0
-            start = (1 if flags & _PADDED else 0) + (5 if flags & _PRIORITY else 0)
-            self._block = (sid, flags, bytearray(payload[start:len(payload) - pad]))
-        elif self._block is not None:
-            self._block[2].extend(payload)
-        if self._block is None or not flags & _END_HEADERS:
+        if self.broken:          # switched off: only the end of the block open on the wire matters
+            if self._open_on_wire and ftype == _CONTINUATION and flags & _END_HEADERS:
+                self._open_on_wire = False
+                out.extend(self._deferred_up)
+                self._deferred_up.clear()
             return
-        sid, first_flags, block = self._block
-        self._block = None
-        if self._deferred_up:  # HEADERS + CONTINUATION must be contiguous: released frames go after
-            out.extend(self._deferred_up)
-            self._deferred_up.clear()
+        asm = self._block
         try:
-            headers = self._decoder.decode(bytes(block), raw=True)
-        except Exception as exc:  # noqa: BLE001 - never break the connection: stop tapping instead
-            log.warning("HPACK decode failed (%s); call-level toxics off for this connection", exc)
-            self.broken = True
+            if ftype == _HEADERS:
+                block = asm.headers(sid, flags, strip(ftype, flags, payload))
+                first_flags = flags
+            else:
+                first_flags = asm.flags
+                block = asm.continuation(sid, flags, payload)
+            if block is None:
+                return
+            if self._deferred_up:  # HEADERS + CONTINUATION must be contiguous: released frames go after
+                out.extend(self._deferred_up)
+                self._deferred_up.clear()
+            headers = self._decoder.decode(block, sid)
+        except H2Error as exc:   # never break the connection: stop tapping instead (all is forwarded)
+            log.warning("cannot follow the client's header blocks (%s); call-level toxics off for this "
+                        "connection", exc)
+            self._off(ftype, flags, out)
             return
         if sid > self._max_stream and sid % 2 == 1:
             self._max_stream = sid
             self._new_call(sid, headers, bool(first_flags & _END_STREAM), out)
 
-    def _new_call(self, sid: int, headers: Any, ended: bool, out: list[bytes]) -> None:
+    def _off(self, ftype: int, flags: int, out: list[bytes]) -> None:
+        """Stop tapping after the frame (ftype, flags). Frames a timer released while a header block
+        was open go out once no block is open on the wire any more: now, or at its END_HEADERS."""
+        self.broken = True
+        # The block is still open on the wire when this frame did not end it (a HEADERS or
+        # CONTINUATION without END_HEADERS). A CONTINUATION that came without an open block
+        # leaves none open.
+        self._open_on_wire = not flags & _END_HEADERS and (ftype == _HEADERS or bool(self._block.sid))
+        self._block.reset()
+        if not self._open_on_wire:
+            out.extend(self._deferred_up)
+            self._deferred_up.clear()
+
+    def _new_call(self, sid: int, headers: list[tuple[str, str]], ended: bool, out: list[bytes]) -> None:
         self.calls_seen += 1
-        path = next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
+        path = next((v for k, v in headers if k == ":path"), "")
         fate = _Fate()
         for rule in self._rules():
             if not rule.matches(path) or self._rng.random() >= float(rule.attrs.get("share", 1.0)):
@@ -229,7 +232,7 @@ class H2Tap:
 
     def _push_up_frames(self, raw: bytes) -> None:
         """Whole frames from a timer: never inside the client's open header block."""
-        if self._block is not None:
+        if self._block.sid or self._open_on_wire:
             self._deferred_up.append(raw)
         else:
             self._push_up(raw)
@@ -237,19 +240,21 @@ class H2Tap:
     def _fail(self, sid: int, fate: _Fate, out: list[bytes] | None) -> None:
         fate.failed = True
         fate.held.clear()
-        rst = frame(_RST, 0, sid, struct.pack(">I", _CANCEL))
+        rst = rst_stream(sid, ErrorCode.CANCEL)
         if out is not None:
             out.append(rst)
         else:
             self._push_up_frames(rst)
         self._give_back_window(fate)
         status, message = fate.error or (14, "")
-        self.inject_down(frame(_HEADERS, _END_STREAM | _END_HEADERS, sid, encode_trailers_only(status, message)))
+        # Static-table encoding only: injecting it never touches the client's HPACK dynamic table.
+        self.inject_down(frame(FrameType.HEADERS, _END_STREAM | _END_HEADERS, sid,
+                               status_block(status, message, trailers_only=True)))
 
     def _give_back_window(self, fate: _Fate) -> None:
         # The server never sees these bytes, so it never returns their flow-control window: we do.
         if fate.held_flow > 0:
-            self.inject_down(frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", fate.held_flow)))
+            self.inject_down(window_update(0, fate.held_flow))
             fate.held_flow = 0
 
     # --- server -> client -------------------------------------------------------------------
@@ -298,7 +303,7 @@ class H2Tap:
             self._push_down = saved
 
     def _on_down_header(self, hdr: bytes) -> None:
-        self._d_left = int.from_bytes(hdr[:3], "big")
-        ftype, flags = hdr[3], hdr[4]
-        if ftype in (_HEADERS, 5, _CONTINUATION):  # 5 = PUSH_PROMISE: a header block too
+        hi, lo, ftype, flags, _sid = HEAD.unpack(hdr)
+        self._d_left = hi << 16 | lo
+        if ftype == _HEADERS or ftype == _PUSH_PROMISE or ftype == _CONTINUATION:  # header blocks
             self._d_in_block = not flags & _END_HEADERS
