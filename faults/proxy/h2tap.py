@@ -41,7 +41,7 @@ from wire.h2 import (
 from wire.headers import CachedDecoder
 from wire.status import status_block
 
-__all__ = ["PREFACE", "CallRule", "H2Tap"]
+__all__ = ["CallRule", "H2Tap"]
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,10 @@ import struct
 from typing import Any
 
 from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
-from faults.proxy.h2tap import PREFACE, CallRule, H2Tap
+from faults.proxy.h2tap import CallRule, H2Tap
 from faults.proxy.link import Link
 from faults.proxy.model import ApiError, ToxicSpec
+from wire.h2 import PREFACE
 
 log = logging.getLogger(__name__)
 _EARLY_LIMIT = 1 << 20
