@@ -72,14 +72,14 @@ SETTINGS_BUDGET = (100, 10)
 RESET_BUDGET = (2000, 1000)     # resets of streams whose request never completed ("rapid reset")
 EMPTY_BUDGET = (1000, 100)      # empty DATA/CONTINUATION, PRIORITY, unknown frame types
 _SHUTDOWN_PING = b"shutdown"
-_DATA, _HEADERS, _CONTINUATION = FrameType.DATA, FrameType.HEADERS, FrameType.CONTINUATION
-_END_STREAM, _END_HEADERS, _PAD_OR_PRIO = Flag.END_STREAM, Flag.END_HEADERS, Flag.PADDED | Flag.PRIORITY
+_DATA, _HEADERS, _SETTINGS = FrameType.DATA, FrameType.HEADERS, FrameType.SETTINGS
+_END_STREAM, _END_HEADERS, _ACK = Flag.END_STREAM, Flag.END_HEADERS, Flag.ACK
 # Not metadata for the handler; user-agent is (grpc.aio's invocation_metadata() has it too).
 _RESERVED = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
                        "grpc-message-type"})
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol, h2.FrameLoop):
     """One client connection: its frames, calls and flow control."""
 
     def __init__(self, server: LeanServer) -> None:
@@ -94,7 +94,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.going_away: int | None = None      # the last stream id we still serve, once GOAWAY is final
         self.decoder = CachedDecoder(server.header_table_size, server.max_header_list_size, validate=True)
-        self.block = h2.BlockAssembler(server.max_header_list_size)
+        self.blocks = h2.BlockAssembler(server.max_header_list_size)
         self.peer_window, self.peer_max_frame = h2.DEFAULT_WINDOW, h2.DEFAULT_MAX_FRAME
         self.send_window = h2.DEFAULT_WINDOW
         self.recv_window = WINDOW                # what the client may still send before our next update
@@ -178,47 +178,19 @@ class Connection(asyncio.Protocol):
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "expected the HTTP/2 preface")
             self.preface, pos = True, 24
         frames, pos, error = h2.split(buf, pos, h2.DEFAULT_MAX_FRAME)
-        for ftype, flags, sid, payload in frames:
-            try:
-                if self.block.sid and ftype != _CONTINUATION:
-                    raise H2Error(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} inside a header block")
-                if ftype == _DATA:
-                    self._on_data(sid, flags, payload)
-                elif ftype == _HEADERS:
-                    self._on_headers(sid, flags, payload)
-                elif ftype == _CONTINUATION:
-                    self._on_continuation(sid, flags, payload)
-                else:
-                    self._on_control(ftype, sid, flags, payload)
-            except H2Error as exc:
-                if not exc.stream:
-                    raise
-                self._stream_error(exc)
-            if self.closed:
-                return
+        if not self.handshaken and frames and (frames[0][0] != _SETTINGS or frames[0][1] & _ACK):
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "the client's first frame is not its SETTINGS")
+        self.run_frames(frames)
+        if self.closed:
+            return
         if error is not None:
             raise error
         self.buf = buf[pos:]
 
-    def _on_headers(self, sid: int, flags: int, payload: bytes) -> None:
-        if not sid or not self.handshaken:
-            raise H2Error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0" if sid else "HEADERS before SETTINGS")
-        fragment = h2.strip(_HEADERS, flags, payload) if flags & _PAD_OR_PRIO else payload
-        block = self.block.headers(sid, flags, fragment)
-        if block is None:
-            if not fragment:
-                self._spend(self.empties, "empty header fragments")
-            return
-        self._header_block(sid, flags, block)
+    def on_empty_frame(self, what: str) -> None:
+        self._spend(self.empties, what)
 
-    def _on_continuation(self, sid: int, flags: int, payload: bytes) -> None:
-        if not payload and not flags & _END_HEADERS:
-            self._spend(self.empties, "empty CONTINUATION frames")
-        block = self.block.continuation(sid, flags, payload)
-        if block is not None:
-            self._header_block(sid, self.block.flags, block)
-
-    def _header_block(self, sid: int, flags: int, block: bytes) -> None:
+    def on_block(self, sid: int, flags: int, block: bytes) -> None:
         call = self.calls.get(sid)
         new = call is None and sid > self.last_sid
         if new:
@@ -287,7 +259,7 @@ class Connection(asyncio.Protocol):
         if ended:
             self._remote_end(call)
 
-    def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
+    def on_data(self, sid: int, flags: int, payload: bytes) -> None:
         if not sid:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         n = len(payload)
@@ -300,7 +272,7 @@ class Connection(asyncio.Protocol):
             self.recv_window += self.recv_unacked
             self.recv_unacked = 0
         if not n and not flags & _END_STREAM:
-            self._spend(self.empties, "empty DATA frames")
+            self.on_empty_frame("empty DATA frames")
         call = self.calls.get(sid)
         if call is None:
             if sid > self.last_sid:
@@ -380,14 +352,12 @@ class Connection(asyncio.Protocol):
         call.held -= n
         self.held -= n
 
-    def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
+    def on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
         if ftype == FrameType.SETTINGS:
             return self._on_settings(sid, flags, payload)
-        if not self.handshaken:
-            raise H2Error(ErrorCode.PROTOCOL_ERROR, f"frame type {ftype} before SETTINGS")
         if ftype > FrameType.CONTINUATION or ftype == FrameType.PRIORITY:
             h2.check_control(ftype, flags, sid, payload)
-            return self._spend(self.empties, "PRIORITY or unknown frames")
+            return self.on_empty_frame("PRIORITY or unknown frames")
         h2.check_control(ftype, flags, sid, payload)
         if ftype == FrameType.WINDOW_UPDATE:
             self._on_window_update(sid, h2.U32.unpack(payload)[0] & h2.MAX_WINDOW)
@@ -407,8 +377,6 @@ class Connection(asyncio.Protocol):
         return None
 
     def _on_settings(self, sid: int, flags: int, payload: bytes) -> None:
-        if not self.handshaken and flags & Flag.ACK:
-            raise H2Error(ErrorCode.PROTOCOL_ERROR, "the client's first frame is not its SETTINGS")
         pairs = h2.parse_settings(flags, sid, payload)
         if flags & Flag.ACK:
             return
@@ -450,7 +418,7 @@ class Connection(asyncio.Protocol):
         if not budget.spend():
             raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"too many {what}")
 
-    def _stream_error(self, exc: H2Error) -> None:
+    def on_stream_error(self, exc: H2Error) -> None:
         log.info("h2 %s: stream error: %s", self.peer, exc)
         self._send(h2.rst_stream(exc.stream, exc.code))
         call = self.calls.get(exc.stream)

@@ -311,7 +311,7 @@ def test_an_unexpected_exception_is_internal_error_and_one_log_line(monkeypatch:
     def broken(*_: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(H2Connection, "_on_block", broken)
+    monkeypatch.setattr(H2Connection, "on_block", broken)
     with caplog.at_level(logging.ERROR, logger="replay.senders.h2conn"):
         out, peer = _run(_after_request(
             lambda peer, sid: peer.write(frame(FrameType.HEADERS, Flag.END_HEADERS, sid, RESPONSE_HEADERS))))

@@ -13,7 +13,7 @@ locals.
 from __future__ import annotations
 
 import struct
-from enum import IntEnum, IntFlag
+from enum import IntEnum
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DEFAULT_MAX_FRAME = 16_384          # every peer must accept this; larger only when advertised
@@ -41,9 +41,12 @@ class FrameType(IntEnum):
     CONTINUATION = 0x9
 
 
-class Flag(IntFlag):
+class Flag(IntEnum):
+    """Frame flags. An IntEnum, not an IntFlag: `int & IntFlag` runs Python code (~780 ns against
+    ~18 ns for `int & IntEnum`), and flags are tested on every frame."""
+
     END_STREAM = 0x1
-    ACK = 0x1                        # SETTINGS and PING reuse bit 0
+    ACK = 0x1                        # SETTINGS and PING reuse bit 0 (an alias of END_STREAM)
     END_HEADERS = 0x4
     PADDED = 0x8
     PRIORITY = 0x20
@@ -81,6 +84,14 @@ def error_name(code: int) -> str:
         return ErrorCode(code).name
     except ValueError:
         return f"error {code:#x}"
+
+
+def frame_name(ftype: int) -> str:
+    """FrameType's name, or "frame type 0x.." for extension frames."""
+    try:
+        return FrameType(ftype).name
+    except ValueError:
+        return f"frame type {ftype:#x}"
 
 
 class WireError(Exception):
@@ -203,11 +214,10 @@ _STREAM_ONLY = frozenset((FrameType.DATA, FrameType.HEADERS, FrameType.PRIORITY,
                           FrameType.CONTINUATION, FrameType.PUSH_PROMISE))
 
 
-# Plain ints for the per-frame paths below: `int & Flag.X` runs IntFlag.__rand__ in Python (~1.5 us,
-# 35 times an int `&`), which was most of strip()'s and BlockAssembler's cost.
-_PADDED, _PRIORITY, _END_HEADERS = int(Flag.PADDED), int(Flag.PRIORITY), int(Flag.END_HEADERS)
+# Module-level names for the per-frame paths below: an enum attribute lookup costs ~90 ns, a global ~20.
+_PADDED, _PRIORITY, _END_HEADERS = Flag.PADDED, Flag.PRIORITY, Flag.END_HEADERS
 _PAD_OR_PRIORITY = _PADDED | _PRIORITY
-_DATA, _HEADERS = int(FrameType.DATA), int(FrameType.HEADERS)
+_DATA, _HEADERS, _CONTINUATION = FrameType.DATA, FrameType.HEADERS, FrameType.CONTINUATION
 
 
 def strip(ftype: int, flags: int, body: bytes) -> bytes:
@@ -349,3 +359,68 @@ class BlockAssembler:
     def reset(self) -> None:
         """Forget a partial block (observers after a gap in the bytes)."""
         self.sid, self.parts, self.size = 0, [], 0
+
+
+# ---- the receive loop ----------------------------------------------------------------------------
+class FrameLoop:
+    """The receive loop both endpoints share (the agent's server, the replay sender): frames in order,
+    header blocks assembled, stream errors kept to their stream.
+
+    Subclasses give `blocks` (a BlockAssembler), `closed`, and the handlers below. A handler raises
+    H2Error: one with a stream id becomes `on_stream_error` and the loop goes on; a connection error
+    propagates to the caller, which answers GOAWAY."""
+
+    blocks: BlockAssembler
+    closed: bool
+
+    def run_frames(self, frames: list[Frame]) -> None:
+        blocks = self.blocks
+        for ftype, flags, sid, payload in frames:
+            try:
+                if blocks.sid and ftype != _CONTINUATION:
+                    raise H2Error(ErrorCode.PROTOCOL_ERROR, f"{frame_name(ftype)} on stream {sid} inside the header "
+                                                            f"block of stream {blocks.sid}")
+                if ftype == _DATA:
+                    self.on_data(sid, flags, payload)
+                elif ftype == _HEADERS:
+                    self._headers(sid, flags, payload)
+                elif ftype == _CONTINUATION:
+                    if not payload and not flags & _END_HEADERS:
+                        self.on_empty_frame("empty CONTINUATION frames")
+                    block = blocks.continuation(sid, flags, payload)
+                    if block is not None:
+                        self.on_block(sid, blocks.flags, block)
+                else:
+                    self.on_control(ftype, sid, flags, payload)
+            except H2Error as exc:
+                if not exc.stream:
+                    raise
+                self.on_stream_error(exc)
+            if self.closed:
+                return
+
+    def _headers(self, sid: int, flags: int, payload: bytes) -> None:
+        if not sid:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+        fragment = strip(_HEADERS, flags, payload) if flags & _PAD_OR_PRIORITY else payload
+        block = self.blocks.headers(sid, flags, fragment)
+        if block is not None:
+            self.on_block(sid, flags, block)
+        elif not fragment:
+            self.on_empty_frame("empty header fragments")
+
+    def on_data(self, sid: int, flags: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def on_block(self, sid: int, flags: int, block: bytes) -> None:
+        """A whole header block; `flags` are its HEADERS frame's (END_STREAM)."""
+        raise NotImplementedError
+
+    def on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def on_stream_error(self, exc: H2Error) -> None:
+        raise NotImplementedError
+
+    def on_empty_frame(self, what: str) -> None:
+        """An empty frame that moves nothing forward; a server counts these against a flood budget."""

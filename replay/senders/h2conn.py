@@ -49,11 +49,13 @@ from wire.h2 import (
     BlockAssembler,
     ErrorCode,
     Flag,
+    FrameLoop,
     FrameType,
     H2Error,
     Setting,
     check_control,
     error_name,
+    frame_name,
     goaway,
     grow_window,
     headers,
@@ -87,13 +89,6 @@ _SETTINGS, _PING, _WINDOW_UPDATE = int(FrameType.SETTINGS), int(FrameType.PING),
 _RST_STREAM, _GOAWAY, _PRIORITY = int(FrameType.RST_STREAM), int(FrameType.GOAWAY), int(FrameType.PRIORITY)
 _PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
 _END_STREAM, _END_HEADERS, _ACK = int(Flag.END_STREAM), int(Flag.END_HEADERS), int(Flag.ACK)
-
-
-def _frame_name(ftype: int) -> str:
-    try:
-        return FrameType(ftype).name
-    except ValueError:
-        return f"frame type {ftype:#x}"
 
 
 class Stream:
@@ -132,7 +127,7 @@ class Stream:
             self.responses.append(message)
 
 
-class H2Connection(asyncio.Protocol):
+class H2Connection(asyncio.Protocol, FrameLoop):
     """A client HTTP/2 connection; the sender opens streams on it while it is `usable`.
 
     `max_receive_message_length` bounds each response message (after decompression) and all of one
@@ -323,34 +318,11 @@ class H2Connection(asyncio.Protocol):
         if not self.got_preface and frames:
             ftype, flags = frames[0][0], frames[0][1]
             if ftype != _SETTINGS or flags & _ACK:
-                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"the server's first frame is {_frame_name(ftype)}, not SETTINGS")
+                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"the server's first frame is {frame_name(ftype)}, not SETTINGS")
             self.got_preface = True
-        blocks = self.blocks
-        for ftype, flags, sid, payload in frames:
-            if blocks.sid and ftype != _CONTINUATION:
-                raise H2Error(ErrorCode.PROTOCOL_ERROR, f"{_frame_name(ftype)} on stream {sid} inside the header "
-                                                        f"block of stream {blocks.sid}")
-            try:
-                if ftype == _DATA:
-                    self._on_data(sid, flags, payload)
-                elif ftype == _HEADERS:
-                    if not sid:
-                        raise H2Error(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
-                    block = blocks.headers(sid, flags, strip(_HEADERS, flags, payload))
-                    if block is not None:
-                        self._on_block(sid, flags, block)
-                elif ftype == _CONTINUATION:
-                    block = blocks.continuation(sid, flags, payload)
-                    if block is not None:
-                        self._on_block(sid, blocks.flags, block)
-                else:
-                    self._on_control(ftype, sid, flags, payload)
-            except H2Error as exc:
-                if not exc.stream:
-                    raise
-                self._stream_error(exc)
-            if self.closed:
-                return
+        self.run_frames(frames)
+        if self.closed:
+            return
         if err is not None:
             raise err
         self.buf = buf[pos:]
@@ -359,7 +331,7 @@ class H2Connection(asyncio.Protocol):
         """A stream we never opened (the server cannot open streams: push is off)."""
         return not sid & 1 or sid >= self.next_sid
 
-    def _on_data(self, sid: int, flags: int, payload: bytes) -> None:
+    def on_data(self, sid: int, flags: int, payload: bytes) -> None:
         if not sid:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         n = len(payload)  # padding included: flow control counts the whole payload
@@ -397,7 +369,7 @@ class H2Connection(asyncio.Protocol):
             st.recv_window += st.unacked
             st.unacked = 0
 
-    def _on_block(self, sid: int, flags: int, block: bytes) -> None:
+    def on_block(self, sid: int, flags: int, block: bytes) -> None:
         """A complete header block: decoded whatever its stream (the HPACK table must stay in step)."""
         fields = self.decoder.decode(block, sid)
         st = self.streams.get(sid)
@@ -430,7 +402,7 @@ class H2Connection(asyncio.Protocol):
             out = outcome(*status)
         self._end(st, out, reset=None if st.half_closed else ErrorCode.CANCEL)
 
-    def _on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
+    def on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
         write = self.transport.write  # type: ignore[union-attr]
         if ftype == _SETTINGS:
             if not self.settings_budget.spend():
@@ -503,7 +475,7 @@ class H2Connection(asyncio.Protocol):
         self._flush()
         self._wake_waiters()
 
-    def _stream_error(self, exc: H2Error) -> None:
+    def on_stream_error(self, exc: H2Error) -> None:
         """RST_STREAM with the error's code; the call fails INTERNAL (as grpc-go fails it)."""
         st = self.streams.get(exc.stream)
         if st is not None:
