@@ -13,7 +13,7 @@ This observes, it never answers: whatever `wire` would refuse as a peer is skipp
 chunks keep it). A frame whose padding or RST_STREAM body is malformed, or a stream frame on stream
 0, is skipped; a header block over MAX_HEADER_BLOCK (or the assembler's fragment limit) is treated as
 undecodable; a gRPC message whose prefix declares more than MAX_MESSAGE bytes is not buffered: its
-bytes are skipped and counted in `truncated_messages` (the Call/Message model has no field for it).
+bytes are skipped and counted in `truncated_messages` (the recording's meta and `inspect` report it).
 Frames are split with one struct unpack each into plain tuples (`wire.h2.split`), no frame object:
 this runs for every frame a production service sends while it is being recorded.
 """
@@ -31,7 +31,7 @@ __all__ = ["MAX_HEADER_BLOCK", "MAX_MESSAGE", "H2Decoder"]
 MAX_HEADER_BLOCK = 1 << 20   # per direction: a block still open holds at most this much of ours
 MAX_MESSAGE = 16 << 20       # per stream and direction: a longer message is skipped, not buffered
 
-# Plain ints for the hot path: `int & IntFlag` runs IntFlag.__rand__ in Python and builds a member.
+# Module-level names for the hot path: an enum attribute lookup per frame costs ~90 ns, a global ~20.
 _DATA, _HEADERS, _RST_STREAM, _CONTINUATION = (int(FrameType.DATA), int(FrameType.HEADERS),
                                                int(FrameType.RST_STREAM), int(FrameType.CONTINUATION))
 _END_STREAM = int(Flag.END_STREAM)

@@ -220,7 +220,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         st.timer = self.loop.call_at(deadline, self._deadline, st)
         n = len(block)
         head = (HEAD.pack(n >> 16, n & 0xFFFF, _HEADERS, _END_HEADERS, sid) + block if n <= self.peer_max_frame
-                else headers(sid, block, self.peer_max_frame))  # the usual case without IntFlag arithmetic
+                else headers(sid, block, self.peer_max_frame))  # the usual case, packed inline
         if payload is None:
             self.transport.write(head)  # type: ignore[union-attr]
             return st
