@@ -67,16 +67,45 @@ HIGH_WATER = 1 << 16      # a streaming writer waits while more than this is hel
 MAX_HELD = 32 << 20       # request bytes held per connection (partial messages, unread inboxes): 8 max-size calls
 # Flood budgets per connection (burst, refill per second). A legitimate client stays far below:
 # grpc-js keepalive pings about once a second, a replayer cancels what it abandons, not 1,000/s.
-PING_BUDGET = (1000, 100)
+PING_BUDGET = (1000, 100)       # each call opened gives one PING back (a busy client's BDP pings: grpc-go)
 SETTINGS_BUDGET = (100, 10)
 RESET_BUDGET = (2000, 1000)     # resets of streams whose request never completed ("rapid reset")
 EMPTY_BUDGET = (1000, 100)      # empty DATA/CONTINUATION, PRIORITY, unknown frame types
 _SHUTDOWN_PING = b"shutdown"
 _DATA, _HEADERS, _SETTINGS = FrameType.DATA, FrameType.HEADERS, FrameType.SETTINGS
-_END_STREAM, _END_HEADERS, _ACK = Flag.END_STREAM, Flag.END_HEADERS, Flag.ACK
+_END_STREAM, _END_HEADERS, _ACK, _PADDED = Flag.END_STREAM, Flag.END_HEADERS, Flag.ACK, Flag.PADDED
 # Not metadata for the handler; user-agent is (grpc.aio's invocation_metadata() has it too).
 _RESERVED = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
                        "grpc-message-type"})
+
+
+# A request's header block as the server needs it: path, gRPC content type?, timeout (s), grpc-encoding,
+# metadata (-bin decoded), and why the metadata is unusable. Computed once per distinct block.
+Request = tuple[str, bool, float | None, str, Metadata, str]
+_UNSUPPORTED_MEDIA_TYPE = encode_block([(":status", "415")])
+
+
+def _request(fields: list[tuple[str, str]]) -> Request:
+    path = ctype = encoding = ""
+    timeout: float | None = None
+    extra = []
+    for k, v in fields:
+        if k[0] == ":":
+            if k == ":path":
+                path = v
+        elif k == "content-type":
+            ctype = v
+        elif k == "grpc-timeout":
+            timeout = parse_timeout(v)
+        elif k == "grpc-encoding":
+            encoding = v
+        elif k not in _RESERVED:
+            extra.append((k, v))
+    try:
+        metadata, problem = tuple(metadata_in(extra)), ""
+    except ValueError as exc:
+        metadata, problem = (), str(exc)
+    return path, ctype.startswith("application/grpc"), timeout, encoding, metadata, problem
 
 
 class Connection(asyncio.Protocol, h2.FrameLoop):
@@ -197,49 +226,33 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
             if not sid & 1:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, f"a client opened even stream {sid}")
             self.last_sid = sid
-        fields = self.decoder.decode(block, sid)   # a malformed field list: RST_STREAM, table in step
+        request = self.decoder.view(block, sid, _request)   # malformed: RST_STREAM, table in step
         if call is not None:  # trailers from the client: only END_STREAM matters
             if not flags & _END_STREAM:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", sid)
             self._remote_end(call)
         elif new:
-            self._open(sid, fields, bool(flags & _END_STREAM))
+            self._open(sid, request, bool(flags & _END_STREAM))
         # else: a stream we already ended; decoded only to keep the HPACK table in step
 
-    def _open(self, sid: int, fields: list[tuple[str, str]], ended: bool) -> None:
+    def _open(self, sid: int, request: Request, ended: bool) -> None:
         if (self.going_away is not None and sid > self.going_away) or len(self.calls) >= MAX_STREAMS:
             self._send(h2.rst_stream(sid, ErrorCode.REFUSED_STREAM))
             return
-        path = ctype = encoding = ""
-        timeout: float | None = None
-        extra = []
-        for k, v in fields:
-            if k[0] == ":":
-                if k == ":path":
-                    path = v
-            elif k == "content-type":
-                ctype = v
-            elif k == "grpc-timeout":
-                timeout = parse_timeout(v)
-            elif k == "grpc-encoding":
-                encoding = v
-            elif k not in _RESERVED:
-                extra.append((k, v))
+        path, grpc_type, timeout, encoding, metadata, problem = request
         if not path:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "a request without :path", sid)
-        if not ctype.startswith("application/grpc"):
-            self._send(h2.headers(sid, encode_block([(":status", "415")]), self.peer_max_frame, True))
+        if not grpc_type:
+            self._send(h2.headers(sid, _UNSUPPORTED_MEDIA_TYPE, self.peer_max_frame, True))
             return
-        try:
-            metadata = tuple(metadata_in(extra))
-        except ValueError as exc:
-            return self._trailers_only(sid, Status.INTERNAL, str(exc), ended=ended)
+        if problem:
+            return self._trailers_only(sid, Status.INTERNAL, problem, ended=ended)
         handler = self.server.lookup(path, metadata)
         if handler is None:
             return self._trailers_only(sid, Status.UNIMPLEMENTED, f"Method not found: {path}", ended=ended)
         if self.server.admit is not None and (refusal := self.server.admit(path)) is not None:
             return self._trailers_only(sid, *refusal, ended=ended)  # refused before any per-call object exists
-        if encoding not in SUPPORTED_ENCODINGS and encoding:
+        if encoding and encoding not in SUPPORTED_ENCODINGS:
             return self._trailers_only(sid, Status.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported",
                                        ended=ended)
         self._start(sid, handler, metadata, timeout, encoding, ended)
@@ -247,6 +260,7 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
     def _start(self, sid: int, handler: grpc.RpcMethodHandler, metadata: Metadata, timeout: float | None,
                encoding: str, ended: bool) -> None:
         call = Call(sid, self, handler, metadata, self.peer_window, timeout, STREAM_WINDOW, self.server.max_receive)
+        self.pings.refund()
         call.encoding = encoding
         self.calls[sid] = call
         if self.idle_timer is not None:
@@ -283,7 +297,7 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         call.recv_window -= n
         if call.recv_window < 0:
             raise H2Error(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the stream window", sid)
-        data = h2.strip(_DATA, flags, payload) if flags & Flag.PADDED else payload
+        data = h2.strip(_DATA, flags, payload) if flags & _PADDED else payload
         if not call.handler.request_streaming:
             self.consumed(call, n)  # a unary request is buffered whole anyway (bounded by the size limit)
         elif len(data) < n:

@@ -628,3 +628,12 @@ def test_budget_burst_then_refill_in_virtual_time() -> None:
     assert reads[0] == 0.0 and reads.count(10.0) == 3   # the clock is read only when running low
     big = Budget(burst=10, per_s=1, clock=lambda: 0.0)
     assert big.spend(4) and big.spend(6) and not big.spend(0.5)
+
+
+def test_budget_refund_gives_tokens_back_up_to_the_burst() -> None:
+    budget = Budget(burst=2, per_s=0, clock=lambda: 0.0)
+    assert [budget.spend() for _ in range(3)] == [True, True, False]
+    budget.refund()
+    assert [budget.spend() for _ in range(2)] == [True, False]
+    budget.refund(10)
+    assert [budget.spend() for _ in range(3)] == [True, True, False]   # never more than the burst

@@ -892,6 +892,23 @@ def test_ping_flood_from_a_client_that_never_reads(spawn: Callable[..., ServerPr
     srv.assert_no_traceback()
 
 
+def test_pings_that_come_with_calls_are_not_a_flood(shared: ServerProc) -> None:
+    """A busy client pings too (grpc-go and grpc-core send BDP pings as data flows): every call opened
+    gives one PING back, so 3,000 PINGs interleaved with 3,000 calls, three times the burst, are fine."""
+    conn = connect(shared)
+    ping = frame(T.PING, 0, 0, b"bdp-ping")
+    sids = []
+    for i in range(3000):
+        sids.append(conn.unary("Echo", b"x"))
+        conn.send(ping)
+        if i % 200 == 199:
+            conn.wait_for(lambda: all(conn.answered(s) for s in sids), 10)
+    conn.wait_for(lambda: all(conn.answered(s) for s in sids), 10)
+    assert conn.goaway() is None, f"expected no GOAWAY for pings that come with calls, got {conn.describe()}"
+    assert [conn.status(s) for s in sids] == [(0, "")] * 3000, conn.describe(sids[-1])
+    shared.assert_no_traceback()
+
+
 # ---- 6: a frame beyond MAX_FRAME_SIZE -------------------------------------------------------------------
 def test_oversized_frame_is_a_frame_size_error_without_buffering_it(shared: ServerProc) -> None:
     since = shared.stderr_size()

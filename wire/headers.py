@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import hpack
 from hpack.hpack import decode_huffman, decode_integer, encode_integer
@@ -69,6 +69,7 @@ def encode_field_cached(name: str, value: str) -> bytes:
 
 # ---- strict decoding -----------------------------------------------------------------------------
 Fields = list[tuple[str, str]]
+V = TypeVar("V")
 _CONNECTION_SPECIFIC = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
 
 
@@ -104,7 +105,9 @@ class CachedDecoder:
     that table, so a block whose decoding changed nothing is cached under the current count (what a
     peer sends once its headers sit in the table: the same few bytes per call); a block that changes
     the table is always decoded. With `validate`, a malformed header list is a stream error
-    (H2Error PROTOCOL_ERROR on `sid`): the table stays in step, the connection lives on."""
+    (H2Error PROTOCOL_ERROR on `sid`): the table stays in step, the connection lives on.
+    `view()` also memoises what the caller derives from the fields (its parse of a request), so a
+    repeated block costs a dict lookup and nothing per field."""
 
     def __init__(self, max_table_size: int = 4096, max_header_list_size: int = 1 << 16,
                  validate: bool = False) -> None:
@@ -112,7 +115,8 @@ class CachedDecoder:
         self.decoder.max_allowed_table_size = max_table_size
         self.validate = validate
         self.adds = 0
-        self._cache: dict[bytes, tuple[tuple[int, int], Fields, str | None]] = {}
+        # block -> [table state, fields, problem or None, the caller's view or None]
+        self._cache: dict[bytes, list[Any]] = {}
         table, add = self.decoder.header_table, self.decoder.header_table.add
 
         def counted_add(name: bytes, value: bytes) -> None:
@@ -124,15 +128,25 @@ class CachedDecoder:
         """The block's fields. Raises H2Error: COMPRESSION_ERROR (connection) for a block that is not
         valid HPACK, ENHANCE_YOUR_CALM (connection) for one over the header list size, PROTOCOL_ERROR
         on `sid` for a malformed field list when validating."""
+        entry = self._entry(block)
+        if entry[2] is not None:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, entry[2], sid)
+        return cast(Fields, entry[1])
+
+    def view(self, block: bytes, sid: int, make: Callable[[Fields], V]) -> V:
+        """`make(fields)`, computed once per cached block (one `make` per decoder). Raises as decode()."""
+        entry = self._entry(block)
+        if entry[2] is not None:
+            raise H2Error(ErrorCode.PROTOCOL_ERROR, entry[2], sid)
+        if entry[3] is None:
+            entry[3] = make(entry[1])
+        return cast(V, entry[3])
+
+    def _entry(self, block: bytes) -> list[Any]:
         state = (self.adds, self.decoder.header_table.maxsize)
         hit = self._cache.get(block)
-        if hit is None or hit[0] != state:
-            hit = self._decode(block, state)
-        if hit[2] is not None:
-            raise H2Error(ErrorCode.PROTOCOL_ERROR, hit[2], sid)
-        return hit[1]
-
-    def _decode(self, block: bytes, state: tuple[int, int]) -> tuple[tuple[int, int], Fields, str | None]:
+        if hit is not None and hit[0] == state:
+            return hit
         try:
             raw = self.decoder.decode(block, raw=True)
         except hpack.OversizedHeaderListError as exc:
@@ -140,12 +154,12 @@ class CachedDecoder:
         except (hpack.HPACKError, IndexError, ValueError) as exc:
             raise H2Error(ErrorCode.COMPRESSION_ERROR, f"cannot decode a header block: {exc}") from exc
         fields = [(_text(k), _text(v)) for k, v in raw]
-        hit = (state, fields, field_problem(fields) if self.validate else None)
+        entry = [state, fields, field_problem(fields) if self.validate else None, None]
         if (self.adds, self.decoder.header_table.maxsize) == state:
             if len(self._cache) >= 256:
                 self._cache.clear()
-            self._cache[block] = hit
-        return hit
+            self._cache[block] = entry
+        return entry
 
 
 # ---- tolerant decoding (observers) ---------------------------------------------------------------

@@ -31,3 +31,7 @@ class Budget:
                 return False
         self.tokens -= n
         return True
+
+    def refund(self, n: float = 1.0) -> None:
+        """Give `n` tokens back (up to the burst): for work that shows the peer is doing real things."""
+        self.tokens = min(self.burst, self.tokens + n)
