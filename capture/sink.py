@@ -18,6 +18,11 @@ they happen, so `decode_stored` can also finish a file whose recorder was killed
 `decode="later"` (`--decode later`): the same while capturing, but `close()` does not decode: it
 marks the file `calls_decoded = false` and `shadowtest record --finish` runs `decode_stored`
 wherever convenient (see capture/deferred.py).
+
+`discarded(key, dir, nbytes)`: the application had the kernel drop bytes it never read (recv with
+MSG_TRUNC on TCP; the eBPF backend sees the flag). A gap for the decoders, never bytes, and counted:
+meta `discarded_bytes` (total) and `discarded_by_flow` ([flow, direction, bytes, reads]), written at
+close and by the next tick, which `inspect` lists as problems.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class SinkStats:
     unknown_method_calls: int = 0
     truncated_messages: int = 0      # messages over the decoder's size cap: chunks only, no message row
     gaps: int = 0
+    discarded_bytes: int = 0         # dropped unread by the application (MSG_TRUNC): gaps, not captured
+    discarded_reads: int = 0
     methods: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -82,6 +89,8 @@ class FlowSink:
         self._live = decode == "live"
         self._decode = decode
         self._gaps: list[tuple[int, str, int]] = []   # at-stop: (flow, direction, chunks before it)
+        self._discarded: dict[tuple[int, str], list[int]] = {}   # (flow, direction) -> [bytes, reads]
+        self._discarded_unsaved = False
         if not self._live:
             writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
 
@@ -147,19 +156,41 @@ class FlowSink:
         """Bytes of one direction never arrived (pcap holes): decoders resynchronise after it."""
         with self._lock:
             st = self._flows.get(key)
-            if st is None:
+            if st is not None:
+                self._gap_locked(st, direction)
+
+    def discarded(self, key: Hashable, direction: Direction, nbytes: int) -> None:
+        """The application dropped `nbytes` of this direction without reading them (recv with
+        MSG_TRUNC): a gap, and counted per flow, so the recording says what it does not hold."""
+        with self._lock:
+            st = self._flows.get(key)
+            if st is None or nbytes <= 0:
                 return
-            self.stats.gaps += 1
-            masker = st.maskers.pop(direction, None)
-            if masker is not None:
-                for ts, chunk in masker.flush():
-                    self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
-                    st.stored[direction] += 1
-                st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
-            st.decoder.gap(direction)
-            if not self._live:
-                self._gaps.append((st.flow_id, direction, st.stored[direction]))
-                self.writer.set_meta({"undecoded_gaps": self._gaps})
+            self.stats.discarded_bytes += nbytes
+            self.stats.discarded_reads += 1
+            per = self._discarded.setdefault((st.flow_id, direction), [0, 0])
+            per[0] += nbytes
+            per[1] += 1
+            self._discarded_unsaved = True
+            self._gap_locked(st, direction)
+
+    def _discarded_meta(self) -> dict[str, object]:
+        self._discarded_unsaved = False
+        return {"discarded_bytes": self.stats.discarded_bytes,
+                "discarded_by_flow": [[f, d, n, reads] for (f, d), (n, reads) in sorted(self._discarded.items())]}
+
+    def _gap_locked(self, st: _FlowState, direction: Direction) -> None:
+        self.stats.gaps += 1
+        masker = st.maskers.pop(direction, None)
+        if masker is not None:
+            for ts, chunk in masker.flush():
+                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
+                st.stored[direction] += 1
+            st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
+        st.decoder.gap(direction)
+        if not self._live:
+            self._gaps.append((st.flow_id, direction, st.stored[direction]))
+            self.writer.set_meta({"undecoded_gaps": self._gaps})
 
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
         with self._lock:
@@ -204,6 +235,8 @@ class FlowSink:
     def tick(self) -> None:
         """Commit what was written (bounds what a SIGKILL can lose)."""
         with self._lock:
+            if self._discarded_unsaved:
+                self.writer.set_meta(self._discarded_meta())
             self.writer.flush()
 
     def close(self, ts_ns: int | None = None, meta: dict[str, object] | None = None) -> SinkStats:
@@ -219,6 +252,6 @@ class FlowSink:
                                   "truncated_events": self.stats.truncated_events,
                                   "unknown_method_calls": self.stats.unknown_method_calls,
                                   "truncated_messages": self.stats.truncated_messages,
-                                  "redaction_rules": self.redactor.specs} | (meta or {}))
+                                  "redaction_rules": self.redactor.specs} | self._discarded_meta() | (meta or {}))
             self.writer.flush()
         return self.stats

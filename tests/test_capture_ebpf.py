@@ -11,10 +11,13 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,8 @@ from capture.backends import RecordOptions
 from capture.pcap_export import export_file
 from capture.pcap_import import import_capture
 from capture.record import Recorder
-from capture.recording import Recording
+from capture.recording import Flow, Recording
+from capture.summary import summarize
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf]
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
@@ -353,3 +357,144 @@ def test_uvloop_server_started_after_the_recorder_is_learnt_from_its_listen(tmp_
             server.wait(10)
     got, meta = _echo_flows(tmp_path / "late.rec", port, server.pid)
     assert got == sent and meta["accepted_peer_unknown"] == 0 and rec.result["lost_events"] == 0
+
+
+# ---- receive flags: a read that discards (MSG_TRUNC) or only peeks (MSG_PEEK) is not data received ----
+
+_H1 = b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 50\r\n\r\n"
+_BODY1 = bytes(range(65, 115))          # 50 bytes, none of them zero
+_H2 = b"POST /upload2 HTTP/1.1\r\nHost: t\r\nContent-Length: 40\r\n\r\n"
+_BODY2 = b"y" * 40
+_AFTER = b"POST /after HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello"
+_OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+_TOO_LARGE = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n"
+
+
+def _one_connection_server(handler: Callable[[socket.socket, dict], None]) -> tuple[int, threading.Thread, dict]:
+    """A server of the test's own on 127.0.0.1 (blocking sockets: MSG_WAITALL then waits, which a socket
+    with a timeout, non-blocking underneath, would not). Start the thread after the recorder: an accept
+    already waiting when the program attached is not traced."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    seen: dict = {}
+
+    def serve() -> None:
+        try:
+            with listener, listener.accept()[0] as conn:
+                handler(conn, seen)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            seen["error"] = repr(exc)
+
+    return listener.getsockname()[1], threading.Thread(target=serve, daemon=True), seen
+
+
+def _exchange(port: int, steps: list[tuple[bytes, bytes]]) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        for request, response in steps:
+            c.sendall(request)
+            got = b""
+            while len(got) < len(response):
+                part = c.recv(len(response) - len(got))
+                assert part, "server closed early"
+                got += part
+            assert got == response
+
+
+def _flow_bytes(path: Path) -> tuple[Flow, bytes, bytes, dict, list, dict]:
+    with Recording(path) as r:
+        (flow,) = list(r.flows())
+        chunks = list(r.chunks())
+        calls = list(r.calls())
+        meta = r.meta
+        summary = summarize(r)
+    c2s = b"".join(c.data for c in chunks if c.direction == "c2s")
+    s2c = b"".join(c.data for c in chunks if c.direction == "s2c")
+    return flow, c2s, s2c, meta, calls, summary
+
+
+@pytest.mark.parametrize("decode", ["live", "at-stop"])
+def test_body_discarded_with_msg_trunc_is_counted_as_skipped_bytes_never_stored(tmp_path: Path,
+                                                                                decode: str) -> None:
+    """recv(fd, buf, n, MSG_TRUNC) on TCP drops n bytes without copying (tcp(7)): the buffer keeps
+    what it held, which the recorder must not store. Both receive syscalls: recvfrom (recv_into) and
+    recvmsg."""
+
+    def handler(conn: socket.socket, seen: dict) -> None:
+        assert conn.recv(len(_H1), socket.MSG_WAITALL) == _H1             # recvfrom, a normal read
+        buf = bytearray(len(_BODY1))
+        seen["dropped1"] = conn.recv_into(buf, len(_BODY1), socket.MSG_TRUNC | socket.MSG_WAITALL)
+        seen["buf1"] = bytes(buf)
+        conn.sendall(_TOO_LARGE)
+        assert conn.recv(len(_H2), socket.MSG_WAITALL) == _H2
+        data, _anc, _flags, _addr = conn.recvmsg(len(_BODY2), 0, socket.MSG_TRUNC | socket.MSG_WAITALL)
+        seen["dropped2"] = len(data)
+        conn.sendall(_TOO_LARGE)
+        seen["after"] = conn.recv(len(_AFTER), socket.MSG_WAITALL)        # read as usual after the discards
+        conn.sendall(_OK)
+
+    port, server, seen = _one_connection_server(handler)
+    out = tmp_path / f"trunc-{decode}.rec"
+    with Recorder(RecordOptions(output=str(out), port=port, decode=decode)) as rec:
+        server.start()
+        _exchange(port, [(_H1 + _BODY1, _TOO_LARGE), (_H2 + _BODY2, _TOO_LARGE), (_AFTER, _OK)])
+        server.join(10)
+        time.sleep(0.3)
+    assert "error" not in seen, seen["error"]
+    # what the kernel did: every byte dropped, none copied (the zeros the old recorder stored)
+    assert seen["dropped1"] == 50 and seen["buf1"] == bytes(50) and seen["dropped2"] == 40
+    assert seen["after"] == _AFTER
+
+    result = rec.result or {}
+    flow, c2s, s2c, meta, calls, summary = _flow_bytes(out)
+    assert c2s == _H1 + _H2 + _AFTER                 # exactly what the server read into its buffers
+    assert s2c == _TOO_LARGE + _TOO_LARGE + _OK
+    assert result["discarded_bytes"] == 90 and result["discarded_reads"] == 2
+    assert result["lost_events"] == 0 and result["truncated_events"] == 0
+    assert meta["discarded_bytes"] == 90 and meta["discarded_by_flow"] == [[flow.id, "c2s", 90, 2]]
+    assert [p for p in summary["problems"] if "MSG_TRUNC" in p] == [
+        f"90 bytes discarded by the application with MSG_TRUNC on flow {flow.id} (c2s, 2 read(s)): not captured "
+        "(a gap in the recording; the decoders resynchronised after it)"]
+    # the decoder resynchronised: the request after the discards is decoded whole; nothing holds zeros.
+    # (Not asserted: its response. The HTTP/1 decoder's gap has no length, so the requests cut by the
+    # gaps are not calls and this one pairs with the first 413: see docs/capture.md, Receive flags.)
+    after = [c for c in calls if c.method == "POST /after"]
+    assert len(after) == 1 and [m.data for m in after[0].requests] == [b"hello"]
+    assert not any(bytes(8) in m.data for c in calls for m in c.requests)
+
+
+def test_peeked_bytes_are_recorded_once_by_the_read_that_consumes_them(tmp_path: Path) -> None:
+    """MSG_PEEK returns bytes without consuming them (recvfrom and recvmsg; with MSG_TRUNC too, which
+    then copies nothing and drops nothing): only the real read that follows is data."""
+    req = b"GET /peek HTTP/1.1\r\nHost: t\r\n\r\n"
+    req2 = b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc"
+
+    def handler(conn: socket.socket, seen: dict) -> None:
+        seen["peek"] = conn.recv(len(req), socket.MSG_PEEK | socket.MSG_WAITALL)          # recvfrom
+        seen["peek_msg"] = conn.recvmsg(len(req), 0, socket.MSG_PEEK)[0]                   # recvmsg
+        buf = bytearray(len(req))
+        seen["peek_trunc"] = conn.recv_into(buf, len(req), socket.MSG_PEEK | socket.MSG_TRUNC)
+        seen["read"] = conn.recv(len(req), socket.MSG_WAITALL)
+        conn.sendall(_OK)
+        seen["peek2"] = conn.recv(len(req2), socket.MSG_PEEK | socket.MSG_WAITALL)
+        seen["read2"] = conn.recvmsg(len(req2), 0, socket.MSG_WAITALL)[0]                  # recvmsg, consuming
+        conn.sendall(_OK)
+
+    port, server, seen = _one_connection_server(handler)
+    out = tmp_path / "peek.rec"
+    with Recorder(RecordOptions(output=str(out), port=port)) as rec:
+        server.start()
+        _exchange(port, [(req, _OK), (req2, _OK)])
+        server.join(10)
+        time.sleep(0.3)
+    assert "error" not in seen, seen["error"]
+    assert seen["peek"] == seen["peek_msg"] == seen["read"] == req and seen["peek_trunc"] == len(req)
+    assert seen["peek2"] == seen["read2"] == req2
+
+    result = rec.result or {}
+    _flow, c2s, s2c, meta, calls, summary = _flow_bytes(out)
+    assert c2s == req + req2 and s2c == _OK + _OK      # once each, not once per peek
+    assert result["discarded_bytes"] == 0 and meta["discarded_by_flow"] == [] and result["gaps"] == 0
+    assert not [p for p in summary["problems"] if "MSG_TRUNC" in p]
+    assert [(c.method, [m.data for m in c.requests], c.status) for c in calls] == [
+        ("GET /peek", [], 200), ("POST /p", [b"abc"], 200)]

@@ -13,6 +13,10 @@ Their OPEN has no peer: `_open` reads it from /proc while the socket is still th
 (checked against the socket map before and after), else the flow waits, held, for its CLOSE, which
 carries the peer the close revealed. A flow whose peer stays unknown is still recorded, with
 src 0.0.0.0:0, and counted in meta (`accepted_peer_unknown`).
+
+Receive flags are read in the kernel (see the .bpf.c): peeks are not recorded; a recv with MSG_TRUNC
+arrives as a DATA record with no payload and `discarded` set, recorded as a gap of `total` bytes
+(`FlowSink.discarded`: counted in meta and listed by `inspect`), never as bytes.
 """
 
 from __future__ import annotations
@@ -68,10 +72,11 @@ class EvHdr(ctypes.Structure):
     _fields_ = [("ts_ns", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("fd", ctypes.c_uint32),
                 ("len", ctypes.c_uint32), ("total", ctypes.c_uint32), ("offset", ctypes.c_uint32),
                 ("type", ctypes.c_uint8), ("is_write", ctypes.c_uint8), ("truncated", ctypes.c_uint8),
-                ("pad", ctypes.c_uint8), ("si", SockInfo), ("comm", ctypes.c_char * 16)]
+                ("discarded", ctypes.c_uint8), ("si", SockInfo), ("comm", ctypes.c_char * 16)]
 
 
 HDR_SIZE = ctypes.sizeof(EvHdr)
+_DISCARDED_AT = EvHdr.discarded.offset
 # The leading fields of EvHdr (ts_ns .. is_write): struct reads them from a record's bytes in one call,
 # where a ctypes copy of the whole header cost more than everything else done per DATA record.
 _HDR_HEAD = struct.Struct("<QIIIIIBB")
@@ -309,6 +314,8 @@ class EbpfBackend:
             if offset == 0 and length == total and not self._pending:
                 assert self.sink is not None
                 self.sink.data(key, direction, ts_ns, payload)   # a whole syscall in one record: the usual case
+            elif length == 0 and raw[_DISCARDED_AT]:
+                self._discarded(key, direction, total)
             else:
                 self._data(key, direction, ts_ns, offset, total, payload)
         elif etype == EV_OPEN:
@@ -458,6 +465,13 @@ class EbpfBackend:
         pending[1] += payload
         if len(pending[1]) >= pending[2]:
             self._flush_pending(pkey)
+
+    def _discarded(self, key: tuple[int, ...], direction: Direction, nbytes: int) -> None:
+        """A recv with MSG_TRUNC: the kernel dropped `nbytes` the application never saw. A gap of
+        that length, after whatever syscall of this direction is still being reassembled."""
+        self._flush_pending((key, direction), force=True)
+        assert self.sink is not None
+        self.sink.discarded(key, direction, nbytes)
 
     def _flush_pending(self, pkey: tuple | None = None, force: bool = False) -> None:
         """Hand finished syscalls to the sink. A syscall whose records are still arriving waits

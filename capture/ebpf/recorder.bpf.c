@@ -17,6 +17,16 @@
  *   read/write/readv/writev/sendto/recvfrom/sendmsg/recvmsg on socks --> DATA events
  *   close on socks --> CLOSE event;  ring buffer full --> lost[cpu]++
  *
+ * Receive flags (recvfrom, recvmsg; read/readv have none; recvmmsg is not traced): a read is data
+ * the application received only if it consumed bytes into its buffer. MSG_PEEK (with or without
+ * MSG_TRUNC) consumes nothing: the same bytes come again in a later read, so a peek is not
+ * recorded at all; nor is MSG_ERRQUEUE, which reads the socket's error queue, not the stream.
+ * MSG_TRUNC without MSG_PEEK on a TCP stream (what the recorder traces) drops the returned number
+ * of bytes without copying any (tcp(7)): the buffer holds whatever it held before, so it is never
+ * read; a header-only DATA record with `discarded` set and `total` = the bytes dropped tells user
+ * space, which records a gap of that length (loader.py, FlowSink.discarded). The check costs
+ * nothing on other sockets: the flags are tested before the socket lookup.
+ *
  * Accepts with no address (libuv: uvloop, Node.js call accept4(fd, NULL, NULL, flags)) carry no
  * peer to match against `pending`, so the listening socket decides instead: listeners[(tgid,fd)]
  * says whether it is on the port. It is learnt from listen() (the CLOSE->LISTEN state change runs
@@ -45,6 +55,12 @@
 #define K_WRITEV 4
 #define K_RECVMSG 5
 #define K_SENDMSG 6
+#define K_DISCARD 7           /* recv with MSG_TRUNC (not MSG_PEEK): ret bytes dropped, none copied */
+
+/* recv flags, as in <linux/socket.h> (own names: that header may come in through bcc's) */
+#define RECV_PEEK 0x2         /* MSG_PEEK */
+#define RECV_TRUNC 0x20       /* MSG_TRUNC */
+#define RECV_ERRQUEUE 0x2000  /* MSG_ERRQUEUE */
 
 struct sock_info {            /* one traced socket */
     u8 family;
@@ -68,7 +84,7 @@ struct ev_hdr {               /* every ring-buffer record starts with this */
     u8 type;
     u8 is_write;              /* DATA: 1 write-family, 0 read-family */
     u8 truncated;             /* DATA: the syscall moved more than MAX_BYTES */
-    u8 pad;
+    u8 discarded;             /* DATA: no payload; `total` bytes were dropped unread (K_DISCARD) */
     struct sock_info si;      /* OPEN */
     char comm[16];
 };
@@ -556,6 +572,14 @@ static __always_inline u32 copy_out(struct ev_buf *b, struct active_io *a, u64 i
     return remaining;
 }
 
+/* recvfrom/recvmsg: a peek or an error-queue read is not stream data (not traced at all, not
+ * even looked up); a read with MSG_TRUNC moved no bytes into the buffer (see the header). */
+static __always_inline int recv_enter(u32 fd, u64 ptr, u32 flags, u32 kind) {
+    if (flags & (RECV_PEEK | RECV_ERRQUEUE))
+        return 0;
+    return io_enter(fd, ptr, 0, (flags & RECV_TRUNC) ? K_DISCARD : kind);
+}
+
 /* vec is a compile-time constant at each call site, so the buffer-only syscalls (read, write,
  * sendto, recvfrom) are compiled without the iovec walk and verify in a fraction of the time. */
 static __always_inline int io_exit(long ret, const int vec) {
@@ -572,6 +596,12 @@ static __always_inline int io_exit(long ret, const int vec) {
     if (!b)
         return 0;
     b->h.total = ret;
+    if (io.kind == K_DISCARD) {          /* the buffer was not written: say how much went, copy nothing */
+        b->h.discarded = 1;
+        if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
+            count(lost.lookup(&zero));
+        return 0;
+    }
     b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG);
     u32 want = ret;
     if (want > MAX_BYTES) {
@@ -609,9 +639,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return io_enter(args->fd, (u64)ar
 TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret, 1); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return io_enter(args->fd, (u64)args->buff, 0, K_WRITE); }
 TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret, 0); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return io_enter(args->fd, (u64)args->ubuf, 0, K_READ); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) {
+    return recv_enter(args->fd, (u64)args->ubuf, args->flags, K_READ);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret, 0); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return io_enter(args->fd, (u64)args->msg, 0, K_SENDMSG); }
 TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return io_enter(args->fd, (u64)args->msg, 0, K_RECVMSG); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) {
+    return recv_enter(args->fd, (u64)args->msg, args->flags, K_RECVMSG);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret, 1); }
