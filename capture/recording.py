@@ -22,9 +22,21 @@ Schema (version 1), queryable with plain `sqlite3 FILE`:
           stream_id, request_metadata,                --       | bidi | request (HTTP/1.1)
           response_metadata, status, status_message,  -- metadata: JSON list of [name, value]
           request_ts_ns, response_ts_ns, end_ts_ns,   -- status: grpc-status or HTTP status code
-          method_unknown)                             -- 1 when HPACK state was missing (joined)
+          method_unknown, method_ref)                 -- method_unknown: 1 when HPACK state was missing
+                                                      -- (joined); method_ref: see below
     messages(id, call_id, direction, seq, ts_ns,      -- each gRPC message (or HTTP body) with its
              data, compressed)                        -- own timestamp; data without the 5-byte prefix
+    method_map(flow_id, ref, method, how,             -- the method of a group of calls whose method
+               PRIMARY KEY (flow_id, ref))            -- is NULL; how: why it was chosen
+
+Method groups (connections joined mid-stream): a call whose request header fields referred to HPACK
+dynamic-table entries inserted before the recording joined has `method_ref`, e.g. "hpack:5,4,3"
+(the pre-join ordinals of those entries, see capture/decode/h2grpc.py). Calls of one flow with the
+same method_ref had the same :path, so (flow_id, method_ref) is a *group* whose method, once found
+(`shadowtest infer`, `--method-map`), is written once into `method_map`; readers apply the map to
+calls whose `method` is NULL (`Call.method` = the mapped method, `Call.method_how` = how; the calls
+table itself is never rewritten). `calls.method_ref` and `method_map` were added within version 1:
+files without them open and read as before (writers add them; readers check PRAGMA table_info).
 
 All `*_ns` columns share one clock (CLOCK_MONOTONIC for eBPF captures, capture time for pcaps);
 `meta.started_wall_ns` and `meta.started_mono_ns` map it to wall-clock time.
@@ -51,7 +63,8 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -79,7 +92,8 @@ CREATE TABLE IF NOT EXISTS calls (
     method TEXT, kind TEXT NOT NULL DEFAULT 'unary', stream_id INTEGER,
     request_metadata TEXT NOT NULL DEFAULT '[]', response_metadata TEXT NOT NULL DEFAULT '[]',
     status INTEGER, status_message TEXT, request_ts_ns INTEGER NOT NULL,
-    response_ts_ns INTEGER, end_ts_ns INTEGER, method_unknown INTEGER NOT NULL DEFAULT 0);
+    response_ts_ns INTEGER, end_ts_ns INTEGER, method_unknown INTEGER NOT NULL DEFAULT 0,
+    method_ref TEXT);
 CREATE INDEX IF NOT EXISTS calls_by_time ON calls(request_ts_ns, id);
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY, call_id INTEGER NOT NULL REFERENCES calls(id),
@@ -87,6 +101,25 @@ CREATE TABLE IF NOT EXISTS messages (
     ts_ns INTEGER NOT NULL, data BLOB NOT NULL, compressed INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS messages_by_call ON messages(call_id, direction, seq);
 """
+_METHOD_MAP_TABLE = """CREATE TABLE IF NOT EXISTS method_map (
+    flow_id INTEGER, ref TEXT, method TEXT NOT NULL, how TEXT NOT NULL, PRIMARY KEY (flow_id, ref))"""
+_SCHEMA += _METHOD_MAP_TABLE + ";\n"
+# After the calls table has its method_ref column (files from before it get it by ALTER TABLE). A
+# partial index: the recorder's ordinary calls (method known) never touch it.
+_REF_INDEX = "CREATE INDEX IF NOT EXISTS calls_unknown_by_ref ON calls(flow_id, method_ref) WHERE method IS NULL"
+_UPSERT_MAP = ("INSERT INTO method_map(flow_id, ref, method, how) VALUES (?,?,?,?)"
+               " ON CONFLICT(flow_id, ref) DO UPDATE SET method = excluded.method, how = excluded.how")
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {str(r[1]) for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _ensure_method_ref(db: sqlite3.Connection) -> None:
+    """Give a calls table from before method groups its method_ref column (and the group index)."""
+    if "method_ref" not in _columns(db, "calls"):
+        db.execute("ALTER TABLE calls ADD COLUMN method_ref TEXT")
+    db.execute(_REF_INDEX)
 
 
 @dataclass(frozen=True)
@@ -145,6 +178,26 @@ class Call:
     requests: list[Message] = field(default_factory=list)
     responses: list[Message] = field(default_factory=list)
     id: int | None = None
+    # Joined connections: the identity of the pre-join HPACK entries the request headers used
+    # ("hpack:5,4,3"; see the module docstring), and for a call whose method was NULL in the file
+    # and came back mapped, how that method was found (None: as decoded).
+    method_ref: str | None = None
+    method_how: str | None = None
+
+
+@dataclass(frozen=True)
+class MethodGroup:
+    """Calls of one flow whose method is NULL in the calls table and that share a method_ref.
+
+    kinds: calls per Call.kind. method/how: from the method map (or a reader's overrides), else None."""
+
+    flow_id: int
+    ref: str
+    protocol: str
+    calls: int
+    kinds: dict[str, int]
+    method: str | None
+    how: str | None
 
 
 def _create_private(path: Path, overwrite: bool) -> None:
@@ -190,6 +243,8 @@ class RecordingWriter:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            _ensure_method_ref(self._db)
+            self._db.commit()
         except sqlite3.Error as exc:
             raise RecordingError(f"cannot initialise {self.path}: {exc}") from exc
         self._flush_interval = flush_interval_s
@@ -199,6 +254,7 @@ class RecordingWriter:
         self._chunk_rows: list[tuple[int, str, int, bytes]] = []
         self._call_rows: list[tuple[Any, ...]] = []
         self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
+        self._map_rows: dict[tuple[int, str], tuple[str, str]] = {}
         self._next_call_id = 1 + int(self._db.execute("SELECT coalesce(max(id), 0) FROM calls").fetchone()[0])
         self._meta_json: dict[tuple[tuple[str, str], ...], str] = {}
         base = {} if existing else {"schema_version": SCHEMA_VERSION, "created_wall_ns": time.time_ns()}
@@ -238,14 +294,23 @@ class RecordingWriter:
         self._maybe_commit()
 
     def add_call(self, call: Call) -> int:
-        """Queue a call and its messages for the next commit; returns the call's id."""
+        """Queue a call and its messages for the next commit; returns the call's id.
+
+        A call read with a mapped method (`method_how` set: its method was NULL in the file it came
+        from) is stored as it was, method NULL, and its group's mapping goes into this file's
+        method_map: a copy (`shadowtest redact`) keeps both the calls and how their method was found."""
         call_id = self._next_call_id
         self._next_call_id += 1
+        method = call.method
+        if call.method_how is not None and call.method_ref is not None and call.flow_id is not None \
+                and method is not None:
+            self._map_rows[(call.flow_id, call.method_ref)] = (method, call.method_how)
+            method = None
         self._call_rows.append(
-            (call_id, call.flow_id, call.protocol, call.method, call.kind, call.stream_id,
+            (call_id, call.flow_id, call.protocol, method, call.kind, call.stream_id,
              self._json(call.request_metadata), self._json(call.response_metadata), call.status,
              call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
-             int(call.method_unknown)))
+             int(call.method_unknown), call.method_ref))
         self._message_rows += [(call_id, m.direction, m.seq, m.ts_ns, bytes(m.data), int(m.compressed))
                                for m in (*call.requests, *call.responses)]
         self._maybe_commit()
@@ -307,8 +372,11 @@ class RecordingWriter:
             db.executemany(
                 "INSERT INTO calls(id, flow_id, protocol, method, kind, stream_id, request_metadata,"
                 " response_metadata, status, status_message, request_ts_ns, response_ts_ns, end_ts_ns,"
-                " method_unknown) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._call_rows)
+                " method_unknown, method_ref) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._call_rows)
             self._call_rows = []
+        if self._map_rows:
+            db.executemany(_UPSERT_MAP, [(f, r, m, h) for (f, r), (m, h) in self._map_rows.items()])
+            self._map_rows = {}
         if self._message_rows:
             db.executemany("INSERT INTO messages(call_id, direction, seq, ts_ns, data, compressed)"
                            " VALUES (?,?,?,?,?,?)", self._message_rows)
@@ -356,6 +424,13 @@ def _metadata(text: str) -> list[tuple[str, str]]:
 _CALLS_SQL = "SELECT * FROM calls ORDER BY request_ts_ns, id"
 _BATCH_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id IN ({}) ORDER BY call_id, direction, seq"
 _CALL_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq"
+# Grouped by kind too (MethodGroup.kinds); ordered by each group's first call.
+_GROUPS_SQL = ("SELECT flow_id, method_ref, protocol, kind, count(*), min(request_ts_ns) AS first_ts,"
+               " min(id) AS first_id FROM calls WHERE method IS NULL AND method_ref IS NOT NULL"
+               " AND flow_id IS NOT NULL GROUP BY flow_id, method_ref, protocol, kind"
+               " ORDER BY first_ts, first_id")
+_GROUP_CALLS_SQL = ("SELECT * FROM calls WHERE flow_id = ? AND method_ref = ? AND method IS NULL"
+                    " ORDER BY request_ts_ns, id LIMIT ?")
 _BATCH = 256  # calls whose messages one query fetches: bounded memory, few statements
 
 
@@ -383,6 +458,51 @@ class Recording:
         if version != SCHEMA_VERSION:
             raise RecordingError(f"{self.path}: schema version {version!r}, this shadowtest reads "
                                  f"{SCHEMA_VERSION}")
+        # Files from before method groups have neither calls.method_ref nor method_map.
+        try:
+            self._has_ref = "method_ref" in _columns(self._db, "calls")
+            has_map = bool(_columns(self._db, "method_map"))
+            rows = self._db.execute("SELECT flow_id, ref, method, how FROM method_map").fetchall() if has_map else []
+        except sqlite3.DatabaseError as exc:
+            self._has_ref, rows = False, []
+            self.problems.append(f"cannot read the method map: {exc}")
+        self._method_map: dict[tuple[int | None, str], tuple[str, str]] = {
+            (r[0], r[1]): (r[2], r[3]) for r in rows}
+        self._overrides: dict[tuple[int | None, str], tuple[str, str]] = {}
+
+    @property
+    def has_method_refs(self) -> bool:
+        """False for a file written before method groups (no calls.method_ref column)."""
+        return self._has_ref
+
+    def map_methods(self, mapping: Mapping[tuple[int | None, str], str], how: str = "--method-map") -> None:
+        """Name groups for this reader only (the file is not changed): {(flow_id or None, ref): method}.
+        A None flow applies to that ref on every flow. These win over the file's method_map."""
+        for key, method in mapping.items():
+            self._overrides[key] = (method, how)
+
+    def _mapped(self, flow_id: int | None, ref: str) -> tuple[str, str] | None:
+        over = self._overrides
+        if over:
+            hit = over.get((flow_id, ref)) or over.get((None, ref))
+            if hit is not None:
+                return hit
+        return self._method_map.get((flow_id, ref)) or self._method_map.get((None, ref))
+
+    def _call(self, r: sqlite3.Row) -> Call:
+        call = Call(
+            protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
+            flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
+            request_metadata=_metadata(r["request_metadata"]),
+            response_metadata=_metadata(r["response_metadata"]), status=r["status"],
+            status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
+            end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"],
+            method_ref=r["method_ref"] if self._has_ref else None)
+        if call.method is None and call.method_ref is not None:
+            hit = self._mapped(call.flow_id, call.method_ref)
+            if hit is not None:
+                call.method, call.method_how = hit
+        return call
 
     def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> Iterator[sqlite3.Row]:
         try:
@@ -414,13 +534,7 @@ class Recording:
         ahead between sends, asks for small batches)."""
         batch: list[Call] = []
         for r in self._rows(_CALLS_SQL):
-            batch.append(Call(
-                protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
-                flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
-                request_metadata=_metadata(r["request_metadata"]),
-                response_metadata=_metadata(r["response_metadata"]), status=r["status"],
-                status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
-                end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"]))
+            batch.append(self._call(r))
             if len(batch) >= batch_size:
                 yield from self._with_messages(batch, with_messages)
                 batch = []
@@ -442,6 +556,32 @@ class Recording:
                 direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
                 compressed=bool(m["compressed"])))
         return calls
+
+    def method_groups(self) -> list[MethodGroup]:
+        """The groups of calls whose method is NULL in the calls table, by (flow_id, method_ref), in
+        order of their first call, with the method map (and this reader's overrides) applied in
+        `method`/`how`. Calls without a method_ref (their request headers were not seen) are in none."""
+        if not self._has_ref:
+            return []
+        groups: dict[tuple[int, str], tuple[Counter[str], Counter[str]]] = {}
+        for r in self._rows(_GROUPS_SQL):
+            protocols, kinds = groups.setdefault((int(r[0]), str(r[1])), (Counter(), Counter()))
+            protocols[str(r[2])] += int(r[4])
+            kinds[str(r[3])] += int(r[4])
+        out = []
+        for (flow_id, ref), (protocols, kinds) in groups.items():
+            hit = self._mapped(flow_id, ref)
+            out.append(MethodGroup(flow_id=flow_id, ref=ref, protocol=protocols.most_common(1)[0][0],
+                                   calls=sum(kinds.values()), kinds=dict(kinds.most_common()),
+                                   method=hit[0] if hit else None, how=hit[1] if hit else None))
+        return out
+
+    def group_calls(self, flow_id: int, ref: str, limit: int = 50) -> list[Call]:
+        """The first `limit` calls (request time order) of one group, with their messages."""
+        if not self._has_ref:
+            return []
+        calls = [self._call(r) for r in self._rows(_GROUP_CALLS_SQL, (flow_id, ref, limit))]
+        return self._with_messages(calls, True)
 
     def count(self, table: str) -> int:
         if table not in {"flows", "chunks", "calls", "messages"}:
@@ -470,3 +610,36 @@ class Recording:
 def open_recording(path: str | os.PathLike[str]) -> Recording:
     """Open a recording for reading (see `Recording`)."""
     return Recording(path)
+
+
+def set_group_methods(path: Path | str, assignments: Iterable[tuple[int, str, str, str]]) -> None:
+    """Write (flow_id, ref, method, how) rows into the method map of the existing recording `path`
+    (an upsert: a group named again gets the new method and how). The file keeps its mode (0600).
+
+    Raises RecordingError when the file is missing or not a writable recording, ValueError for a row
+    that is not (int, non-empty str, non-empty str, non-empty str)."""
+    rows = []
+    for row in assignments:
+        flow_id, ref, method, how = row
+        if not isinstance(flow_id, int) or isinstance(flow_id, bool) or not all(
+                isinstance(v, str) and v for v in (ref, method, how)):
+            raise ValueError(f"a method map row is (flow_id, ref, method, how), not {row!r}")
+        rows.append((flow_id, ref, method, how))
+    path = Path(path)
+    if not path.is_file():
+        raise RecordingError(f"{path}: no such recording")
+    mode = os.stat(path).st_mode & 0o777
+    try:
+        db = sqlite3.connect(path)
+        try:
+            if db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() is None:
+                raise RecordingError(f"{path} is not a recording (no schema_version)")
+            db.execute(_METHOD_MAP_TABLE)
+            db.executemany(_UPSERT_MAP, rows)
+            db.commit()
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        raise RecordingError(f"cannot write the method map of {path}: {exc}") from exc
+    if os.stat(path).st_mode & 0o777 != mode:
+        os.chmod(path, mode)

@@ -1,4 +1,13 @@
-"""What a recording holds, computed in one streamed pass (for `shadowtest inspect`)."""
+"""What a recording holds, computed in one streamed pass (for `shadowtest inspect`).
+
+Method groups (connections joined mid-stream, see capture/recording.py): `method_groups` lists each
+(flow, ref) group with its calls, call kinds and method (mapped, or None) and how it was found. A
+gRPC/HTTP/2 call whose method is still unknown after the map is a problem (`complete` is false, the
+problem names the fix) when it belongs to a group (its request headers were seen, so naming the
+group fixes it), to a connection recorded from its start, or to a file written before method
+groups; calls of a joined connection whose request headers were never seen (in flight when the
+recording began) are counted in `unknown_method_ungrouped` only. `replay` sends none of them (not_sent: unknown_method).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ from typing import Any
 
 from capture.decode.h2grpc import MAX_MESSAGE
 from capture.deferred import calls_pending, pending_message
-from capture.recording import Recording
+from capture.recording import MethodGroup, Recording
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -36,14 +45,22 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
     req_sizes: list[int] = []
     resp_sizes: list[int] = []
     unknown = 0
+    flows = list(rec.flows())
+    joined = {f.id for f in flows if f.joined_midstream}
+    unresolved = ungrouped = 0      # gRPC/HTTP/2 calls whose method is unknown after the map
     for call in rec.calls():
         methods[call.method or "<unknown>"] += 1
         statuses[str(call.status)] += 1
         unknown += int(call.method_unknown)
+        if call.method is None and call.protocol in ("grpc", "http2"):
+            if call.method_ref is None and call.flow_id in joined and rec.has_method_refs:
+                ungrouped += 1
+            else:
+                unresolved += 1
         times.append(call.request_ts_ns)
         req_sizes += [len(m.data) for m in call.requests]
         resp_sizes += [len(m.data) for m in call.responses]
-    flows = list(rec.flows())
+    groups = rec.method_groups()
     span = _span(rec, times)
     meta = rec.meta
     out: dict[str, Any] = {
@@ -55,12 +72,33 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "truncated_events": int(meta.get("truncated_events", 0) or 0), "unknown_method_calls": unknown,
         "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
-        "rate_per_s": _rate(times, buckets), "complete": "stopped_wall_ns" in meta or meta.get("backend") == "import",
+        "rate_per_s": _rate(times, buckets),
+        "complete": ("stopped_wall_ns" in meta or meta.get("backend") == "import") and not unresolved,
         "calls_pending": calls_pending(meta),
+        "method_groups": [{"flow": g.flow_id, "ref": g.ref, "protocol": g.protocol, "calls": g.calls,
+                           "kinds": g.kinds, "method": g.method, "how": g.how} for g in groups],
+        "unresolved_method_calls": unresolved, "unknown_method_ungrouped": ungrouped,
         "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
-                     + _unknown_peers(meta) + _oversized(meta)),
+                     + _unknown_peers(meta) + _oversized(meta) + _discarded(meta)
+                     + _unresolved(rec, unresolved, groups)),
     }
     return out
+
+
+def _unresolved(rec: Recording, n: int, groups: list[MethodGroup]) -> list[str]:
+    """Calls that replay will not send because nothing names their method, and how to name them."""
+    if not n:
+        return []
+    open_groups = sum(g.method is None for g in groups)
+    where = f" in {open_groups} method group(s)" if open_groups else ""
+    path = rec.path
+    if not rec.has_method_refs:
+        return [f"{n} call(s) have an unknown method and replay will not send them; this file was written "
+                "before method groups, so they cannot be named: record again (then `shadowtest infer`)"]
+    return [f"{n} call(s){where} have an unknown method (their :path was in the connection's HPACK table "
+            f"before the recording joined it); replay will not send them. Name them with "
+            f"`shadowtest infer {path} --descriptors X.protoset`, or `shadowtest infer {path} --method-map "
+            f"FLOW:REF=METHOD`, or record again with the server's reflection reachable"]
 
 
 def _unknown_peers(meta: dict[str, Any]) -> list[str]:
@@ -79,6 +117,13 @@ def _oversized(meta: dict[str, Any]) -> list[str]:
         return []
     return [f"{n} gRPC message(s) over the decoder's {MAX_MESSAGE >> 20} MiB cap were not stored as messages "
             "(their calls lack them; the bytes are in the chunks)"]
+
+
+def _discarded(meta: dict[str, Any]) -> list[str]:
+    """Bytes the application dropped unread (recv with MSG_TRUNC): a gap in the flow, not data."""
+    return [f"{n} bytes discarded by the application with MSG_TRUNC on flow {flow} ({direction}, {reads} "
+            "read(s)): not captured (a gap in the recording; the decoders resynchronised after it)"
+            for flow, direction, n, reads in meta.get("discarded_by_flow", []) or []]
 
 
 def _undecoded(rec: Recording) -> list[str]:

@@ -18,7 +18,7 @@ import importlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
@@ -31,8 +31,9 @@ from replay.senders import SendOutcome
 class Descriptors:
     """Output message classes by full method name, looked up lazily in a descriptor pool."""
 
-    def __init__(self, pool: descriptor_pool.DescriptorPool) -> None:
+    def __init__(self, pool: descriptor_pool.DescriptorPool, services: Iterable[str] = ()) -> None:
         self.pool = pool
+        self.services = tuple(services)  # full names of the services the source offers (method inference)
         self._cache: dict[str, type[Message] | None] = {}
 
     def output_class(self, method: str | None) -> type[Message] | None:
@@ -53,12 +54,15 @@ class Descriptors:
 
 def descriptors_from_modules(*modules: str) -> Descriptors:
     """Descriptors from generated `_pb2` modules (their files land in the default pool on import)."""
+    services: list[str] = []
     for name in modules:
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as exc:
             raise CompareError(f"cannot import descriptor module {name}: {exc}") from exc
-    return Descriptors(descriptor_pool.Default())
+        file = getattr(module, "DESCRIPTOR", None)
+        services += [s.full_name for s in getattr(file, "services_by_name", {}).values()]
+    return Descriptors(descriptor_pool.Default(), services)
 
 
 def descriptors_from_file(path: str | Path) -> Descriptors:
@@ -71,11 +75,12 @@ def descriptors_from_file(path: str | Path) -> Descriptors:
     pool = descriptor_pool.DescriptorPool()
     for f in fds.file:
         pool.Add(f)
-    return Descriptors(pool)
+    return Descriptors(pool, [f"{f.package}.{s.name}".lstrip(".") for f in fds.file for s in f.service])
 
 
 def descriptors_from_reflection(target: str, timeout_s: float = 5.0) -> Descriptors:
-    """Descriptors fetched from the target's server reflection (looked up per method, on demand).
+    """Descriptors fetched from the target's server reflection (read-only: it lists the services and
+    asks for the files that define them). Every reflection call has a `timeout_s` deadline.
 
     Raises CompareError when the target does not answer reflection."""
     import grpc
@@ -84,16 +89,39 @@ def descriptors_from_reflection(target: str, timeout_s: float = 5.0) -> Descript
     channel = grpc.insecure_channel(target)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        db = ProtoReflectionDescriptorDatabase(channel)
+        # The database sets no deadline of its own: a server that accepts and never answers would hang us.
+        db = ProtoReflectionDescriptorDatabase(_with_deadline(channel, timeout_s))
         services = db.get_services()
-    except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+        pool = descriptor_pool.DescriptorPool(db)
+        for s in services:  # fetch now, while the channel is known good; the run needs no reflection
+            pool.FindServiceByName(s)
+    except (grpc.FutureTimeoutError, grpc.RpcError, KeyError, AssertionError) as exc:
+        # KeyError / AssertionError: the database's answer to a NOT_FOUND or another error response
         channel.close()
         raise CompareError(f"{target} does not answer server reflection ({exc!r}); pass --descriptors "
                            f"FILE.protoset or compare bytes only") from exc
-    pool = descriptor_pool.DescriptorPool(db)
-    for s in services:  # fetch now, while the channel is known good; the run needs no reflection
-        pool.FindServiceByName(s)
-    return Descriptors(pool)
+    return Descriptors(pool, services)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+def _with_deadline(channel: Any, timeout_s: float) -> Any:
+    """`channel` whose stream-stream calls (reflection's only kind) each get a `timeout_s` deadline."""
+    import grpc
+
+    class Deadline(grpc.StreamStreamClientInterceptor):
+        def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+            return continuation(_CallDetails(details.method, timeout_s, details.metadata, details.credentials,
+                                             details.wait_for_ready, details.compression), request_iterator)
+
+    return grpc.intercept_channel(channel, Deadline())
 
 
 def field_diff(a: Message, b: Message, prefix: str = "") -> list[str]:

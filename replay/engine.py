@@ -11,6 +11,10 @@ themselves) sits in one heap swept on every wake-up, instead of a timer per call
 
 In-flight cap policy (per connection): a call that finds `max_in_flight` calls still outstanding on its connection is NOT sent and is counted as
 not_sent/in_flight_cap -- shedding instead of queueing keeps memory bounded and the schedule honest.
+
+Never blind: a gRPC or HTTP/2 call whose method is unknown (recorded on a connection joined mid-stream
+and not named by the file's method map or `--method-map`) is not sent; it is counted as
+not_sent/unknown_method (sending it to some guessed path would only measure UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ _READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away
 # grpc` replays through grpcio itself.
 _PROTOCOL_SENDER = {"grpc": "h2", "http1": "http1", "tcp": "tcp"}
 _LEAN_SENDERS = frozenset({"h2", "http1", "tcp"})  # no grpcio: safe on uvloop
+_NAMED = frozenset({"grpc", "http2"})  # protocols whose calls need a method (:path) to be sent
 
 
 @dataclass
@@ -281,8 +286,9 @@ class ReplayRun:
                 break
             heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
             self.stats.scheduled += 1
-            self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
-            self._prepare(pending)
+            if not _unnamed(pending):  # never sent: neither incomplete nor worth a connection
+                self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
+                self._prepare(pending)
             pending = next(self._plan, None)
         self._pending = pending
 
@@ -297,6 +303,9 @@ class ReplayRun:
             self._not_sent(item, "stopped")
 
     def _start(self, planned: PlannedCall, heap: list) -> None:
+        if _unnamed(planned):  # never sent blind (module docstring)
+            self._not_sent(planned, "unknown_method")
+            return
         if not planned.messages and planned.protocol != "http1":  # a damaged recording lost the request
             self._not_sent(planned, "no_request_in_recording")
             return
@@ -490,6 +499,11 @@ class ReplayRun:
         assert self._loop is not None
         self._idle = self._loop.create_future()
         await asyncio.wait([self._idle], timeout=timeout)
+
+
+def _unnamed(planned: PlannedCall) -> bool:
+    """A gRPC/HTTP/2 call without a method: recorded on a joined connection and not mapped."""
+    return planned.method is None and planned.protocol in _NAMED
 
 
 async def _drain_queue(queue: asyncio.Queue[PlannedMessage | None]) -> AsyncIterator[PlannedMessage]:

@@ -10,8 +10,12 @@ from pathlib import Path
 from capture.deferred import calls_pending, pending_message
 from capture.recording import Call, Recording
 from replay.errors import PlanError
+from replay.method_map import MethodMapError, parse_method_map
 from replay.schedule import PlannedCall, ScheduleOptions, build_plan
 from replay.source import recording_calls, tcp_calls, tcp_flow_starts
+
+# parse_method_map lives in replay/method_map.py; here too, beside the plan it feeds.
+__all__ = ["MethodMapError", "estimate_total", "parse_method_map", "plan_from_recording"]
 
 
 def plan_from_recording(path: str | Path, opts: ScheduleOptions,
@@ -20,17 +24,20 @@ def plan_from_recording(path: str | Path, opts: ScheduleOptions,
 
     Raises capture's RecordingError/CorruptRecordingError when the file cannot be opened, PlanError
     when its calls are not decoded yet (`--decode later`): it would replay nothing, silently."""
-    rec = _open_decoded(path)
+    rec = _open_decoded(path, opts)
     return rec, build_plan(lambda: recording_calls(rec), opts, rng)
 
 
-def _open_decoded(path: str | Path) -> Recording:
+def _open_decoded(path: str | Path, opts: ScheduleOptions | None = None) -> Recording:
     """`Recording(path)`, refusing a file whose calls are not decoded yet (`--decode later`, or a killed
-    at-stop recorder): replaying it would silently send nothing. Raises PlanError naming the fix."""
+    at-stop recorder): replaying it would silently send nothing. Raises PlanError naming the fix.
+    The options' `method_map` (`--method-map`) names groups of calls for this reader only."""
     rec = Recording(path)
     if calls_pending(rec.meta):
         rec.close()
         raise PlanError(f"cannot replay {path}: {pending_message(path, rec.meta)}")
+    if opts is not None and opts.method_map:
+        rec.map_methods({(flow, ref): method for flow, ref, method in opts.method_map}, how="--method-map")
     return rec
 
 
@@ -39,7 +46,7 @@ def estimate_total(path: str | Path, opts: ScheduleOptions) -> int:
 
     Raises PlanError for a file whose calls are not decoded yet (so `--workers` refuses it before
     starting any worker)."""
-    rec = _open_decoded(path)
+    rec = _open_decoded(path, opts)
     try:
         return sum(1 for _ in build_plan(lambda: _calls_light(rec), opts))
     finally:

@@ -64,6 +64,11 @@ def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any
     rate = sent / span if span > 0 else (sent / duration if duration > 0 else 0.0)
     drift_pct, end_lag = _drift(stats)
     o = stats.outcomes
+    unknown = stats.not_sent.get("unknown_method", 0)
+    if unknown:
+        problems = [*problems, f"{unknown} calls not sent: their method is unknown (recorded on a connection "
+                    "joined mid-stream); `shadowtest inspect FILE` lists their groups: name them with "
+                    "--method-map FLOW:REF=METHOD, or `shadowtest infer FILE`"]
     return ReplayReport(
         scheduled=stats.scheduled, sent=sent, ok=o["ok"], rejected=o["rejected"], errors=dict(stats.errors),
         timeouts=o["timeout"], not_sent=o["not_sent"], not_sent_reasons=dict(stats.not_sent),

@@ -68,6 +68,9 @@ class ScheduleOptions:
     loop: play the (windowed) recording N times back to back. rate: flow multiplier (2.0 duplicates
     every flow, 0.5 keeps each flow with probability 0.5, 1.5 adds a second copy to half of them),
     decided per flow with `random.Random(seed)`. shard: (worker, workers).
+    method_map: ((flow_id or None, ref, method), ...) from `--method-map`: names groups of calls whose
+    method the recording could not see, for this replay only (applied where the recording is read,
+    replay/plan.py; see replay/method_map.py).
     """
 
     speed: float = 1.0
@@ -78,6 +81,7 @@ class ScheduleOptions:
     rate: float = 1.0
     seed: int = 0
     shard: tuple[int, int] = (0, 1)
+    method_map: tuple[tuple[int | None, str, str], ...] = ()
 
     def validate(self) -> None:
         """Raise PlanError for options that cannot produce a sensible plan."""

@@ -74,6 +74,6 @@ def plan_table(rows: list[Any], total: int, connections: int, span_s: float) -> 
     for col in ("#", "due ms", "connection", "method", "kind", "messages"):
         table.add_column(col)
     for p in rows:
-        table.add_row(str(p.index), f"{p.due_ns / 1e6:.3f}", p.connection, p.method or p.protocol, p.kind,
-                      str(len(p.messages)))
+        name = p.method or ("<unknown: not sent>" if p.protocol in ("grpc", "http2") else p.protocol)
+        table.add_row(str(p.index), f"{p.due_ns / 1e6:.3f}", p.connection, name, p.kind, str(len(p.messages)))
     return table

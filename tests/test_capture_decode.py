@@ -6,7 +6,7 @@ import pytest
 
 from capture.decode import FlowDecoder
 from capture.recording import Call
-from capture.testing import GrpcCall, h2_conversation
+from capture.testing import GrpcCall, HpackConnection, h2_conversation
 
 M = "/shadowtest.agent.v1.TradingAgent/Decide"
 S = "/shadowtest.agent.v1.TradingAgent/DecideStream"
@@ -186,3 +186,158 @@ def test_skipped_messages_reach_the_recording_and_inspect_says_so(tmp_path, monk
     assert [p for p in problems if "over the decoder's" in p] == [
         "2 gRPC message(s) over the decoder's 16 MiB cap were not stored as messages "
         "(their calls lack them; the bytes are in the chunks)"]
+
+
+# -- joined connections: identity of the HPACK entries inserted before the join ----------------------
+
+def _after_join(conn: HpackConnection, before: list[str]) -> None:
+    """Calls on `conn` whose bytes a recorder that joins afterwards never sees."""
+    conn.preface()
+    for path in before:
+        conn.call(path)
+
+
+def test_tolerant_decoder_names_prejoin_entries_by_a_stable_ordinal() -> None:
+    import hpack
+
+    from wire.headers import TolerantDecoder
+
+    enc = hpack.Encoder()
+    enc.encode([(":path", "/a"), ("x-k", "1")])      # before the join: table [x-k 1, :path /a]
+    enc.encode([(":path", "/b")])                    # [:path /b, x-k 1, :path /a]
+    dec = TolerantDecoder()
+    first = dec.decode(enc.encode([(":path", "/a"), (":path", "/b"), ("x-k", "1")]))
+    assert (first.headers, first.refs, first.missing, first.invalid) == ([], [3, 1, 2], 3, 0)
+    # later insertions push every index up; the ordinals stay
+    assert dec.decode(enc.encode([("x-new", "v")])).headers == [("x-new", "v")]
+    again = dec.decode(enc.encode([(":path", "/a"), ("x-new", "v"), (":path", "/b")]))
+    assert (again.headers, again.refs) == ([("x-new", "v")], [3, 1])
+    # a literal whose name is a pre-join entry: the name's ordinal; its new entry remembers it
+    lit = dec.decode(enc.encode([("x-k", "2")]))
+    assert (lit.headers, lit.refs) == ([], [2])
+    assert dec.decode(enc.encode([("x-k", "2")])).refs == [2]
+    # a table resized to zero drops every pre-join entry: what is past our table is now invalid
+    dec.decode(b"\x20")
+    bad = dec.decode(bytes([0x80 | 62]))
+    assert (bad.refs, bad.invalid, bad.missing) == ([], 1, 1)
+
+
+def test_joined_connection_gives_calls_of_one_method_one_ref_and_methods_different_ones() -> None:
+    conn = HpackConnection()
+    _after_join(conn, [M, S, M])          # both methods' :path are in the client's table before the join
+    parts: list[tuple[str, bytes]] = []
+    for i in range(12):
+        parts += conn.call(M if i % 3 else S, [b"%d" % i])
+        if i % 4 == 0:
+            parts += conn.call(f"/new.Svc/First{i}")    # first used after the join: pushes indices up
+    calls, dec = _decode(parts, joined=True)
+    old = [c for c in calls if c.method is None]
+    new = [c for c in calls if c.method is not None]
+    assert len(old) == 12 and all(c.method_unknown for c in old)
+    # the same entries, whatever was inserted in between: one ref per method, two methods two refs
+    refs = {c.requests[0].data: c.method_ref for c in old}
+    by_method = {"M": {refs[b"%d" % i] for i in range(12) if i % 3}, "S": {refs[b"%d" % i] for i in range(0, 12, 3)}}
+    assert by_method == {"M": {"hpack:5,4,3,2"}, "S": {"hpack:1,4,3,2"}}
+    # a method first used after the join has a literal :path: decoded, named, gRPC
+    assert [(c.method, c.method_unknown, c.protocol) for c in new] == \
+           [(f"/new.Svc/First{i}", False, "grpc") for i in (0, 4, 8)]
+    assert dec.inner.unknown_method_calls == 12  # type: ignore[union-attr]
+
+
+def test_a_connection_not_joined_has_no_refs() -> None:
+    conn = HpackConnection()
+    parts = conn.preface() + conn.call(M) + conn.call(M) + conn.call(S)
+    calls, _ = _decode(parts)
+    assert [(c.method, c.method_ref, c.method_unknown) for c in calls] == [(M, None, False), (M, None, False),
+                                                                          (S, None, False)]
+
+
+def test_evicted_prejoin_entries_are_relearnt_or_never_guessed() -> None:
+    big = "v" * 1500
+    # The client's table is ours in size (4096): once big entries evict its pre-join entries, the
+    # client sends :path as a literal again and the method decodes.
+    conn = HpackConnection()
+    _after_join(conn, [M])
+    parts = conn.call(M, [b"0"])
+    for i in range(3):
+        parts += conn.call("/other.Svc/X", [b"x"], metadata=[("x-big", f"{i}{big}")])
+    parts += conn.call(M, [b"1"])
+    calls, _ = _decode(parts, joined=True)
+    assert [(c.method, c.method_ref) for c in calls if c.requests[0].data in (b"0", b"1")] == \
+           [(None, "hpack:4,3,2,1"), (M, None)]
+    # A peer whose table is larger than ours (its size was agreed before the join): our table evicts
+    # while the peer's pre-join entries live on. References past our table are then invalid: the call
+    # has no ref rather than a wrong one.
+    conn = HpackConnection(header_table_size=65536)
+    _after_join(conn, [M])
+    parts = conn.call(M, [b"0"])
+    for i in range(3):
+        parts += conn.call("/other.Svc/X", [b"x"], metadata=[("x-big", f"{i}{big}")])
+    parts += conn.call(M, [b"1"])
+    calls, _ = _decode(parts, joined=True)
+    got = {c.requests[0].data: (c.method, c.method_ref, c.method_unknown) for c in calls}
+    assert got[b"0"] == (None, "hpack:4,3,2,1", True) and got[b"1"] == (None, None, True)
+
+
+def test_plain_http2_joined_calls_group_by_path_and_authority() -> None:
+    conn = HpackConnection()
+    conn.preface()
+    for path, host in (("/api/a", "x.example"), ("/api/b", "x.example"), ("/api/a", "y.example")):
+        conn.call(path, [], [], grpc=False, authority=host)
+    parts: list[tuple[str, bytes]] = []
+    for path, host in [("/api/a", "x.example"), ("/api/b", "x.example"), ("/api/a", "y.example")] * 3:
+        parts += conn.call(path, [], [], grpc=False, authority=host)
+    parts += conn.call("/api/a", [], [], grpc=False, authority="x.example", content_type="text/plain")
+    calls, dec = _decode(parts, joined=True)
+    assert dec.protocol == "http2" and all(c.method is None for c in calls)
+    refs = [c.method_ref for c in calls]
+    assert refs[:3] == refs[3:6] == refs[6:9] and len(set(refs[:3])) == 3 and None not in refs
+    # a content-type that is not gRPC, seen after the join: the call is plain HTTP/2, same :path group
+    assert calls[-1].protocol == "http2" and calls[-1].method_ref is not None
+
+
+def test_a_gap_starts_the_client_table_afresh_with_its_own_refs() -> None:
+    conn = HpackConnection()
+    _after_join(conn, [M])
+    before = conn.call("/new.Svc/N", [b"0"]) + conn.call(M, [b"1"])
+    after = conn.call("/new.Svc/N", [b"2"]) + conn.call(M, [b"3"])
+    dec = FlowDecoder(flow_id=1, joined=True)
+    calls: list[Call] = []
+    for i, (d, data) in enumerate(before):
+        calls += dec.feed(d, 1000 + i, data)  # type: ignore[arg-type]
+    dec.gap("c2s")       # bytes lost here may have inserted entries: nothing learnt before counts
+    for i, (d, data) in enumerate(after):
+        calls += dec.feed(d, 2000 + i, data)  # type: ignore[arg-type]
+    got = [(c.requests[0].data, c.method, c.method_ref) for c in calls]
+    assert got[:2] == [(b"0", "/new.Svc/N", "hpack:3,2,1"), (b"1", None, "hpack:4,3,2,1")]
+    # after the gap /new.Svc/N (learnt before it) is unknown too, and no ref is shared across the gap
+    assert [(d, m) for d, m, _ in got[2:]] == [(b"2", None), (b"3", None)]
+    assert all(r is not None and r.startswith("hpack@1:") for _, _, r in got[2:])
+    assert got[2][2] != got[3][2]
+
+
+@pytest.mark.parametrize("decode", ["live", "at-stop"])
+def test_method_refs_reach_the_recording_and_its_groups(tmp_path, decode: str) -> None:
+    from capture.record import build_redactor
+    from capture.recording import Flow, Recording, RecordingWriter
+    from capture.sink import FlowSink
+
+    conn = HpackConnection()
+    _after_join(conn, [M, S])
+    parts: list[tuple[str, bytes]] = []
+    for i in range(5):
+        parts += conn.call(M if i % 2 else S, [b"%d" % i], metadata=[("authorization", "Bearer s3cret")])
+    path = tmp_path / f"{decode}.rec"
+    with RecordingWriter(path) as w:
+        sink = FlowSink(w, build_redactor(True, []), decode=decode)
+        fid = sink.open_flow("k", Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 50051), joined_midstream=True))
+        for i, (d, data) in enumerate(parts):
+            sink.data("k", d, 1000 + i, data)  # type: ignore[arg-type]
+        sink.close_flow("k", 99999)
+        sink.close()
+    with Recording(path) as rec:
+        assert [(g.flow_id, g.calls, g.kinds, g.method) for g in rec.method_groups()] == \
+               [(fid, 3, {"unary": 3}, None), (fid, 2, {"unary": 2}, None)]
+        refs = [g.ref for g in rec.method_groups()]
+        assert [[m.data for c in rec.group_calls(fid, r) for m in c.requests] for r in refs] == \
+               [[b"0", b"2", b"4"], [b"1", b"3"]]

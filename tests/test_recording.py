@@ -94,3 +94,180 @@ def test_summary_reports_accepted_connections_whose_client_end_is_unknown(tmp_pa
         pass
     with Recording(clean) as rec:
         assert not any("0.0.0.0:0" in p for p in summarize(rec)["problems"])
+
+
+# -- method groups: calls of joined connections whose method is unknown ------------------------------
+
+D = "/shadowtest.agent.v1.TradingAgent/Decide"
+
+
+def _write_joined(path: Path) -> tuple[int, int]:
+    """Two joined flows: groups hpack:5,4 (3 unary + 1 bidi) and hpack:1,4 on the first, hpack:5,4 on
+    the second; a known method with a ref; a call in flight at the join (no ref)."""
+    with RecordingWriter(path, meta={"host": "test", "stopped_wall_ns": 1}) as w:
+        f1 = w.add_flow(Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 50051), joined_midstream=True,
+                             protocol="grpc"))
+        f2 = w.add_flow(Flow(src=("127.0.0.1", 40001), dst=("127.0.0.1", 50051), joined_midstream=True,
+                             protocol="grpc"))
+        rows = [(f1, None, None, "unary"), (f1, None, "hpack:5,4", "unary"), (f1, None, "hpack:1,4", "unary"),
+                (f1, None, "hpack:5,4", "bidi"), (f2, None, "hpack:5,4", "unary"), (f1, "/a.B/Known", "hpack:4", "unary"),
+                (f1, None, "hpack:5,4", "unary"), (f1, None, "hpack:5,4", "unary")]
+        for i, (fid, method, ref, kind) in enumerate(rows):
+            ts = 1000 + i * 100
+            w.add_call(Call(protocol="grpc", method=method, request_ts_ns=ts, flow_id=fid, kind=kind, status=0,
+                            method_unknown=method is None, method_ref=ref,
+                            requests=[Message("c2s", 0, ts, b"req%d" % i)],
+                            responses=[Message("s2c", 0, ts + 10, b"resp%d" % i)]))
+    return f1, f2
+
+
+def test_method_ref_round_trips_and_groups_are_listed_in_order(tmp_path: Path) -> None:
+    from capture.recording import MethodGroup
+
+    path = tmp_path / "j.rec"
+    f1, f2 = _write_joined(path)
+    with Recording(path) as rec:
+        assert [c.method_ref for c in rec.calls()] == [None, "hpack:5,4", "hpack:1,4", "hpack:5,4", "hpack:5,4",
+                                                       "hpack:4", "hpack:5,4", "hpack:5,4"]
+        assert all(c.method_how is None for c in rec.calls())
+        assert rec.method_groups() == [
+            MethodGroup(f1, "hpack:5,4", "grpc", 4, {"unary": 3, "bidi": 1}, None, None),
+            MethodGroup(f1, "hpack:1,4", "grpc", 1, {"unary": 1}, None, None),
+            MethodGroup(f2, "hpack:5,4", "grpc", 1, {"unary": 1}, None, None)]
+        group = rec.group_calls(f1, "hpack:5,4")
+        assert [c.requests[0].data for c in group] == [b"req1", b"req3", b"req6", b"req7"]
+        assert [c.responses[0].data for c in group] == [b"resp1", b"resp3", b"resp6", b"resp7"]
+        assert [c.request_ts_ns for c in rec.group_calls(f1, "hpack:5,4", limit=2)] == [1100, 1300]
+        assert rec.group_calls(f2, "hpack:1,4") == []
+
+
+def test_method_map_is_upserted_kept_private_and_applied_to_reads(tmp_path: Path) -> None:
+    from capture.recording import set_group_methods
+
+    path = tmp_path / "j.rec"
+    f1, f2 = _write_joined(path)
+    set_group_methods(path, [(f1, "hpack:5,4", "/a.B/Wrong", "--method-map")])
+    set_group_methods(path, [(f1, "hpack:5,4", D, "descriptors: unique fit (unary, 3 requests parsed)"),
+                             (f2, "hpack:5,4", D, "--method-map")])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with Recording(path) as rec:
+        calls = list(rec.calls())
+        assert [(c.method, c.method_unknown) for c in calls] == [
+            (None, True), (D, True), (None, True), (D, True), (D, True), ("/a.B/Known", False), (D, True), (D, True)]
+        assert calls[1].method_how == "descriptors: unique fit (unary, 3 requests parsed)"
+        assert calls[4].method_how == "--method-map" and calls[5].method_how is None
+        assert [(g.flow_id, g.ref, g.method, g.how) for g in rec.method_groups()] == [
+            (f1, "hpack:5,4", D, "descriptors: unique fit (unary, 3 requests parsed)"),
+            (f1, "hpack:1,4", None, None), (f2, "hpack:5,4", D, "--method-map")]
+        assert {c.method for c in rec.group_calls(f1, "hpack:5,4")} == {D}
+        # a reader's own overrides (replay --method-map): without a flow, that ref on every flow; they win
+        rec.map_methods({(None, "hpack:1,4"): "/x.Y/Z", (f2, "hpack:5,4"): "/x.Y/Other"})
+        assert [(g.ref, g.method, g.how) for g in rec.method_groups()][1:] == [
+            ("hpack:1,4", "/x.Y/Z", "--method-map"), ("hpack:5,4", "/x.Y/Other", "--method-map")]
+    # the calls table itself is never rewritten
+    import sqlite3
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM calls WHERE method IS NULL").fetchone()[0] == 7
+    with pytest.raises(ValueError, match="flow_id, ref, method, how"):
+        set_group_methods(path, [(f1, "hpack:5,4", "", "x")])
+    with pytest.raises(RecordingError, match="no such recording"):
+        set_group_methods(tmp_path / "missing.rec", [(f1, "hpack:5,4", D, "x")])
+
+
+def test_a_copy_keeps_the_map_and_its_calls_unmapped_in_the_table(tmp_path: Path) -> None:
+    from capture.record import build_redactor
+    from capture.recording import set_group_methods
+    from capture.redact_file import redact_recording
+
+    path, copy = tmp_path / "j.rec", tmp_path / "copy.rec"
+    f1, _ = _write_joined(path)
+    set_group_methods(path, [(f1, "hpack:5,4", D, "--method-map")])
+    redact_recording(str(path), str(copy), build_redactor(True, []))
+    with Recording(path) as a, Recording(copy) as b:
+        assert [(c.method, c.method_ref, c.method_how) for c in a.calls()] == \
+               [(c.method, c.method_ref, c.method_how) for c in b.calls()]
+        assert [(g.ref, g.calls, g.method) for g in a.method_groups()] == [(g.ref, g.calls, g.method)
+                                                                           for g in b.method_groups()]
+
+
+_OLD_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE flows (id INTEGER PRIMARY KEY, src_addr TEXT NOT NULL, src_port INTEGER NOT NULL,
+    dst_addr TEXT NOT NULL, dst_port INTEGER NOT NULL, pid INTEGER, comm TEXT, opened_ns INTEGER, closed_ns INTEGER,
+    joined_midstream INTEGER NOT NULL DEFAULT 0, protocol TEXT NOT NULL DEFAULT 'tcp');
+CREATE TABLE chunks (id INTEGER PRIMARY KEY, flow_id INTEGER NOT NULL REFERENCES flows(id),
+    direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')), ts_ns INTEGER NOT NULL, data BLOB NOT NULL);
+CREATE TABLE calls (id INTEGER PRIMARY KEY, flow_id INTEGER REFERENCES flows(id), protocol TEXT NOT NULL,
+    method TEXT, kind TEXT NOT NULL DEFAULT 'unary', stream_id INTEGER,
+    request_metadata TEXT NOT NULL DEFAULT '[]', response_metadata TEXT NOT NULL DEFAULT '[]',
+    status INTEGER, status_message TEXT, request_ts_ns INTEGER NOT NULL,
+    response_ts_ns INTEGER, end_ts_ns INTEGER, method_unknown INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE messages (id INTEGER PRIMARY KEY, call_id INTEGER NOT NULL REFERENCES calls(id),
+    direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')), seq INTEGER NOT NULL,
+    ts_ns INTEGER NOT NULL, data BLOB NOT NULL, compressed INTEGER NOT NULL DEFAULT 0);
+INSERT INTO meta VALUES ('schema_version', '1'), ('stopped_wall_ns', '1');
+INSERT INTO flows VALUES (1, '127.0.0.1', 40000, '127.0.0.1', 50051, NULL, NULL, 0, NULL, 1, 'grpc');
+INSERT INTO calls(flow_id, protocol, method, request_ts_ns, method_unknown) VALUES (1, 'grpc', NULL, 10, 1);
+INSERT INTO calls(flow_id, protocol, method, request_ts_ns) VALUES (1, 'grpc', '/a.B/C', 20);
+"""
+
+
+def test_a_file_from_before_method_groups_reads_and_gains_them_when_written(tmp_path: Path) -> None:
+    import sqlite3
+
+    from capture.recording import set_group_methods
+    from capture.summary import summarize
+
+    path = tmp_path / "old.rec"
+    with sqlite3.connect(path) as db:
+        db.executescript(_OLD_SCHEMA)
+    with Recording(path) as rec:
+        assert [(c.method, c.method_ref, c.method_how) for c in rec.calls()] == [(None, None, None),
+                                                                                ("/a.B/C", None, None)]
+        assert rec.method_groups() == [] and rec.group_calls(1, "hpack:1") == []
+        report = summarize(rec)
+        # no ref column: every unknown call counts (it cannot be told from one in flight at the join)
+        assert report["method_groups"] == [] and report["unresolved_method_calls"] == 1
+        assert report["complete"] is False and any("written before method groups" in p for p in report["problems"])
+    set_group_methods(path, [(1, "hpack:1", D, "--method-map")])     # creates the map table
+    with RecordingWriter(path, existing=True) as w:                   # adds calls.method_ref
+        w.add_call(Call(protocol="grpc", method=None, request_ts_ns=30, flow_id=1, method_unknown=True,
+                        method_ref="hpack:1"))
+    with Recording(path) as rec:
+        assert [(c.method, c.method_ref) for c in rec.calls()] == [(None, None), ("/a.B/C", None), (D, "hpack:1")]
+        assert [(g.ref, g.calls, g.method) for g in rec.method_groups()] == [("hpack:1", 1, D)]
+
+
+def test_inspect_says_unknown_methods_are_a_problem_until_every_group_is_named(tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from capture.recording import set_group_methods
+    from harness.cli import cli
+
+    path = tmp_path / "j.rec"
+    f1, f2 = _write_joined(path)
+    res = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    report = json.loads(res.stdout)
+    assert res.exit_code == 1 and report["complete"] is False
+    assert report["unresolved_method_calls"] == 6 and report["unknown_method_ungrouped"] == 1
+    assert report["method_groups"][0] == {"flow": f1, "ref": "hpack:5,4", "protocol": "grpc", "calls": 4,
+                                          "kinds": {"unary": 3, "bidi": 1}, "method": None, "how": None}
+    (problem,) = [p for p in report["problems"] if "unknown method" in p]
+    assert problem.startswith("6 call(s) in 3 method group(s)")
+    assert f"shadowtest infer {path} --descriptors X.protoset" in problem and "--method-map FLOW:REF=METHOD" in problem
+    plain = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert plain.exit_code == 1
+    assert f"group flow {f1} hpack:5,4: 4 calls (unary 3, bidi 1) -> unknown" in plain.output
+    assert "complete: false" in plain.output
+    set_group_methods(path, [(f1, "hpack:5,4", D, "--method-map"), (f1, "hpack:1,4", D, "--method-map")])
+    report = json.loads(CliRunner().invoke(cli, ["inspect", str(path), "--json"]).stdout)
+    assert report["complete"] is False and report["problems"][0].startswith("1 call(s) in 1 method group(s)")
+    set_group_methods(path, [(f2, "hpack:5,4", D, "descriptors: unique fit")])
+    res = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    report = json.loads(res.stdout)
+    assert res.exit_code == 0 and report["complete"] is True and report["problems"] == []
+    assert report["methods"][D] == 6 and report["unresolved_method_calls"] == 0
+    plain = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert f"group flow {f2} hpack:5,4: 1 calls (unary 1) -> {D} (descriptors: unique fit)" in plain.output

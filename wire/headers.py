@@ -7,7 +7,8 @@ for byte, and a capture that joins a connection mid-way can still decode it.
     CachedDecoder    one per connection and direction; hpack.Decoder underneath, memoised per block
                      while the dynamic table is unchanged; errors as H2Error
     TolerantDecoder  for observers that joined mid-stream: an entry it never saw costs one field,
-                     not the block; can report literal value spans for masking in place
+                     not the block, and is named by a stable pre-join ordinal; can report literal
+                     value spans for masking in place
 """
 
 from __future__ import annotations
@@ -175,6 +176,28 @@ class DecodedBlock:
     # What a decoder derived from these headers: blocks repeat (and are cached above), so a
     # decoder may keep its interpretation here and skip redoing it on the next identical block.
     view: Any = None
+    # The pre-join ordinal of each field (or field name) that referred to an entry inserted before
+    # we joined, in block order (see TolerantDecoder): the same ordinal on one connection and
+    # direction is the same, unknown, entry however many entries were inserted since.
+    refs: list[int] = field(default_factory=list)
+    invalid: int = 0          # references that cannot be a pre-join entry (index 0, or all were evicted)
+
+
+_STATIC_LEN = HeaderTable.STATIC_TABLE_LENGTH   # 61: dynamic indices start at 62
+_STATIC = HeaderTable.STATIC_TABLE
+
+
+class _UnknownName(bytes):
+    """The name of a table entry inserted after the join by a literal whose *name* referred to an entry
+    we never saw: its value is known, its name is pre-join entry `ordinal` (None: not identifiable).
+    Same bytes as the placeholder it always was, so the table's sizes are unchanged."""
+
+    ordinal: int | None
+
+    def __new__(cls, ordinal: int | None) -> _UnknownName:
+        obj = super().__new__(cls, b"x-shadowtest-unknown")
+        obj.ordinal = ordinal
+        return obj
 
 
 class TolerantDecoder:
@@ -183,22 +206,53 @@ class TolerantDecoder:
     Built on the `hpack` library's own pieces (HeaderTable, decode_integer, decode_huffman); only the
     per-representation loop is ours, so that one unresolvable index costs one header, not the block.
     Entries inserted *after* we joined sit at the front of the table, so their indices resolve; older
-    ones do not. Each unresolvable header is counted in `missing` and skipped; the rest is kept."""
+    ones do not. Each unresolvable header is counted in `missing` and skipped; the rest is kept.
+
+    Identity of what could not be resolved: our table holds exactly the `n` entries inserted since
+    the join that the peer's table still holds (newest first), and the pre-join entries sit behind
+    them in the same order. A reference to dynamic index `d` (HPACK index - 61) with `d > n` is
+    therefore pre-join entry `j = d - n`, counted from the newest pre-join entry (1); `j` names the
+    same entry for as long as it lives, however many entries are inserted later. It goes to
+    `DecodedBlock.refs`. Once our own table has evicted an entry (or was resized to zero), the
+    peer's table evicted every pre-join entry before it: from then on such a reference is invalid
+    (`DecodedBlock.invalid`), never a guess. A literal whose indexed name is unresolvable counts the
+    same way (its name is pre-join entry `j`), and the entry it inserts remembers that ordinal."""
 
     def __init__(self) -> None:
         self.table = HeaderTable()
+        self.prejoin_gone = False   # our table evicted an entry: the peer's has no pre-join entry left
         self._mask: Callable[[str], bool] | None = None
         # Blocks that only reference the table (no insertions) decode the same while the table
         # is unchanged: gRPC repeats such blocks (":status 200", "grpc-status 0") on every call.
         self._version = 0
         self._cache: dict[tuple[bytes, int], DecodedBlock] = {}
 
-    def _lookup(self, index: int) -> tuple[bytes, bytes] | None:
-        try:
-            name, value = self.table.get_by_index(index)
-        except Exception:  # noqa: BLE001 - hpack raises InvalidTableIndex(Error)
+    def _entry(self, index: int) -> tuple[bytes, bytes] | int | None:
+        """The entry at `index`; for one we never saw its pre-join ordinal, or None when invalid."""
+        if 0 < index <= _STATIC_LEN:
+            return _STATIC[index - 1]
+        entries = self.table.dynamic_entries
+        d = index - _STATIC_LEN
+        if 0 < d <= len(entries):
+            return entries[d - 1]
+        if d <= 0 or self.prejoin_gone:
             return None
-        return name, value
+        return d - len(entries)
+
+    def _add(self, name: bytes, value: bytes) -> None:
+        before = len(self.table.dynamic_entries)
+        self.table.add(name, value)
+        if len(self.table.dynamic_entries) <= before:
+            self.prejoin_gone = True    # something was evicted: every older (pre-join) entry went first
+        self._version += 1
+
+    @staticmethod
+    def _unresolved(out: DecodedBlock, ordinal: int | None) -> None:
+        out.missing += 1
+        if ordinal is None:
+            out.invalid += 1
+        else:
+            out.refs.append(ordinal)
 
     def _string(self, data: memoryview, pos: int) -> tuple[bytes, int]:
         if pos >= len(data):
@@ -241,24 +295,35 @@ class TolerantDecoder:
         b = data[pos]
         if b & 0x80:                                   # indexed header field
             index, used = decode_integer(data[pos:], 7)
-            entry = self._lookup(index)
-            if entry is None:
-                out.missing += 1
+            entry = self._entry(index)
+            if not isinstance(entry, tuple):
+                self._unresolved(out, entry)
+            elif isinstance(entry[0], _UnknownName):   # inserted after the join, under a name we never saw
+                self._unresolved(out, entry[0].ordinal)
             else:
                 out.headers.append((entry[0].decode("latin-1"), entry[1].decode("latin-1")))
             return pos + used
         if (b & 0xE0) == 0x20:                         # dynamic table size update
             size, used = decode_integer(data[pos:], 5)
+            before = len(self.table.dynamic_entries)
             self.table.maxsize = size
+            if size <= 0 or len(self.table.dynamic_entries) < before:
+                self.prejoin_gone = True
             self._version += 1
             return pos + used
         prefix, index_it = (6, True) if (b & 0xC0) == 0x40 else (4, False)
         name_index, used = decode_integer(data[pos:], prefix)
         pos += used
-        name: bytes | None
+        name: bytes | None = None
+        ordinal: int | None = None
         if name_index:
-            entry = self._lookup(name_index)
-            name = entry[0] if entry else None
+            entry = self._entry(name_index)
+            if not isinstance(entry, tuple):
+                ordinal = entry
+            elif isinstance(entry[0], _UnknownName):
+                ordinal = entry[0].ordinal
+            else:
+                name = entry[0]
         else:
             name, pos = self._string(data, pos)
         value_at = pos
@@ -268,14 +333,12 @@ class TolerantDecoder:
             out.spans.append((value_at, value_at + used, pos))
             value = b"*" * (pos - value_at - used)   # what a reader of the masked bytes will see
         if name is None:
-            out.missing += 1
+            self._unresolved(out, ordinal)
             if index_it:
                 # Keep indices of later entries right even though this name is unknown.
-                self.table.add(b"x-shadowtest-unknown", value)
-                self._version += 1
+                self._add(_UnknownName(ordinal), value)
             return pos
         if index_it:
-            self.table.add(name, value)
-            self._version += 1
+            self._add(name, value)
         out.headers.append((name.decode("latin-1"), value.decode("latin-1")))
         return pos

@@ -9,6 +9,15 @@ bytes may start inside a frame: each direction stays unsynchronised until a chun
 frames, and header fields that refer to dynamic-table entries we never saw are skipped and the call
 is marked `method_unknown` when its :path was among them.
 
+Identity of what was skipped: `wire.headers.TolerantDecoder` names each such reference by its
+pre-join ordinal (stable while later insertions shift indices), and a call whose request headers had
+any gets `method_ref = "hpack:" + ",".join(ordinals)` (e.g. "hpack:5,4,3,2,1"). Calls on one
+connection with the same method_ref carry the same (unknown) values in all those fields, so the same
+:path (gRPC method) and :authority: a method has to be found once per (flow, method_ref) group.
+After a gap in the client's bytes the HPACK state cannot be trusted (insertions may have been lost):
+the client side's table starts afresh, as on a join, and its refs are then "hpack@N:..." (N: the
+gaps so far), so groups never mix references from before and after a gap.
+
 This observes, it never answers: whatever `wire` would refuse as a peer is skipped here (the raw
 chunks keep it). A frame whose padding or RST_STREAM body is malformed, or a stream frame on stream
 0, is skipped; a header block over MAX_HEADER_BLOCK (or the assembler's fragment limit) is treated as
@@ -46,6 +55,7 @@ class _Side:
         self.hpack = TolerantDecoder()
         self.block = BlockAssembler(MAX_HEADER_BLOCK)
         self.skipped = 0
+        self.epoch = 0                 # gaps so far: a fresh HPACK table (and ref namespace) after each
 
 
 class _Stream:
@@ -55,6 +65,7 @@ class _Stream:
         self.skip = {"c2s": 0, "s2c": 0}      # bytes still to come of a message over max_message
         self.ended = {"c2s": False, "s2c": False}
         self.headers_seen = 0
+        self.ctype: bool | None = None        # its request's content-type: gRPC, not gRPC, or unseen
 
 
 class H2Decoder:
@@ -158,28 +169,35 @@ class H2Decoder:
             decoded = DecodedBlock(missing=1)
         st = self._stream(stream_id, ts_ns, direction)
         if direction == "c2s":
-            self._request_headers(st, decoded)
+            self._request_headers(st, decoded, side.epoch)
         else:
             self._response_headers(st, ts_ns, decoded)
         if flags & _END_STREAM:
             return self._end(st, direction, ts_ns)
         return []
 
-    def _request_headers(self, st: _Stream, decoded: DecodedBlock) -> None:
+    def _request_headers(self, st: _Stream, decoded: DecodedBlock, epoch: int) -> None:
         call = st.call
         if decoded.view is None:
             headers = decoded.headers
             path = next((v for k, v in headers if k == ":path"), None)
-            ctype = next((v for k, v in headers if k == "content-type"), "")
-            decoded.view = (path, ctype.startswith("application/grpc"),
-                            tuple((k, v) for k, v in headers if not k.startswith(":")))
-        path, grpc, meta = decoded.view
+            ctype = next((v for k, v in headers if k == "content-type"), None)
+            # An invalid reference leaves the identity incomplete: no ref rather than a wrong group.
+            ords = ",".join(map(str, decoded.refs)) if decoded.refs and not decoded.invalid else None
+            decoded.view = (path, ctype is not None and ctype.startswith("application/grpc"),
+                            tuple((k, v) for k, v in headers if not k.startswith(":")), ords,
+                            ctype is not None and not ctype.startswith("application/grpc"))
+        path, grpc, meta, ords, plain = decoded.view
         if path is not None:
             call.method, call.method_unknown = path, False
         elif decoded.missing and call.method is None:
             call.method_unknown = True
+        if ords is not None and call.method_ref is None:
+            call.method_ref = ("hpack:" if not epoch else f"hpack@{epoch}:") + ords
         if grpc:
             self.grpc_seen = True
+        if grpc or plain:
+            st.ctype = grpc
         call.request_metadata = list(meta)
 
     def _response_headers(self, st: _Stream, ts_ns: int, decoded: DecodedBlock) -> None:
@@ -266,18 +284,28 @@ class H2Decoder:
         call = st.call
         self.streams.pop(call.stream_id or 0, None)
         call.kind = _kind(len(call.requests), len(call.responses))
-        if not self.grpc_seen and not call.method_unknown:
+        # gRPC unless this connection never said application/grpc and this call does not look like it:
+        # its request said another content-type, or HPACK hid it (joined) and its request body was not
+        # gRPC-framed. A call without a method and without evidence stays "grpc", as before.
+        plain = st.ctype is False or (st.ctype is None and not self.grpc_seen
+                                      and not (call.requests and not st.buf["c2s"]))
+        if plain and (not call.method_unknown or st.ctype is False):
             call.protocol = "http2"
         if call.method_unknown:
             self.unknown_method_calls += 1
         return call
 
     def gap(self, direction: Direction) -> None:
-        """Bytes went missing: drop partial frames and messages, wait for a frame boundary."""
+        """Bytes went missing: drop partial frames and messages, wait for a frame boundary. The lost
+        bytes may have inserted HPACK entries, so this side's table starts afresh (as on a join, and
+        as the chunk masker's does): what it held would now resolve to the wrong entries."""
         side = self.sides[direction]
         side.buf = b""
         side.block.reset()
         side.synced = False
+        side.hpack = TolerantDecoder()
+        side.epoch += 1
+        self.joined = True      # a stream whose request headers were in the gap has no method
         for st in self.streams.values():
             st.buf[direction].clear()
             st.skip[direction] = 0

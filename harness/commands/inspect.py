@@ -22,6 +22,11 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
     A `--decode later` file (or a killed at-stop one) has no calls until `shadowtest record --finish`:
     that is listed as a problem, with the command to run.
 
+    Connections joined mid-stream: calls whose :path the recorder never saw are grouped per connection
+    and HPACK reference (`method_groups`: flow, ref, calls, kinds, method or unknown, how it was
+    found). Calls whose method is still unknown are a problem (complete false, exit 1) naming the fix:
+    `shadowtest infer FILE --descriptors X.protoset` or `--method-map FLOW:REF=METHOD`.
+
     \b
     Examples:
       shadowtest inspect prod.rec
@@ -47,8 +52,18 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
 
 
 def _call_row(c: Any) -> dict[str, object]:
-    return {k: getattr(c, k) for k in ("method", "kind", "status", "stream_id", "request_ts_ns", "method_unknown")} | {
+    return {k: getattr(c, k) for k in ("method", "kind", "status", "stream_id", "request_ts_ns", "method_unknown",
+                                     "method_ref", "method_how")} | {
         "requests": len(c.requests), "responses": len(c.responses)}
+
+
+_GROUPS_SHOWN = 50
+
+
+def _group_text(g: dict[str, Any]) -> str:
+    kinds = ", ".join(f"{k} {n}" for k, n in g["kinds"].items())
+    named = f"{g['method']} ({g['how']})" if g["method"] else "unknown"
+    return f"{g['calls']} calls ({kinds}) -> {named}"
 
 
 def _plain(r: dict[str, Any]) -> None:
@@ -60,6 +75,14 @@ def _plain(r: dict[str, Any]) -> None:
         click.echo(f"{key}: {r[key]}")
     for name, n in r["methods"].items():
         click.echo(f"method {name}: {n}")
+    if r["method_groups"] or r["unknown_method_ungrouped"]:
+        click.echo(f"complete: {str(r['complete']).lower()}")
+        click.echo(f"unresolved_method_calls: {r['unresolved_method_calls']}")
+        click.echo(f"unknown_method_ungrouped: {r['unknown_method_ungrouped']}")
+    for g in r["method_groups"][:_GROUPS_SHOWN]:
+        click.echo(f"group flow {g['flow']} {g['ref']}: {_group_text(g)}")
+    if len(r["method_groups"]) > _GROUPS_SHOWN:
+        click.echo(f"group ... {len(r['method_groups']) - _GROUPS_SHOWN} more (--json lists them all)")
     click.echo(f"rate: {sparkline([int(x) for x in r['rate_per_s']])}")
     for p in r["problems"]:
         click.echo(f"problem: {p}")
@@ -92,6 +115,20 @@ def _rich(r: dict[str, Any]) -> None:
     for name, n in r["methods"].items():
         table.add_row(name, str(n))
     con.print(table)
+    if r["method_groups"]:
+        groups = Table(title="method groups (connections joined mid-stream; name them with shadowtest infer)")
+        for col in ("flow", "ref", "calls", "kinds", "method", "how"):
+            groups.add_column(col, overflow="fold")
+        for g in r["method_groups"][:_GROUPS_SHOWN]:
+            groups.add_row(str(g["flow"]), g["ref"], str(g["calls"]),
+                           ", ".join(f"{k} {n}" for k, n in g["kinds"].items()),
+                           g["method"] or "[red]unknown[/]", g["how"] or "")
+        if len(r["method_groups"]) > _GROUPS_SHOWN:
+            groups.caption = f"{len(r['method_groups']) - _GROUPS_SHOWN} more: --json lists them all"
+        con.print(groups)
+    if r["unknown_method_ungrouped"]:
+        con.print(f"{r['unknown_method_ungrouped']} call(s) of joined connections began before the recording "
+                  "(request headers not seen): no method, not replayed")
     for p in r["problems"]:
         con.print(f"[red]problem:[/] {p}")
     for c in r.get("first_calls", []):

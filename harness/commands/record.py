@@ -7,8 +7,12 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from harness.infer import Source
 
 _DEFERRED_CALLS = {"at-stop": "at stop", "later": "by --finish"}   # what the live line shows for calls
 
@@ -45,13 +49,18 @@ def _live_line(stats: object, elapsed: float, decode: str = "live") -> str:
 @click.option("--finish", is_flag=True,
               help="decode the calls of OUTPUT (a --decode later recording, or an at-stop one whose recorder "
                    "was killed) and exit; needs no root or bcc")
+@click.option("--descriptors", "descriptors", default=None, metavar="SRC",
+              help="at stop, name the methods of calls on joined connections from this source too "
+                   "(FILE.protoset, module names or reflection=HOST:PORT); the recorded server's own "
+                   "reflection is tried first")
 @click.option("--print-bpf", is_flag=True, help="print the generated eBPF program and exit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
-            decode: str, finish: bool, print_bpf: bool, output: str | None, force: bool, as_json: bool) -> None:
+            decode: str, finish: bool, descriptors: str | None, print_bpf: bool, output: str | None, force: bool,
+            as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
     Stops cleanly on Ctrl-C / SIGTERM or after --duration, then prints flows, calls, bytes and loss.
@@ -67,6 +76,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 50051 --decode at-stop -o prod.rec
       shadowtest record --port 50051 --decode later -o prod.rec
       shadowtest record --finish -o prod.rec          (later, on any machine)
+      shadowtest record --port 50051 --descriptors api.protoset -o prod.rec
       shadowtest record --port 50051 --print-bpf
     """
     from capture.backends import RecordOptions
@@ -80,7 +90,10 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         if not output:
             raise click.UsageError("--finish needs -o/--output FILE: the recording to finish")
         done = finish_recording(output)
+        # The recorded server may be on another host now: only the descriptors given, no reflection.
+        done |= _name_methods(output, descriptors, reflection=False)
         click.echo(json.dumps(done, indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")
+        _print_methods(done, output, as_json)
         return
     if print_bpf:
         from capture.ebpf.loader import cgroup_filter, render_program
@@ -90,7 +103,10 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         return
     if not output:
         raise click.UsageError("-o/--output FILE is required (or --print-bpf)")
+    _check_descriptors(descriptors)
     result = _run(opts, duration, as_json)
+    if "finish" not in result:
+        result |= _name_methods(output, descriptors, reflection=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -99,6 +115,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
                    f"lost {result['lost_events']}, truncated {result['truncated_events']} -> {output}")
         if "finish" in result:   # --decode later: the user must know the file is not replayable yet
             click.echo(f"to decode its calls, run `{result['finish']}` on any machine (no root or bcc needed)")
+        _print_methods(result, output, as_json)
 
 
 def _run(opts: object, duration: float | None, quiet: bool) -> dict[str, object]:
@@ -140,3 +157,119 @@ def _wait(rec: object, stop: threading.Event, duration: float | None, quiet: boo
             last_print = elapsed
     if tty and not quiet:
         click.echo(err=True)
+
+
+# -- naming the methods of calls on joined connections (harness/infer.py) ------------------------------
+
+_REFLECTION_TIMEOUT_S = 2.0   # per reflection call: stop must not hang on a server that never answers
+_MAX_SERVERS = 4              # distinct recorded servers whose reflection stop asks (each up to ~2 s)
+_SHOWN_GROUPS = 10
+
+
+def _check_descriptors(spec: str | None) -> None:
+    """A protoset or modules that cannot be loaded is a usage error now, not a note after recording."""
+    if spec and not spec.startswith("reflection="):
+        from harness.infer import load_source
+        from replay.errors import ReplayError
+
+        try:
+            load_source(spec)
+        except ReplayError as exc:
+            raise click.BadParameter(str(exc), param_hint="--descriptors") from exc
+
+
+def _name_methods(path: str, spec: str | None, reflection: bool) -> dict[str, object]:
+    """Infer the methods of the recording's unknown groups and write what fits into it: the recorded
+    servers' reflection first (read-only), then `spec`. Never fails the recording: problems are notes.
+    Returns {"method_inference": {...}} for the result, or {} when no call's method is unknown."""
+    from capture.recording import Recording, set_group_methods
+    from harness.infer import describe, resolve_groups
+
+    notes: list[str] = []
+    rec = Recording(path)
+    try:
+        groups = [g for g in rec.method_groups() if g.method is None]
+        if not groups:
+            return {}
+        by_flow = _reflection_sources(rec, {g.flow_id for g in groups}, notes) if reflection else {}
+        extra = _spec_sources(spec, notes)
+        states = resolve_groups(groups, lambda g: rec.group_calls(g.flow_id, g.ref),
+                                lambda g: by_flow.get(g.flow_id, []) + extra)
+    finally:
+        rec.close()
+    if changed := [(s.flow_id, s.ref, s.method, s.how) for s in states if s.changed and s.method and s.how]:
+        set_group_methods(path, changed)
+    if not reflection and not spec:
+        notes.append("no descriptors given (--descriptors SRC)")
+    rows = [s.as_json() | {"line": describe(s)} for s in states]
+    return {"method_inference": {"groups": len(states), "inferred": [r for r in rows if r["method"]],
+                        "unknown": [r for r in rows if not r["method"]], "notes": notes}}
+
+
+def _reflection_sources(rec: Any, flow_ids: set[int], notes: list[str]) -> dict[int, list[Source]]:
+    """The reflection of each flow's server (its recorded address), asked once per server."""
+    from harness.infer import load_source
+    from replay.errors import ReplayError
+
+    loaded: dict[str, list[Source]] = {}
+    out: dict[int, list[Source]] = {}
+    for fid in sorted(flow_ids):
+        flow = rec.flow(fid)
+        if flow is None or not flow.dst[1]:
+            continue
+        host = flow.dst[0]
+        target = f"[{host}]:{flow.dst[1]}" if ":" in host else f"{host}:{flow.dst[1]}"
+        if target not in loaded:
+            loaded[target] = []
+            if len(loaded) > _MAX_SERVERS:
+                notes.append(f"reflection not tried at {target}: more than {_MAX_SERVERS} servers")
+                continue
+            try:
+                loaded[target] = [load_source(f"reflection={target}", _own_address(host), _REFLECTION_TIMEOUT_S)]
+            except ReplayError as exc:
+                notes.append(f"reflection not available at {target}: {exc}")
+        out[fid] = loaded[target]
+    return out
+
+
+def _own_address(host: str) -> list[str]:
+    """[host] when it is an address of this host: the recorded server runs here, so reading its
+    reflection (read-only) needs no allowlist entry. Another host's address still does."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return []
+    return [host]
+
+
+def _spec_sources(spec: str | None, notes: list[str]) -> list[Source]:
+    from harness.infer import load_source
+    from replay.errors import ReplayError
+
+    if not spec:
+        return []
+    try:
+        return [load_source(spec, timeout_s=_REFLECTION_TIMEOUT_S)]
+    except ReplayError as exc:
+        notes.append(f"--descriptors {spec}: {exc}")
+        return []
+
+
+def _print_methods(result: dict[str, object], output: str | None, as_json: bool) -> None:
+    info = result.get("method_inference")
+    if as_json or not isinstance(info, dict):
+        return
+    for note in info["notes"]:
+        click.echo(f"methods: {note}")
+    rows = info["inferred"] + info["unknown"]
+    for g in rows[:_SHOWN_GROUPS]:
+        click.echo(f"methods: {g['line']}")
+    if len(rows) > _SHOWN_GROUPS:
+        click.echo(f"methods: ... {len(rows) - _SHOWN_GROUPS} more groups (shadowtest inspect {output})")
+    click.echo(f"methods: {len(info['inferred'])} of {info['groups']} groups of unknown calls named")
+    if info["unknown"]:
+        click.echo(f"methods: name the rest with `shadowtest infer {output} --descriptors SRC` "
+                   f"(FILE.protoset or reflection=HOST:PORT) or --method-map FLOW:REF=/package.Service/Method")

@@ -31,6 +31,9 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--window", callback=_window, metavar="A:B", help="only seconds A to B of the recording")
 @click.option("--method", "methods", multiple=True, help="only this method (full or bare name; repeatable)")
 @click.option("--flow", "flows", type=int, multiple=True, help="only this recorded flow id (repeatable)")
+@click.option("--method-map", "method_map", multiple=True, metavar="[FLOW:]REF=METHOD",
+              help="name a group of calls whose method is unknown (inspect lists them), for this replay only; "
+                   "without FLOW, that ref on every flow (repeatable)")
 @click.option("--rate", type=float, default=1.0, show_default=True, help="flow multiplier (2 doubles, 0.5 thins)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed for rate scaling")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
@@ -49,13 +52,18 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="write the report as JSON to this file ('-' for stdout)")
 def command(file: Path, target: str, speed: float, loop: int, workers: int, window: tuple[float, float] | None,
-            methods: tuple[str, ...], flows: tuple[int, ...], rate: float, seed: int, timeout_s: float,
+            methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
+            timeout_s: float,
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
             allow: tuple[str, ...], dry_run: bool, json_out: Path | None) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
     Exit 0 when every scheduled call is accounted for (ok + rejected + errors + timeouts +
     not sent), 1 when that invariant breaks or the run fails, 2 on a usage error.
+
+    Calls whose method is unknown (recorded on a connection joined mid-stream, not named by the
+    file's method map) are never sent blind: they count as not sent, unknown_method, unless
+    --method-map names their group.
 
     \b
     Examples:
@@ -64,17 +72,23 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
       shadowtest replay prod.rec --target 127.0.0.1:50051 --window 10:70 --method Decide --compare
       shadowtest replay prod.rec --target shadow.internal:50051 --allow-target shadow.internal --workers 2
       shadowtest replay prod.rec --target 127.0.0.1:50051 --dry-run
+      shadowtest replay prod.rec --target 127.0.0.1:50051 --method-map 3:hpack:5,4,3=/pkg.Svc/Method
     """
     from replay.compare import CompareSpec
     from replay.engine import ReplayOptions
     from replay.errors import PlanError, TargetNotAllowedError
+    from replay.method_map import MethodMapError, parse_method_map
     from replay.schedule import ScheduleOptions
     from replay.target import check_target
 
     if workers < 1:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
+    try:
+        mapped = tuple((flow, ref, m) for (flow, ref), m in parse_method_map(method_map).items())
+    except MethodMapError as exc:
+        raise click.BadParameter(str(exc), param_hint="--method-map") from exc
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
-                            loop=loop, rate=rate, seed=seed)
+                            loop=loop, rate=rate, seed=seed, method_map=mapped)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
                          allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None)
     try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
@@ -82,12 +96,53 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
         check_target(target, allow)
     except (PlanError, TargetNotAllowedError) as exc:
         raise click.UsageError(str(exc)) from exc
+    opts = _infer_methods(file, target, allow, opts)   # groups still unknown: the target's reflection
+    sched = opts.schedule
     if dry_run:
         _dry_run(file, sched, json_out)
         return
     report = _run(file, target, opts, workers)
     _emit(report, json_out)
     sys.exit(0 if report.invariant_ok else 1)
+
+
+_REFLECTION_TIMEOUT_S = 2.0
+_SHOWN_GROUPS = 10
+
+
+def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any) -> Any:
+    """Name the groups of calls still unknown (by neither the file's method map nor --method-map)
+    from the target's reflection (read-only; the target passed check_target above), for this replay
+    only: the file is not changed. Returns `opts` with what fits added to its method map."""
+    from dataclasses import replace
+
+    from capture.recording import Recording
+    from harness.infer import describe, load_source, resolve_groups
+    from replay.errors import ReplayError
+
+    sched = opts.schedule
+    rec = Recording(file)
+    try:
+        rec.map_methods({(flow, ref): m for flow, ref, m in sched.method_map})
+        groups = [g for g in rec.method_groups() if g.method is None and g.protocol == "grpc"
+                  and (not sched.flows or g.flow_id in sched.flows)]
+        if not groups:
+            return opts
+        try:
+            source = load_source(f"reflection={target}", allow, _REFLECTION_TIMEOUT_S)
+        except ReplayError as exc:
+            click.echo(f"methods: {len(groups)} groups of calls of unknown method are not sent; reflection not "
+                       f"available ({exc}); name them with --method-map FLOW:REF=METHOD", err=True)
+            return opts
+        states = resolve_groups(groups, lambda g: rec.group_calls(g.flow_id, g.ref), lambda g: [source])
+    finally:
+        rec.close()
+    for state in states[:_SHOWN_GROUPS]:
+        click.echo(f"methods (this replay only): {describe(state)}", err=True)
+    if len(states) > _SHOWN_GROUPS:
+        click.echo(f"methods: ... {len(states) - _SHOWN_GROUPS} more groups", err=True)
+    found = tuple((s.flow_id, s.ref, s.method) for s in states if s.method)
+    return replace(opts, schedule=replace(sched, method_map=sched.method_map + found))
 
 
 def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
