@@ -72,6 +72,9 @@ from typing import Any, Literal, cast
 from capture.errors import CorruptRecordingError, RecordingError
 
 SCHEMA_VERSION = 1
+# calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
+# capture joined (a grpc C-core server indexes `grpc-status: 0`): its status is unknown, not missing.
+STATUS_HIDDEN = "status not captured: the trailers refer to HPACK entries from before the capture joined"
 Direction = Literal["c2s", "s2c"]
 
 _SCHEMA = """

@@ -16,7 +16,7 @@ from typing import Any
 
 from capture.decode.h2grpc import MAX_MESSAGE
 from capture.deferred import calls_pending, pending_message
-from capture.recording import MethodGroup, Recording
+from capture.recording import STATUS_HIDDEN, MethodGroup, Recording
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -48,10 +48,12 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
     flows = list(rec.flows())
     joined = {f.id for f in flows if f.joined_midstream}
     unresolved = ungrouped = 0      # gRPC/HTTP/2 calls whose method is unknown after the map
+    hidden = 0                      # calls whose recorded trailers HPACK made unreadable (joined)
     for call in rec.calls():
         methods[call.method or "<unknown>"] += 1
         statuses[str(call.status)] += 1
         unknown += int(call.method_unknown)
+        hidden += call.status is None and call.status_message == STATUS_HIDDEN
         if call.method is None and call.protocol in ("grpc", "http2"):
             if call.method_ref is None and call.flow_id in joined and rec.has_method_refs:
                 ungrouped += 1
@@ -79,10 +81,18 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
                            "kinds": g.kinds, "method": g.method, "how": g.how} for g in groups],
         "unresolved_method_calls": unresolved, "unknown_method_ungrouped": ungrouped,
         "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
-                     + _unknown_peers(meta) + _oversized(meta) + _discarded(meta)
+                     + _unknown_peers(meta) + _oversized(meta) + _discarded(meta) + _hidden_statuses(hidden)
                      + _unresolved(rec, unresolved, groups)),
     }
     return out
+
+
+def _hidden_statuses(n: int) -> list[str]:
+    """Trailers recorded whole whose status HPACK hid (a C-core server indexes grpc-status: 0)."""
+    if not n:
+        return []
+    return [f"{n} call(s) have an unknown status: their trailers were recorded but refer to HPACK entries "
+            "from before the capture joined the connection (replay does not compare their status)"]
 
 
 def _unresolved(rec: Recording, n: int, groups: list[MethodGroup]) -> list[str]:

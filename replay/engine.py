@@ -129,6 +129,7 @@ class ReplayRun:
         self._live: set[_Live] = set()
         self._prepared: set[str] = set()
         self._incomplete = 0  # planned calls recorded without an outcome (capture cut off mid-call)
+        self._hidden = 0      # planned calls whose recorded status HPACK hid (joined connection)
         self._seq = itertools.count()
         self._backstops: list[tuple[float, int, _Live]] = []  # (loop time, seq, call): the backstop heap
         self._stale = 0  # finished calls still in _backstops
@@ -180,6 +181,9 @@ class ReplayRun:
         if self._incomplete and isinstance(self.source, (str, Path)):  # generated plans have no outcomes
             problems.append(f"{self._incomplete} calls were recorded without their outcome (the capture "
                             f"ended mid-call or the connection broke): replayed, but their status is not compared")
+        if self._hidden and isinstance(self.source, (str, Path)):
+            problems.append(f"{self._hidden} calls' recorded status is unknown (their trailers referred to HPACK "
+                            f"entries from before the capture joined): replayed, but their status is not compared")
         return report_mod.build(self.stats, self.t0_ns, self.end_ns, target=self.target,
                                 options=self.options, problems=problems, comparer=self.options.compare)
 
@@ -287,7 +291,9 @@ class ReplayRun:
             heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
             self.stats.scheduled += 1
             if not _unnamed(pending):  # never sent: neither incomplete nor worth a connection
-                self._incomplete += pending.expected_status is None and pending.protocol != "tcp"
+                unknown = pending.expected_status is None and pending.protocol != "tcp"
+                self._hidden += unknown and pending.status_hidden
+                self._incomplete += unknown and not pending.status_hidden
                 self._prepare(pending)
             pending = next(self._plan, None)
         self._pending = pending

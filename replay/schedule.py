@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from capture.recording import Call
+from capture.recording import STATUS_HIDDEN, Call
 from replay.errors import PlanError
 
 MIN_SPEED, MAX_SPEED = 0.1, 100.0
@@ -52,6 +52,7 @@ class PlannedCall:
     loop: int = 0
     copy: int = 0
     expected_status: int | None = None
+    status_hidden: bool = False          # the recorded status was unreadable (HPACK, joined), not missing
     expected_responses: list[bytes] = field(default_factory=list)
 
     @property
@@ -133,6 +134,7 @@ def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop:
                        method=call.method, kind=call.kind, messages=msgs,
                        metadata=list(call.request_metadata), flow_id=call.flow_id, call_id=call.id,
                        loop=loop, copy=copy, expected_status=call.status,
+                       status_hidden=call.status is None and call.status_message == STATUS_HIDDEN,
                        expected_responses=[bytes(m.data) for m in call.responses])
 
 

@@ -29,7 +29,7 @@ this runs for every frame a production service sends while it is being recorded.
 
 from __future__ import annotations
 
-from capture.recording import Call, Direction, Message
+from capture.recording import STATUS_HIDDEN, Call, Direction, Message
 from wire.h2 import PREFACE, BlockAssembler, Flag, FrameType, H2Error, split, strip_or_none
 from wire.h2 import frame_lengths_plausible as plausible_frames
 from wire.headers import DecodedBlock, HpackBlockError, TolerantDecoder
@@ -172,6 +172,8 @@ class H2Decoder:
             self._request_headers(st, decoded, side.epoch)
         else:
             self._response_headers(st, ts_ns, decoded)
+            if flags & _END_STREAM and decoded.missing and st.call.status is None:
+                st.call.status_message = STATUS_HIDDEN   # trailers recorded whole, yet unreadable
         if flags & _END_STREAM:
             return self._end(st, direction, ts_ns)
         return []
