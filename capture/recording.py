@@ -427,6 +427,9 @@ def _metadata(text: str) -> list[tuple[str, str]]:
 _CALLS_SQL = "SELECT * FROM calls ORDER BY request_ts_ns, id"
 _BATCH_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id IN ({}) ORDER BY call_id, direction, seq"
 _CALL_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq"
+# No ORDER BY: a sort reads every row before the first comes back, so damage would lose them all;
+# rowid order already is each direction's seq order (messages are written in order).
+_SCAN_MESSAGES_SQL = "SELECT * FROM messages NOT INDEXED WHERE call_id IN ({})"
 # Grouped by kind too (MethodGroup.kinds); ordered by each group's first call.
 _GROUPS_SQL = ("SELECT flow_id, method_ref, protocol, kind, count(*), min(request_ts_ns) AS first_ts,"
                " min(id) AS first_id FROM calls WHERE method IS NULL AND method_ref IS NOT NULL"
@@ -551,14 +554,31 @@ class Recording:
             rows = self._db.execute(_BATCH_MESSAGES_SQL.format(",".join("?" * len(calls))),
                                     tuple(by_id)).fetchall()
         except sqlite3.DatabaseError:
-            # Salvage call by call: the messages on intact pages still count; `_rows` notes the rest.
-            rows = [m for c in calls for m in self._rows(_CALL_MESSAGES_SQL, (c.id,))]
+            rows = self._salvage_messages(calls)
         for m in rows:
             call = by_id[m["call_id"]]
             (call.requests if m["direction"] == "c2s" else call.responses).append(Message(
                 direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
                 compressed=bool(m["compressed"])))
         return calls
+
+    def _salvage_messages(self, calls: list[Call]) -> list[sqlite3.Row]:
+        """Messages of `calls` from a damaged file: call by call through the index (intact pages still
+        count), then, for calls whose lookup hit the damage (often the index itself), one scan of the
+        table without the index, up to the damage. What could not be read is noted in `problems`."""
+        rows: list[sqlite3.Row] = []
+        failed: list[int] = []
+        for c in calls:
+            try:
+                rows += self._db.execute(_CALL_MESSAGES_SQL, (c.id,)).fetchall()
+            except sqlite3.DatabaseError as exc:
+                failed.append(cast(int, c.id))
+                error = exc
+        if failed:
+            self.problems.append(f"damaged message index or pages ({error}): {len(failed)} call(s)' messages "
+                                 "read by scanning the table")
+            rows += self._rows(_SCAN_MESSAGES_SQL.format(",".join("?" * len(failed))), tuple(failed))
+        return rows
 
     def method_groups(self) -> list[MethodGroup]:
         """The groups of calls whose method is NULL in the calls table, by (flow_id, method_ref), in
