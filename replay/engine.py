@@ -465,7 +465,7 @@ class ReplayRun:
         if not self._live and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
         result = CallResult(p.index, p.method, p.connection, p.flow_id, live.intended_ns, live.sent_ns,
-                            self.clock.now_ns(), out.outcome, out.code)
+                            self.clock.now_ns(), out.outcome, out.code, detail=out.detail)
         if self.options.compare is not None and out.outcome in ("ok", "error", "rejected"):
             result.mismatch = self.options.compare.compare(p, out)  # type: ignore[attr-defined]
         self.stats.add(result)

@@ -1,7 +1,11 @@
-"""The final report of a run: the JSON fields the CLI writes and the harness reads."""
+"""The final report of a run: the JSON fields the CLI writes and the harness reads, and its
+verdict against thresholds (`judge`, k6-style: each threshold passes or fails with its numbers)."""
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -10,7 +14,11 @@ from replay.stats import RunStats, percentiles_ms, percentiles_us
 
 @dataclass
 class ReplayReport:
-    """What a run did. `invariant_ok`: scheduled == ok + rejected + errors + timeouts + not_sent."""
+    """What a run did. `invariant_ok`: scheduled == ok + rejected + errors + timeouts + not_sent.
+
+    `error_reasons`: {error code: why its first call failed, in words}. `thresholds`, `failures` and
+    `passed` are the verdict, set by `judge` (the CLI judges every run; `passed` is None until then):
+    each threshold is {name, limit, actual, passed, unit, detail}, each failure one line."""
 
     scheduled: int
     sent: int
@@ -34,6 +42,10 @@ class ReplayReport:
     seed: int = 0
     workers: int = 1
     problems: list[str] = field(default_factory=list)
+    error_reasons: dict[str, str] = field(default_factory=dict)
+    thresholds: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    passed: bool | None = None
 
     @property
     def error_count(self) -> int:
@@ -77,4 +89,151 @@ def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any
         lag_us=percentiles_us(stats.lag), drift_pct=drift_pct, end_lag_us=end_lag,
         mismatches=comparer.summary() if comparer is not None else {},
         invariant_ok=stats.invariant_ok(), target=target, speed=options.schedule.speed,
-        seed=options.schedule.seed, workers=workers, problems=list(problems))
+        seed=options.schedule.seed, workers=workers, problems=list(problems),
+        error_reasons={code: error_reason(code, detail, target) for code, detail in stats.error_examples.items()})
+
+
+def _invariant_failure(rep: ReplayReport) -> str:
+    accounted = rep.ok + rep.rejected + rep.error_count + rep.timeouts + rep.not_sent
+    if accounted == rep.scheduled:  # the sums hold, but a shard was never counted (a worker died)
+        lost = [p for p in rep.problems if "died" in p]
+        return "invariant broken: " + ("; ".join(lost) or "not every call could be accounted for")
+    return (f"invariant broken: {rep.scheduled} calls scheduled but {accounted} accounted for "
+            "(ok + rejected + errors + timeouts + not sent)")
+
+
+# Details that the client wrote itself about reaching the target (not a message from the server):
+# the h2 sender's and grpcio's connect failures, and the http1/tcp senders' str(OSError).
+_CONNECT_PREFIXES = ("cannot connect:", "failed to connect to all addresses")
+_OS_ERROR_CODES = frozenset({"CONNECTION", "CONNECTION_REFUSED", "CONNECTION_RESET"})
+_ERRNO = re.compile(r"\[Errno (\d+)\]")
+
+
+def error_reason(code: str, detail: str, target: str) -> str:
+    """One error detail in words, on one line: a refused connection reads "connection refused by
+    HOST:PORT", another failure to connect "cannot connect to HOST:PORT: <why>"; a server's own
+    message (grpc-message) is kept as it is."""
+    text = " ".join(detail.split())
+    local = code in _OS_ERROR_CODES or text.startswith(_CONNECT_PREFIXES)
+    if not local:
+        return text
+    found = _ERRNO.search(text)
+    num = int(found.group(1)) if found else None
+    if num == errno.ECONNREFUSED or (num is None and "connection refused" in text.lower()):
+        return f"connection refused by {target}"
+    if num is not None and (text.startswith(_CONNECT_PREFIXES) or code == "CONNECTION_REFUSED"):
+        return f"cannot connect to {target}: {os.strerror(num).lower()}"
+    return text
+
+
+_SHOWN_KINDS = 5
+
+
+def error_lines(rep: ReplayReport) -> list[str]:
+    """"20 calls UNAVAILABLE: first: connection refused by 127.0.0.1:1", one per error code, the
+    most frequent first (at most five, then how many more)."""
+    kinds = sorted(rep.errors.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines = []
+    for code, n in kinds[:_SHOWN_KINDS]:
+        reason = rep.error_reasons.get(code)
+        lines.append(f"{n} call{'' if n == 1 else 's'} {code}" + (f": first: {reason}" if reason else ""))
+    if len(kinds) > _SHOWN_KINDS:
+        lines.append(f"... and {len(kinds) - _SHOWN_KINDS} more kinds of error")
+    return lines
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits a run must keep (None: not judged), k6-style. Percentages are of the calls sent
+    (errors, rejected) or scheduled (not sent); latency and lag are the report's own p99s.
+
+    max_error_pct: errors + timeouts (connection errors included) in % of sent; rejections
+        (RESOURCE_EXHAUSTED, HTTP 429: the target shedding load) are not errors, see max_rejected_pct.
+    max_rejected_pct: rejected in % of sent. max_not_sent_pct: not sent (every reason) in % of scheduled.
+    max_p99_ms: latency p99 from the intended send time (every call sent, whatever its outcome).
+    max_lag_p99_us: the replayer's own send lag p99 (how late it sent; a run above it was not faithful).
+    min_ok: at least this many calls ok. None: 1 when at least one call was scheduled (a run in which
+        nothing succeeded fails); 0 turns it off."""
+
+    max_error_pct: float | None = None
+    max_rejected_pct: float | None = None
+    max_not_sent_pct: float | None = None
+    max_p99_ms: float | None = None
+    max_lag_p99_us: float | None = None
+    min_ok: int | None = None
+
+
+def _pct(n: int, of: int) -> float:
+    return round(100.0 * n / of, 4) if of else 0.0
+
+
+def _num(x: float) -> str:
+    return f"{x:,.4f}".rstrip("0").rstrip(".")
+
+
+def _check(name: str, limit: float, actual: float, unit: str, detail: str, *, at_least: bool = False) -> dict[str, Any]:
+    passed = actual >= limit if at_least else actual <= limit
+    return {"name": name, "limit": limit, "actual": actual, "passed": passed, "unit": unit, "detail": detail}
+
+
+def judge(rep: ReplayReport, limits: Thresholds) -> ReplayReport:
+    """Judge `rep` against `limits`: fills rep.thresholds, rep.failures (one line each, with the
+    numbers) and rep.passed (the invariant and every threshold). Returns `rep`."""
+    checks: list[dict[str, Any]] = []
+    sent, scheduled, failed = rep.sent, rep.scheduled, rep.error_count + rep.timeouts
+    of_sent = f"of {sent} sent"
+    if limits.max_error_pct is not None:
+        checks.append(_check("max_error_pct", limits.max_error_pct, _pct(failed, sent), "%",
+                             f"{rep.error_count} errors + {rep.timeouts} timeouts {of_sent}"))
+    if limits.max_rejected_pct is not None:
+        checks.append(_check("max_rejected_pct", limits.max_rejected_pct, _pct(rep.rejected, sent), "%",
+                             f"{rep.rejected} rejected {of_sent}"))
+    if limits.max_not_sent_pct is not None:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(rep.not_sent_reasons.items()))
+        checks.append(_check("max_not_sent_pct", limits.max_not_sent_pct, _pct(rep.not_sent, scheduled), "%",
+                             f"{rep.not_sent} not sent of {scheduled} scheduled" + (f": {reasons}" if reasons else "")))
+    if limits.max_p99_ms is not None:
+        checks.append(_check("max_p99_ms", limits.max_p99_ms, rep.latency_ms["p99"], "ms",
+                             f"latency from the intended send time, {sent} calls sent"))
+    if limits.max_lag_p99_us is not None:
+        checks.append(_check("max_lag_p99_us", limits.max_lag_p99_us, rep.lag_us["p99"], "us",
+                             f"the replayer's send lag, {sent} calls sent"))
+    min_ok = limits.min_ok if limits.min_ok is not None else (1 if scheduled else 0)
+    if min_ok:
+        checks.append(_check("min_ok", min_ok, rep.ok, "calls", f"{rep.ok} ok of {scheduled} scheduled",
+                             at_least=True))
+    rep.thresholds = checks
+    rep.failures = ([] if rep.invariant_ok else [_invariant_failure(rep)]) \
+        + [_failure(rep, c) for c in checks if not c["passed"]]
+    rep.passed = not rep.failures
+    return rep
+
+
+def _failure(rep: ReplayReport, c: dict[str, Any]) -> str:
+    unit = "" if c["unit"] == "calls" else f" {c['unit']}"
+    if c["name"] == "min_ok":
+        head = "no call succeeded" if rep.ok == 0 else f"too few calls succeeded (min_ok {c['limit']})"
+        cause = _cause(rep)
+        return f"{head}: {c['detail']}" + (f"; {cause}" if cause else "")
+    return (f"threshold {c['name']} failed: {_num(c['actual'])}{unit} > {_num(c['limit'])}{unit} "
+            f"({c['detail']})")
+
+
+def _cause(rep: ReplayReport) -> str:
+    """What happened to the calls that did not succeed, most telling first."""
+    parts = error_lines(rep)[:1]
+    if rep.timeouts:
+        parts.append(f"{rep.timeouts} timeouts")
+    if rep.rejected:
+        parts.append(f"{rep.rejected} rejected")
+    if rep.not_sent:
+        parts.append("not sent: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.not_sent_reasons.items())))
+    return "; ".join(parts)
+
+
+def threshold_line(c: dict[str, Any]) -> str:
+    """"FAILED max_error_pct: 100 % (limit 5 %): 20 errors + 0 timeouts of 20 sent"."""
+    unit = "" if c["unit"] == "calls" else f" {c['unit']}"
+    op = ">=" if c["name"].startswith("min_") else "<="
+    return (f"{'passed' if c['passed'] else 'FAILED'} {c['name']}: {_num(c['actual'])}{unit} "
+            f"(limit {op} {_num(c['limit'])}{unit}): {c['detail']}")

@@ -16,6 +16,10 @@ from typing import Any
 from hdrh.histogram import HdrHistogram
 
 _MAX_US = 3_600_000_000
+# One example detail per error kind (the first one seen that has a detail), bounded: the kinds a
+# run meets are few (gRPC codes, HTTP statuses), but a sender bug's exception names are not.
+EXAMPLE_KINDS = 32
+EXAMPLE_CHARS = 240
 
 
 def _hist() -> HdrHistogram:
@@ -56,6 +60,7 @@ class CallResult:
     outcome: str          # ok | rejected | error | timeout | connection_error | not_sent
     code: str | None      # gRPC status name, HTTP status, or the not-sent reason
     mismatch: list[str] = field(default_factory=list)
+    detail: str = ""      # the sender's detail (SendOutcome.detail): why an error happened
 
     @property
     def latency_ns(self) -> int:
@@ -63,13 +68,17 @@ class CallResult:
 
 
 class RunStats:
-    """Counts every outcome and records latency and lag; `merge` adds another shard's stats."""
+    """Counts every outcome and records latency and lag; `merge` adds another shard's stats.
+
+    `error_examples`: {error code: the first detail seen for it} (at most EXAMPLE_KINDS codes,
+    EXAMPLE_CHARS characters each), so a summary can say why calls failed."""
 
     def __init__(self) -> None:
         self.scheduled = 0
         self.outcomes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.not_sent: Counter[str] = Counter()
+        self.error_examples: dict[str, str] = {}
         self.latency, self.from_send, self.lag = _hist(), _hist(), _hist()
         self.clamped = 0
         self.first_intended = self.first_sent = self.last_intended = self.last_sent = 0
@@ -91,10 +100,17 @@ class RunStats:
             self.not_sent[r.code or "unknown"] += 1
             return
         if r.outcome in ("error", "connection_error"):
-            self.errors[r.code or "UNKNOWN"] += 1
+            code = r.code or "UNKNOWN"
+            self.errors[code] += 1
+            if r.detail:
+                self._example(code, r.detail)
         self._record(self.latency, r.done_ns - r.intended_ns)
         self._record(self.from_send, r.done_ns - r.sent_ns)
         self.last_done = max(self.last_done, r.done_ns)
+
+    def _example(self, code: str, detail: str) -> None:
+        if code not in self.error_examples and len(self.error_examples) < EXAMPLE_KINDS:
+            self.error_examples[code] = detail[:EXAMPLE_CHARS]
 
     def on_sent(self, intended_ns: int, sent_ns: int) -> None:
         """Record the send lag at the moment a call goes out (before its outcome is known)."""
@@ -121,6 +137,8 @@ class RunStats:
         for mine, theirs in ((self.outcomes, other.outcomes), (self.errors, other.errors),
                              (self.not_sent, other.not_sent)):
             mine.update(theirs)
+        for code, detail in other.error_examples.items():
+            self._example(code, detail)
         for mine_h, theirs_h in ((self.latency, other.latency), (self.from_send, other.from_send),
                                  (self.lag, other.lag)):
             mine_h.add(theirs_h)
@@ -133,7 +151,8 @@ class RunStats:
 
     def to_wire(self) -> dict[str, Any]:
         """A picklable/JSON form (histograms HDR-encoded) for sending from a worker process."""
-        d = {k: v for k, v in vars(self).items() if not isinstance(v, HdrHistogram)}
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()
+             if not isinstance(v, HdrHistogram)}
         d.update({k: base64.b64encode(v.encode()).decode() for k, v in vars(self).items()
                   if isinstance(v, HdrHistogram)})
         return d

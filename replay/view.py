@@ -9,7 +9,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from replay.report import ReplayReport
+from replay.report import ReplayReport, error_lines, threshold_line
 from replay.stats import RunStats, percentiles_ms, percentiles_us
 
 
@@ -36,7 +36,8 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
     errors = ", ".join(f"{k} {v}" for k, v in sorted(rep.errors.items())) or "0"
     not_sent = ", ".join(f"{k} {v}" for k, v in sorted(rep.not_sent_reasons.items())) or "0"
     rows = [("scheduled", str(rep.scheduled)), ("sent", str(rep.sent)), ("ok", str(rep.ok)),
-            ("rejected", str(rep.rejected)), ("errors", errors), ("timeouts", str(rep.timeouts)),
+            ("rejected", str(rep.rejected)), ("errors", errors), *[("error", line) for line in error_lines(rep)],
+            ("timeouts", str(rep.timeouts)),
             ("not sent", not_sent), ("duration", f"{rep.duration_s:.2f} s"),
             ("achieved rate", f"{rep.achieved_rate:,.1f} calls/s"),
             ("latency (from intended)", _fmt(rep.latency_ms, " ms")),
@@ -46,6 +47,9 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
     if rep.mismatches:
         rows.append(("mismatches", str(rep.mismatches.get("total", 0))))
     rows += [("problem", p) for p in rep.problems]
+    rows += [("threshold", threshold_line(c)) for c in rep.thresholds]
+    if rep.passed is not None:  # judged (replay.report.judge)
+        rows.append(("verdict", "passed" if rep.passed else "FAILED: " + "; ".join(rep.failures)))
     return rows
 
 
@@ -54,7 +58,9 @@ def summary_table(rep: ReplayReport) -> Table:
     table.add_column("metric")
     table.add_column("value", overflow="fold")
     for label, value in summary_rows(rep):
-        style = "red" if (label == "invariant" and not rep.invariant_ok) or label == "problem" else None
+        failed = (label == "invariant" and not rep.invariant_ok) or label in ("problem", "error") \
+            or (label in ("threshold", "verdict") and value.startswith("FAILED"))
+        style = "red" if failed else "green" if label == "verdict" else None
         table.add_row(label, value, style=style)
     return table
 

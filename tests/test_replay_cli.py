@@ -1,4 +1,5 @@
-"""`shadowtest replay`: exit codes, --json fields, --dry-run sends nothing, the allowlist refuses."""
+"""`shadowtest replay`: exit codes, --json fields, --dry-run sends nothing, the allowlist refuses.
+Thresholds and the first error's reason: tests/test_replay_thresholds.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from replay.testing import EchoServer, write_unary_recording
 
 MS = 1_000_000
 FIELDS = {"scheduled", "sent", "ok", "rejected", "errors", "timeouts", "not_sent", "duration_s", "achieved_rate",
-          "latency_ms", "latency_from_send_ms", "lag_us", "mismatches"}
+          "latency_ms", "latency_from_send_ms", "lag_us", "mismatches", "error_reasons", "thresholds", "failures",
+          "passed"}
 
 
 def test_json_report_has_every_field_and_exit_0(tmp_path: Path) -> None:
@@ -25,7 +27,10 @@ def test_json_report_has_every_field_and_exit_0(tmp_path: Path) -> None:
     assert FIELDS <= set(data)
     assert data["scheduled"] == n and data["ok"] == n - n // 10 and data["rejected"] == n // 10
     assert set(data["latency_ms"]) == {"p50", "p95", "p99", "max"} and set(data["lag_us"]) == {"p50", "p99", "max"}
-    assert "invariant: ok" in res.output
+    assert "invariant: ok" in res.output and "verdict: passed" in res.output
+    assert data["thresholds"] == [{"name": "min_ok", "limit": 1, "actual": n - n // 10, "passed": True,
+                                   "unit": "calls", "detail": f"{n - n // 10} ok of {n} scheduled"}]
+    assert data["passed"] and data["failures"] == []
 
 
 def test_dry_run_sends_nothing(tmp_path: Path) -> None:
@@ -113,12 +118,15 @@ def test_calls_with_an_unknown_method_are_never_sent_blind(tmp_path: Path) -> No
         res = CliRunner().invoke(cli, ["replay", str(tmp_path / "j.rec"), "--target", server.address, "--json", "-"])
         plain = CliRunner().invoke(cli, ["replay", str(tmp_path / "j.rec"), "--target", server.address])
         assert server.received == []
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output     # nothing succeeded: the run fails, and says why
     data = json.loads(res.stdout)
     assert (data["scheduled"], data["sent"], data["ok"], data["not_sent"]) == (6, 0, 0, 6)
     assert data["not_sent_reasons"] == {"unknown_method": 6} and data["invariant_ok"]
     assert any("--method-map FLOW:REF=METHOD" in p for p in data["problems"])
+    assert data["failures"] == ["no call succeeded: 0 ok of 6 scheduled; not sent: unknown_method 6"]
+    assert plain.exit_code == 1
     assert "not sent: unknown_method 6" in plain.output and "invariant: ok" in plain.output
+    assert "verdict: FAILED: no call succeeded: 0 ok of 6 scheduled; not sent: unknown_method 6" in plain.output
 
 
 def test_method_map_names_groups_for_one_replay(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ from typing import Any
 
 import click
 
+SENDERS = ("auto", "h2", "grpc", "http1", "tcp")  # replay/senders: the registered ones, and auto
+_PCT = click.FloatRange(0, 100)
+
 
 def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:
     if value is None:
@@ -39,7 +42,7 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
 @click.option("--max-in-flight", type=int, default=256, show_default=True,
               help="per connection; beyond it calls are not sent (counted)")
-@click.option("--sender", default="auto", show_default=True,
+@click.option("--sender", type=click.Choice(SENDERS), default="auto", show_default=True,
               help="auto (by protocol; gRPC: h2), h2 (lean gRPC over HTTP/2), grpc (through grpcio), http1 or tcp")
 @click.option("--event-loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
               help="auto: uvloop with the lean senders (h2, http1, tcp) when installed")
@@ -51,15 +54,33 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--dry-run", is_flag=True, help="print the plan and send nothing")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="write the report as JSON to this file ('-' for stdout)")
+@click.option("--max-error-pct", type=_PCT, metavar="P",
+              help="threshold: errors + timeouts (connection errors included) at most P % of the calls sent; "
+                   "rejections do not count (see --max-rejected-pct)")
+@click.option("--max-rejected-pct", type=_PCT, metavar="P",
+              help="threshold: calls rejected (RESOURCE_EXHAUSTED, HTTP 429) at most P % of the calls sent")
+@click.option("--max-not-sent-pct", type=_PCT, metavar="P",
+              help="threshold: calls not sent (any reason, unknown_method included) at most P % of those scheduled")
+@click.option("--max-p99-ms", type=click.FloatRange(min=0), metavar="MS",
+              help="threshold: p99 latency from the intended send time at most MS")
+@click.option("--max-lag-p99-us", type=click.FloatRange(min=0), metavar="US",
+              help="threshold: the replayer's own send lag p99 at most US (above it the replay was not faithful)")
+@click.option("--min-ok", type=click.IntRange(min=0), metavar="N",
+              help="threshold: at least N calls ok  [default: 1 when any call is scheduled; 0: off]")
 def command(file: Path, target: str, speed: float, loop: int, workers: int, window: tuple[float, float] | None,
             methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
             timeout_s: float,
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
-            allow: tuple[str, ...], dry_run: bool, json_out: Path | None) -> None:
+            allow: tuple[str, ...], dry_run: bool, json_out: Path | None, max_error_pct: float | None,
+            max_rejected_pct: float | None, max_not_sent_pct: float | None, max_p99_ms: float | None,
+            max_lag_p99_us: float | None, min_ok: int | None) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
-    Exit 0 when every scheduled call is accounted for (ok + rejected + errors + timeouts +
-    not sent), 1 when that invariant breaks or the run fails, 2 on a usage error.
+    Exit 0 when the run passed, 1 when it failed, 2 on a usage error. A run fails when a scheduled
+    call is not accounted for (ok + rejected + errors + timeouts + not sent), when a threshold
+    given by a --max-* option (or --min-ok) is exceeded, and, by default, when no call succeeded.
+    The summary (and --json's `thresholds`, `failures`) says which threshold failed with its
+    numbers, and why the first call of each error kind failed.
 
     Calls whose method is unknown (recorded on a connection joined mid-stream, not named by the
     file's method map) are never sent blind: they count as not sent, unknown_method, unless
@@ -69,6 +90,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
     Examples:
       shadowtest replay prod.rec --target 127.0.0.1:50051
       shadowtest replay prod.rec --target 127.0.0.1:50051 --speed 2 --loop 3 --json out.json
+      shadowtest replay prod.rec --target 127.0.0.1:50051 --max-error-pct 1 --max-p99-ms 50
       shadowtest replay prod.rec --target 127.0.0.1:50051 --window 10:70 --method Decide --compare
       shadowtest replay prod.rec --target shadow.internal:50051 --allow-target shadow.internal --workers 2
       shadowtest replay prod.rec --target 127.0.0.1:50051 --dry-run
@@ -78,6 +100,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
     from replay.engine import ReplayOptions
     from replay.errors import PlanError, TargetNotAllowedError
     from replay.method_map import MethodMapError, parse_method_map
+    from replay.report import Thresholds, judge
     from replay.schedule import ScheduleOptions
     from replay.target import check_target
 
@@ -101,9 +124,15 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
     if dry_run:
         _dry_run(file, sched, json_out)
         return
-    report = _run(file, target, opts, workers)
+    limits = Thresholds(max_error_pct=max_error_pct, max_rejected_pct=max_rejected_pct,
+                        max_not_sent_pct=max_not_sent_pct, max_p99_ms=max_p99_ms, max_lag_p99_us=max_lag_p99_us,
+                        min_ok=min_ok)
+    report = judge(_run(file, target, opts, workers), limits)
     _emit(report, json_out)
-    sys.exit(0 if report.invariant_ok else 1)
+    if str(json_out) == "-":  # stdout is the JSON: say why the run failed on stderr, one line each
+        for failure in report.failures:
+            click.echo(f"replay FAILED: {failure}", err=True)
+    sys.exit(0 if report.passed else 1)
 
 
 _REFLECTION_TIMEOUT_S = 2.0
