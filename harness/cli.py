@@ -2,7 +2,8 @@
 
 Every subcommand lives in its own module under `harness/commands/` and exports `command`.
 Exit codes: 0 success, 1 a check or the run failed, 2 usage error (click's own convention).
-A user mistake prints one red line that says what to do, never a traceback.
+A user mistake prints one red line that says what to do, never a traceback, and never wrapped: one line
+on stderr whatever its length (consoles come from `harness.console`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import pkgutil
 import sys
 
 import click
-from rich.console import Console
 
 from harness import __version__, commands
-
-err_console = Console(stderr=True)
+from harness.console import print_error
 
 # Package roots whose errors are user-facing: their messages already say what to do.
 _USER_ERROR_MODULES = ("capture.errors", "replay.errors", "faults.errors", "agent_under_test.errors",
@@ -44,7 +43,9 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except _user_error_types() as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            # One line per error, whatever its length or COLUMNS: greppable in CI logs. click's own
+            # usage errors (exit 2) are not caught here and stay as click prints them.
+            print_error(exc)
             sys.exit(1)
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+from harness.console import is_terminal, make_console
+
+if TYPE_CHECKING:
+    from rich.panel import Panel
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -64,7 +69,7 @@ class LiveView:
     def __init__(self, title: str, stream: TextIO | None = None, rich: bool | None = None,
                  every_s: float = 1.0) -> None:
         self.stream = stream or sys.stdout
-        self.rich = self.stream.isatty() if rich is None else rich
+        self.rich = is_terminal(self.stream) if rich is None else rich
         self.title = title
         self.every_s = every_s
         self._live: Any = None
@@ -72,9 +77,9 @@ class LiveView:
 
     def __enter__(self) -> LiveView:
         if self.rich:
-            from rich.console import Console
             from rich.live import Live
-            self._live = Live(console=Console(file=self.stream), refresh_per_second=4, transient=False)
+
+            self._live = Live(console=make_console(file=self.stream), refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
 
@@ -97,20 +102,21 @@ class LiveView:
             self._last_plain = s.elapsed_s
             print(plain_line(s), file=self.stream, flush=True)
 
-    def _panel(self, s: Snapshot):  # type: ignore[no-untyped-def]
+    def _panel(self, s: Snapshot) -> Panel:
+        from rich.markup import escape
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
         from rich.table import Table
 
         grid = Table.grid(padding=(0, 2))
-        grid.add_row(f"[bold]{s.phase}[/]", ProgressBar(total=max(s.total_s, 1e-9), completed=s.elapsed_s,
-                                                         width=40), f"{s.elapsed_s:.1f}/{s.total_s:.0f}s")
+        bar = ProgressBar(total=max(s.total_s, 1e-9), completed=s.elapsed_s, width=40)
+        grid.add_row(f"[bold]{escape(s.phase)}[/]", bar, f"{s.elapsed_s:.1f}/{s.total_s:.0f}s")
         grid.add_row("rate", f"offered {s.offered:.0f}/s  achieved {s.achieved:.0f}/s",
                      f"rejected {s.rejected}  errors {s.errors}")
         for name, values in (("P50", s.p50), ("P95", s.p95), ("P99", s.p99)):
             grid.add_row(name, sparkline(values), _last(values))
-        alert = {"firing": "[bold red]firing[/]", "pending": "[yellow]pending[/]"}.get(s.alert, s.alert)
+        alert = {"firing": "[bold red]firing[/]", "pending": "[yellow]pending[/]"}.get(s.alert, escape(s.alert))
         rate = "-" if s.limiter_rate is None else f"{s.limiter_rate:.0f}/s"
-        grid.add_row("limiter", rate, f"alert {alert}   tier {s.tier}")
-        grid.add_row("faults", ", ".join(s.faults) or "none", "")
-        return Panel(grid, title=self.title, expand=False)
+        grid.add_row("limiter", rate, f"alert {alert}   tier {escape(s.tier)}")
+        grid.add_row("faults", escape(", ".join(s.faults)) or "none", "")
+        return Panel(grid, title=escape(self.title), expand=False)

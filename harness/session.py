@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from harness.console import is_terminal
 from harness.live import LiveView
 from harness.report import RunResult, write_reports
 from harness.report.table import print_verdicts
@@ -52,7 +53,7 @@ def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scal
     if as_json:
         print(json.dumps(result.as_dict() | {"reports": paths}, indent=2, default=str))
     else:
-        print_verdicts(result, out, rich=out.isatty())
+        print_verdicts(result, out, rich=is_terminal(out))
         for kind, p in paths.items():
             print(f"report {kind}: {p}", file=out)
     return 0 if result.passed else 1

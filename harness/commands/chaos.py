@@ -33,6 +33,7 @@ def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
       shadowtest chaos validate scenarios/*.yaml
       shadowtest chaos validate my.yaml --json
     """
+    from harness.console import print_error
     from harness.errors import ScenarioError
     from harness.scenario_load import load_scenario
 
@@ -52,7 +53,7 @@ def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
                 click.echo(f"ok  {r['file']}: {r['name']}, {r['phases']} phases, {r['checks']} checks, "
                            f"{r['duration_s']:g}s")
             else:
-                click.secho(f"bad {r['error']}", fg="red", err=True)
+                print_error(r["error"], prefix="bad")
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

@@ -30,12 +30,13 @@ def command(report_dir: str, record_s: float, rate: float, seed: int, backends: 
       shadowtest demo
       shadowtest demo --report-dir /tmp/demo --backend proxy
     """
+    from harness.console import is_terminal
     from harness.demo import BACKENDS, run_demo
     from harness.report.table import print_verdicts
 
     result, paths = run_demo(report_dir, record_s=record_s, rate=rate, seed=seed,
                              backends=backends or BACKENDS)
-    print_verdicts(result, sys.stdout, rich=sys.stdout.isatty())
+    print_verdicts(result, sys.stdout, rich=is_terminal(sys.stdout))
     for kind, path in paths.items():
         click.echo(f"report {kind}: {path}")
     sys.exit(0 if result.passed else 1)

@@ -6,8 +6,10 @@ import json
 import sys
 
 import click
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from harness.console import make_console
 
 
 @click.command("doctor")
@@ -34,9 +36,9 @@ def command(as_json: bool) -> None:
             table.add_column(col, overflow="fold")
         for c in checks:
             status = "[green]ok[/]" if c.ok else ("[red]MISSING[/]" if c.core else "[yellow]no[/]")
-            table.add_row(c.name, status, c.detail, "" if c.ok else c.fix)
-        console = Console()
+            table.add_row(escape(c.name), status, escape(c.detail), "" if c.ok else escape(c.fix))
+        console = make_console()
         console.print(table)
         for name, verdict in doctor.capture_backends(checks).items():
-            console.print(f"capture backend [bold]{name}[/]: {verdict}")
+            console.print(f"capture backend [bold]{escape(name)}[/]: {escape(verdict)}")
     sys.exit(0 if report["ok"] else 1)

@@ -31,6 +31,6 @@ def command(file: str, output: str, force: bool, as_json: bool) -> None:
     else:
         click.echo(f"exported {counts['flows']} flows, {counts['chunks']} chunks as {counts['packets']} packets "
                    f"-> {output}")
-        for p in counts["problems"]:  # type: ignore[attr-defined]
+        for p in counts["problems"]:
             click.echo(f"problem: {p}", err=True)
     sys.exit(1 if counts["problems"] else 0)

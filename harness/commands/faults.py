@@ -8,15 +8,15 @@ from typing import Any
 
 import click
 
+from harness.console import is_terminal, make_console
+
 
 def _print(lines: list[str], title: str) -> None:
-    if sys.stdout.isatty():
-        from rich.console import Console
-
-        console = Console()
-        console.print(f"[bold]{title}[/]")
+    if is_terminal(sys.stdout):
+        console = make_console()
+        console.print(title, style="bold", markup=False, highlight=False)
         for line in lines:
-            console.print(f"  {line}", highlight=False)
+            console.print(f"  {line}", markup=False, highlight=False)
     else:
         click.echo(title)
         for line in lines:

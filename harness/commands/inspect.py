@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from harness.console import is_terminal, make_console
+
 
 @click.command("inspect")
 @click.argument("file", type=click.Path(dir_okay=False))
@@ -44,7 +46,7 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
         report["first_calls"] = calls
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    elif sys.stdout.isatty():
+    elif is_terminal(sys.stdout):
         _rich(report)
     else:
         _plain(report)
@@ -91,38 +93,40 @@ def _plain(r: dict[str, Any]) -> None:
 
 
 def _rich(r: dict[str, Any]) -> None:
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from capture.summary import sparkline
 
-    con = Console()
+    con = make_console()   # values are escaped: a path or method with [brackets] is not rich markup
     rate = r["rate_per_s"]
     head = Table.grid(padding=(0, 2))
     loss_style = "red" if r["lost_events"] or r["truncated_events"] else "green"
-    for k, v in (("file", r["file"]), ("backend", r["backend"]), ("duration", f"{r['duration_s']:.2f} s"),
+    for k, v in (("file", escape(str(r["file"]))), ("backend", escape(str(r["backend"]))),
+                 ("duration", f"{r['duration_s']:.2f} s"),
                  ("flows", f"{r['flows']} ({r['joined_flows']} joined mid-stream)"), ("calls", r["calls"]),
                  ("loss", f"[{loss_style}]lost {r['lost_events']}, truncated {r['truncated_events']}[/]"),
-                 ("unknown method", r["unknown_method_calls"]), ("protocols", r["protocols"]),
+                 ("unknown method", r["unknown_method_calls"]), ("protocols", escape(str(r["protocols"]))),
                  ("rate", f"{sparkline([int(x) for x in rate])}  peak {max(rate, default=0):.0f}/s"),
-                 ("request bytes", r["request_bytes"]), ("response bytes", r["response_bytes"]),
-                 ("redaction", ", ".join(r["redaction_rules"]) or "none")):
+                 ("request bytes", escape(str(r["request_bytes"]))),
+                 ("response bytes", escape(str(r["response_bytes"]))),
+                 ("redaction", escape(", ".join(r["redaction_rules"])) or "none")):
         head.add_row(f"[bold]{k}[/]", str(v))
     con.print(head)
     table = Table(title="calls per method")
     table.add_column("method")
     table.add_column("calls", justify="right")
     for name, n in r["methods"].items():
-        table.add_row(name, str(n))
+        table.add_row(escape(name), str(n))
     con.print(table)
     if r["method_groups"]:
         groups = Table(title="method groups (connections joined mid-stream; name them with shadowtest infer)")
         for col in ("flow", "ref", "calls", "kinds", "method", "how"):
             groups.add_column(col, overflow="fold")
         for g in r["method_groups"][:_GROUPS_SHOWN]:
-            groups.add_row(str(g["flow"]), g["ref"], str(g["calls"]),
-                           ", ".join(f"{k} {n}" for k, n in g["kinds"].items()),
-                           g["method"] or "[red]unknown[/]", g["how"] or "")
+            groups.add_row(str(g["flow"]), escape(str(g["ref"])), str(g["calls"]),
+                           escape(", ".join(f"{k} {n}" for k, n in g["kinds"].items())),
+                           escape(g["method"]) if g["method"] else "[red]unknown[/]", escape(g["how"] or ""))
         if len(r["method_groups"]) > _GROUPS_SHOWN:
             groups.caption = f"{len(r['method_groups']) - _GROUPS_SHOWN} more: --json lists them all"
         con.print(groups)
@@ -130,6 +134,6 @@ def _rich(r: dict[str, Any]) -> None:
         con.print(f"{r['unknown_method_ungrouped']} call(s) of joined connections began before the recording "
                   "(request headers not seen): no method, not replayed")
     for p in r["problems"]:
-        con.print(f"[red]problem:[/] {p}")
+        con.print(f"[red]problem:[/] {escape(str(p))}")
     for c in r.get("first_calls", []):
         con.print(c)

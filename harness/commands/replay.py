@@ -175,8 +175,7 @@ def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any) -
 
 
 def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
-    from rich.console import Console
-
+    from harness.console import make_console
     from replay.plan import plan_from_recording
     from replay.view import plan_table
 
@@ -194,16 +193,15 @@ def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
                            "method": p.method, "kind": p.kind, "messages": len(p.messages)} for p in head]}
         _write_json(data, json_out)
     if str(json_out) != "-":
-        Console().print(plan_table(head, total, len(conns), last / 1e9))
+        make_console().print(plan_table(head, total, len(conns), last / 1e9))
 
 
 def _run(file: Path, target: str, opts: Any, workers: int) -> Any:
-    from rich.console import Console
-
+    from harness.console import make_console
     from replay.plan import estimate_total
     from replay.stats import RunStats
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     total = estimate_total(file, opts.schedule)
     holder: dict[str, Any] = {"stats": RunStats()}
     if workers > 1:
@@ -253,15 +251,14 @@ def _watch(console: Any, thread: threading.Thread, holder: dict[str, Any], total
 
 
 def _emit(report: Any, json_out: Path | None) -> None:
-    from rich.console import Console
-
+    from harness.console import make_console
     from replay.view import mismatch_table, summary_rows, summary_table
 
     if json_out:
         _write_json(report.to_json(), json_out)
     if str(json_out) == "-":
         return
-    console = Console()
+    console = make_console()
     if console.is_terminal:
         console.print(summary_table(report))
         if report.mismatches:

@@ -18,16 +18,19 @@ def print_verdicts(result: RunResult, stream: TextIO, rich: bool) -> None:
             print(f"{'PASS' if v.passed else 'FAIL'}  {v.id}: {v.summary}", file=stream)
         print(f"{result.scenario.name}: {head}, {total}", file=stream)
         return
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{result.scenario.name}: verdicts (seed {result.scenario.seed})")
+    from harness.console import make_console
+
+    # ids ("alert_fires[fault]") and evidence are text, not rich markup: escaped.
+    table = Table(title=escape(f"{result.scenario.name}: verdicts (seed {result.scenario.seed})"))
     table.add_column("check", no_wrap=True)
     table.add_column("verdict")
     table.add_column("evidence", overflow="fold")
     for v in result.verdicts:
-        table.add_row(v.id, "[green]PASS[/]" if v.passed else "[bold red]FAIL[/]", v.summary)
-    console = Console(file=stream)
+        table.add_row(escape(v.id), "[green]PASS[/]" if v.passed else "[bold red]FAIL[/]", escape(v.summary))
+    console = make_console(file=stream)
     console.print(table)
     colour = "green" if result.passed else "red"
-    console.print(f"[bold {colour}]{head}[/]: {total}")
+    console.print(f"[bold {colour}]{head}[/]: {total}", highlight=False)
