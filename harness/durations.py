@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
+
+MAX_DURATION_S = 24 * 3600.0   # the longest duration a scenario may give (a phase, a fault, a check window)
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -11,11 +14,13 @@ _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 def parse_duration(value: object) -> float:
     """Seconds from "15s", "500ms", "1m30s", "1.5s" or a number (seconds).
 
-    Raises ValueError with what is expected when `value` is not a non-negative duration.
+    Raises ValueError with what is expected when `value` is not a non-negative, finite duration.
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 15s or 500ms, got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite duration like 15s or 500ms, got {value!r}")
         if value < 0:
             raise ValueError(f"expected a non-negative duration, got {value!r}")
         return float(value)
@@ -32,10 +37,11 @@ def parse_duration(value: object) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """A short human form: 0.5 -> "500ms", 15 -> "15s", 90 -> "1m30s"."""
+    """A short human form (parse_duration reads it back): 0.5 -> "500ms", 15 -> "15s", 90 -> "1m30s",
+    5400 -> "1h30m", 86400 -> "24h"."""
     if seconds < 1:
         return f"{seconds * 1000:g}ms"
-    minutes, secs = divmod(seconds, 60)
-    if minutes >= 1:
-        return f"{int(minutes)}m{secs:g}s" if secs else f"{int(minutes)}m"
-    return f"{secs:g}s"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{int(hours)}h" if hours else "", f"{int(minutes)}m" if minutes else "", f"{secs:g}s" if secs else ""]
+    return "".join(parts)

@@ -1,35 +1,74 @@
 """The faults a scenario may ask for, by family and kind, with their parameters (validated on load).
 
-The runner's fault adapters (`harness.faultrun`) implement exactly these.
+The runner's fault adapters (`harness.faultrun`) implement exactly these. `fault_bounds()` gives each
+numeric parameter's range: Toxiproxy's for the toxics (whole numbers, as its int64 attributes take
+them), the CPU fault's own for contention and quota.
 """
 
 from __future__ import annotations
 
+import os
+
 from harness.checks.base import Param
+from harness.durations import MAX_DURATION_S
+from harness.yamlnodes import Bound
 
 _STREAM = Param("choice:upstream,downstream", help="direction the toxic acts on (default downstream)")
 _TOXICITY = Param("number", help="share of connections affected, 0..1 (default 1)")
 
 FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
     "network": {
-        "latency": {"latency_ms": Param("number", required=True, help="added delay in ms"),
-                    "jitter_ms": Param("number"), "stream": _STREAM, "toxicity": _TOXICITY},
-        "bandwidth": {"rate_kbps": Param("number", required=True, help="KB/s"), "stream": _STREAM,
+        "latency": {"latency_ms": Param("int", required=True, help="added delay in ms"),
+                    "jitter_ms": Param("int"), "stream": _STREAM, "toxicity": _TOXICITY},
+        "bandwidth": {"rate_kbps": Param("int", required=True, help="KB/s"), "stream": _STREAM,
                       "toxicity": _TOXICITY},
-        "slow_close": {"delay_ms": Param("number", required=True), "stream": _STREAM},
-        "timeout": {"timeout_ms": Param("number", required=True), "stream": _STREAM, "toxicity": _TOXICITY},
-        "reset_peer": {"timeout_ms": Param("number"), "stream": _STREAM, "toxicity": _TOXICITY},
+        "slow_close": {"delay_ms": Param("int", required=True), "stream": _STREAM},
+        "timeout": {"timeout_ms": Param("int", required=True), "stream": _STREAM, "toxicity": _TOXICITY},
+        "reset_peer": {"timeout_ms": Param("int"), "stream": _STREAM, "toxicity": _TOXICITY},
         "slicer": {"average_size": Param("int", required=True), "size_variation": Param("int"),
                    "delay_us": Param("int"), "stream": _STREAM},
         "limit_data": {"bytes": Param("int", required=True), "stream": _STREAM},
     },
     "cpu": {
         "contention": {"workers": Param("int", help="competing busy workers (default: one per CPU)"),
-                       "load_pct": Param("number", help="each worker's load, 1..100 (default 100)"),
+                       "load_pct": Param("int", help="each worker's load, 1..100 (default 100)"),
                        "pin": Param("bool", help="pin the workers to the target's CPUs (default true)")},
-        "quota": {"pct": Param("number", required=True, help="CPU share of one core for the target, e.g. 20")},
+        "quota": {"pct": Param("number", required=True, help="CPU share of one core for the target, 1..100")},
     },
     "process": {
         "pause": {"duration": Param("duration", required=True, help="how long the target stays stopped")},
     },
 }
+
+MAX_TOXIC_MS = 60_000            # a toxic's delay or timeout: a minute is already an outage
+WORKERS_PER_CPU = 4              # contention beyond a few burners per core measures the scheduler, not the target
+
+_MS = Bound(0, MAX_TOXIC_MS, "ms", whole=True)
+_BOUNDS: dict[str, Bound] = {
+    "latency_ms": _MS, "jitter_ms": _MS, "delay_ms": _MS, "timeout_ms": _MS,
+    "rate_kbps": Bound(0, 10_000_000, "KB/s", above=True, whole=True),
+    "toxicity": Bound(0, 1, note="(the share of connections affected)"),
+    "average_size": Bound(1, 1 << 20, "bytes", whole=True),
+    "size_variation": Bound(0, 1 << 20, "bytes", whole=True),   # and less than average_size (the loader)
+    "delay_us": Bound(0, MAX_TOXIC_MS * 1000, "us", whole=True),
+    "bytes": Bound(0, 1 << 40, "bytes", whole=True),
+    "load_pct": Bound(1, 100, "%", whole=True),
+    "pct": Bound(1, 100, "% of one core"),
+    "duration": Bound(0, MAX_DURATION_S, above=True, duration=True),
+}
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (what an unpinned contention fault spreads over)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:        # not Linux
+        return os.cpu_count() or 1
+
+
+def fault_bounds() -> dict[str, Bound]:
+    """Each numeric fault parameter's range by name; `workers` depends on this machine's CPUs."""
+    n = cpu_count()
+    workers = Bound(1, WORKERS_PER_CPU * n, whole=True,
+                    note=f"({WORKERS_PER_CPU} per CPU; this machine has {n})")
+    return _BOUNDS | {"workers": workers}

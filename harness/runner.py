@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from faults.clock import Clock, MonotonicClock
-from harness.checks import evaluate_all
+from harness.checks import Verdict, evaluate_all
 from harness.errors import RunError
 from harness.faultrun import FaultSession, check_leftovers
 from harness.live import LiveView, Snapshot
@@ -256,12 +256,23 @@ class Runner:
                       samples=samples, cpu=followers["cpu"].samples, faults=self.windows,
                       replay_report=traffic.report, metric_names=vars(running.names),
                       partial=interrupted is not None, alert_periods=s.alert_periods)
-        verdicts = evaluate_all(tl, s.expect)
+        verdicts = judge(tl, s)
         notes = list(self.options.notes)
         for name, f in followers.items():
             if f.failures:
                 notes.append(f"{name} follower failed {f.failures} time(s): {f.last_error}")
         return RunResult(s, tl, verdicts, log=self.log_lines, interrupted=interrupted, notes=notes)
+
+
+def judge(timeline: Timeline, scenario: Scenario) -> list[Verdict]:
+    """Every check's verdict. A scenario without checks gets one failed verdict that says so: a run
+    with nothing judged must neither pass nor end 'FAILED, 0/0 checks passed' without a reason."""
+    verdicts: list[Verdict] = evaluate_all(timeline, scenario.expect)
+    if not verdicts:
+        verdicts.append(Verdict(id="no_checks", kind="no_checks", passed=False,
+                                summary=f"nothing was judged: {scenario.source or 'the scenario'} has no 'expect' "
+                                        "checks; add some (docs/harness.md, Checks) for a verdict"))
+    return verdicts
 
 
 def live_snapshot(now: float, phase: str, scenario: Scenario, periods: list[Any], events: Any, metrics: Any,

@@ -2,6 +2,8 @@
 
 Every error names the file, the line and what is expected, e.g.
 ``scenarios/x.yaml:12: phases[1].duration: expected a duration like 15s, 500ms or 1m30s, got 'soon'``.
+Every number is range-checked (the tables below; docs/harness.md lists them), e.g.
+``scenarios/x.yaml:8: traffic.generator.rate -5 must be between 0.1 and 100000 calls/s``.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from agent_under_test.config import ServeOptions
 from harness.checks import CHECKS, Param
+from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
-from harness.faultspecs import FAULT_FAMILIES
+from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds
 from harness.scenario import (
     AgentTarget,
     CheckSpec,
@@ -23,7 +27,8 @@ from harness.scenario import (
     RecordingTraffic,
     Scenario,
 )
-from harness.yamlnodes import Node, compose
+from harness.yamlnodes import Bound, Node, compose
+from replay.schedule import MAX_SPEED, MIN_SPEED
 
 # Options of the bundled agent the runner passes to AgentProcess, with their types.
 AGENT_OPTIONS: dict[str, Param] = {
@@ -40,6 +45,61 @@ AGENT_OPTIONS: dict[str, Param] = {
 _TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry
 
+# ---- ranges: every number a scenario gives is checked against one of these -------------------------
+MAX_RATE = 100_000           # calls/s the traffic may offer (the generator's rate times a phase's load)
+MAX_PHASES = 100
+MAX_MS = MAX_DURATION_S * 1000
+SEED = Bound(0, 2**63 - 1, whole=True)
+_PERIODS = Bound(1, 100, "periods", whole=True)
+_LATENCY_MS = Bound(0, MAX_TOXIC_MS, "ms", above=True)
+_LIMITER_RATE = Bound(0, 1_000_000, "calls/s", above=True)
+_DURATION = Bound(0, MAX_DURATION_S, above=True, duration=True)     # more than 0s, at most 24h
+_OFFSET = Bound(0, MAX_DURATION_S, duration=True)                   # 0s to 24h
+
+AGENT_BOUNDS: dict[str, Bound] = {
+    "p99_threshold_ms": _LATENCY_MS, "alert_periods": _PERIODS, "resolve_periods": _PERIODS,
+    "period_s": Bound(0.01, 3600, "s"), "hpack_table_size": Bound(0, 2**32 - 1, "bytes", whole=True),
+    "max_connection_age_s": Bound(0, MAX_DURATION_S, "s", above=True),
+    "initial_rate": _LIMITER_RATE, "min_rate": _LIMITER_RATE, "max_rate": _LIMITER_RATE,
+    "batch_window_ms": Bound(0, 1000, "ms"), "max_batch": Bound(1, 1024, whole=True),
+    "workers": Bound(0, 64, whole=True), "torch_threads": Bound(0, 256, whole=True), "seed": SEED,
+    "grace_s": Bound(0, 3600, "s"), "max_message_bytes": Bound(1, 1 << 30, "bytes", whole=True),
+    "min_samples": Bound(1, 1_000_000, "calls", whole=True),
+    "rejected_ratio_threshold": Bound(0, 1, note="(a share of the offered calls)"),
+}
+TRAFFIC_BOUNDS: dict[str, Bound] = {
+    "rate": Bound(0.1, MAX_RATE, "calls/s"), "seed": SEED, "stream_share": Bound(0, 1),
+    "speed": Bound(MIN_SPEED, MAX_SPEED, "x the recorded pace"), "loop": Bound(1, 1000, "times", whole=True),
+}
+PHASE_BOUNDS: dict[str, Bound] = {
+    "duration": _DURATION, "load": Bound(0.01, 100, "x the traffic's rate"), "after": _OFFSET, "for": _DURATION,
+}
+# Check parameters by name (a parameter a check adds later falls back to `default_bound`).
+CHECK_BOUNDS: dict[str, Bound] = {
+    "within_periods": Bound(0, 100, "periods", whole=True), "consecutive": _PERIODS,
+    "threshold_ms": _LATENCY_MS, "p99_ms": _LATENCY_MS,
+    "at_least_pct": Bound(0, 100, "%", above=True), "to_pct_of_baseline": Bound(0, 100, "%", above=True),
+    "max_pct": Bound(0, 100, "%"), "tolerance_pct": Bound(0, 100, "%"),
+    "min_increase_pct": Bound(0, 10_000, "%"), "min_increase_ms": Bound(0, MAX_MS, "ms"),
+    "within_s": _DURATION, "settle_s": _OFFSET,
+}
+
+
+def default_bound(name: str, kind: str) -> Bound | None:
+    """The range of a numeric parameter no table names: by its type and the unit its name ends in."""
+    if kind == "duration":
+        return _OFFSET
+    if kind not in ("number", "int"):
+        return None
+    whole = kind == "int"
+    if name.endswith("_pct"):
+        return Bound(0, 100, "%", whole=whole)
+    if name.endswith("_ms"):
+        return Bound(0, MAX_MS, "ms", whole=whole)
+    if name.endswith("_s"):
+        return Bound(0, MAX_DURATION_S, "s", whole=whole)
+    return Bound(0, whole=whole)
+
 
 def _unknown(entries: dict[str, Node], allowed: set[str] | dict[str, Any], what: str) -> None:
     for key, node in entries.items():
@@ -47,15 +107,19 @@ def _unknown(entries: dict[str, Node], allowed: set[str] | dict[str, Any], what:
             node.fail(f"{what}: unknown key {key!r}; expected one of: {', '.join(sorted(allowed))}")
 
 
-def typed(node: Node, param: Param, what: str, phases: set[str] | None = None) -> Any:
-    """The node's value checked against `param.type` (see `checks.base.Param`)."""
+def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
+          bound: Bound | None = None) -> Any:
+    """The node's value checked against `param.type` (see `checks.base.Param`); numbers against `bound`
+    (by default `default_bound` of the parameter's name)."""
     kind = param.type
+    if bound is None:
+        bound = default_bound(what.rsplit(".", 1)[-1], kind)
     if kind == "number":
-        return node.number(what)
+        return node.number(what, bound)
     if kind == "int":
-        return node.integer(what)
+        return node.integer(what, bound)
     if kind == "duration":
-        return node.duration(what)
+        return node.duration(what, bound)
     if kind == "bool":
         return node.boolean(what)
     if kind == "strlist":
@@ -75,14 +139,15 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None) -
 
 
 def typed_params(node: Node | None, spec: dict[str, Param], what: str,
-                 phases: set[str] | None = None) -> dict[str, Any]:
-    """A mapping of parameters validated against `spec` (unknown keys and missing required ones fail)."""
+                 phases: set[str] | None = None, bounds: dict[str, Bound] | None = None) -> dict[str, Any]:
+    """A mapping of parameters validated against `spec` (unknown keys and missing required ones fail)
+    and their numbers against `bounds` (by name)."""
     entries = node.mapping(what) if node is not None and node.value() is not None else {}
     _unknown(entries, spec, what)
     out: dict[str, Any] = {}
     for name, param in spec.items():
         if name in entries:
-            out[name] = typed(entries[name], param, f"{what}.{name}", phases)
+            out[name] = typed(entries[name], param, f"{what}.{name}", phases, (bounds or {}).get(name))
         elif param.required:
             where = node if node is not None else None
             message = f"{what}: missing {name!r} ({param.type}{': ' + param.help if param.help else ''})"
@@ -97,7 +162,9 @@ def _target(node: Node) -> AgentTarget | ExternalTarget:
     if len(entries) != 1 or not set(entries) <= {"agent", "external"}:
         node.fail("target: expected exactly one of 'agent' (the bundled agent) or 'external' (your service)")
     if "agent" in entries:
-        return AgentTarget(typed_params(entries["agent"], AGENT_OPTIONS, "target.agent"))
+        options = typed_params(entries["agent"], AGENT_OPTIONS, "target.agent", bounds=AGENT_BOUNDS)
+        _limiter_range(entries["agent"], options)
+        return AgentTarget(options)
     ext_node = entries["external"]
     ext = ext_node.mapping("target.external")
     spec = {"address": Param("str", required=True), "metrics_url": Param("str"), "events_url": Param("str"),
@@ -106,12 +173,27 @@ def _target(node: Node) -> AgentTarget | ExternalTarget:
     _unknown(ext, spec | {"metrics": Param("str")}, "target.external")
     if "address" not in ext:
         ext_node.fail("target.external: missing 'address' (host:port of your gRPC service)")
-    values = {k: typed(v, spec[k], f"target.external.{k}") for k, v in ext.items()}
+    values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k)) for k, v in ext.items()}
     names = MetricNames()
     if metrics_node is not None:
         fields = {k: Param("str") for k in MetricNames.__dataclass_fields__}
         names = MetricNames(**typed_params(metrics_node, fields, "target.external.metrics"))
     return ExternalTarget(metrics=names, **values)
+
+
+def _limiter_range(node: Node, options: dict[str, Any]) -> None:
+    """min_rate <= max_rate, counting the agent's defaults for the one not given (else it would not start)."""
+    lo = options.get("min_rate", ServeOptions.min_rate)
+    hi = options.get("max_rate", ServeOptions.max_rate)
+    if lo <= hi:
+        return
+    entries = node.mapping("target.agent")
+    if "min_rate" in entries:
+        given = "" if "max_rate" in options else " (the agent's default)"
+        entries["min_rate"].fail(f"target.agent.min_rate {entries['min_rate'].text} must be at most "
+                                 f"max_rate {hi:g}{given}")
+    entries["max_rate"].fail(f"target.agent.max_rate {entries['max_rate'].text} must be at least "
+                             f"min_rate {lo:g} (the agent's default)")
 
 
 def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
@@ -123,16 +205,15 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
         spec = {"rate": Param("number", required=True, help="calls/s"),
                 "pattern": Param("choice:poisson,bursty,constant"), "seed": Param("int"),
                 "stream_share": Param("number")}
-        return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator"))
+        return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
+                                               bounds=TRAFFIC_BOUNDS))
     spec = {"recording": Param("str", required=True), "speed": Param("number"), "loop": Param("int"),
             "methods": Param("strlist"), "window": Param("str")}
-    values = typed_params(node, spec, "traffic")
+    values = typed_params(node, spec, "traffic", bounds=TRAFFIC_BOUNDS)
     path = Path(values.pop("recording"))
     values["path"] = str(path if path.is_absolute() else base / path)
     if "window" in values:
         values["window"] = _window(entries["window"])
-    if values.get("speed", 1.0) <= 0:
-        entries["speed"].fail("traffic.speed: expected a number > 0 (0.1 to 100)")
     return RecordingTraffic(**values)
 
 
@@ -141,14 +222,18 @@ def _window(node: Node) -> tuple[float, float]:
     parts = text.split(":")
     if len(parts) != 2:
         node.fail(f"traffic.window: expected START:END like 0s:30s, got {text!r}")
-    from harness.durations import parse_duration
     try:
-        return parse_duration(parts[0]), parse_duration(parts[1])
+        start, end = parse_duration(parts[0]), parse_duration(parts[1])
     except ValueError as exc:
         node.fail(f"traffic.window: {exc}")
+    if not start < end <= MAX_DURATION_S:
+        node.fail(f"traffic.window {text} must have START before END, and END at most "
+                  f"{format_duration(MAX_DURATION_S)} into the recording")
+    return start, end
 
 
-def _fault(node: Node, what: str) -> FaultSpec:
+def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
+    """One fault; `span_s` is how long it can be held (its phase, or the run for a top-level fault)."""
     entries = node.mapping(what)
     families = [f for f in FAULT_FAMILIES if f in entries]
     if len(families) != 1:
@@ -158,21 +243,32 @@ def _fault(node: Node, what: str) -> FaultSpec:
     kind = entries.pop(family).string(f"{what}.{family}")
     if kind not in kinds:
         node.fail(f"{what}: unknown {family} fault {kind!r}; expected one of: {', '.join(sorted(kinds))}")
-    timing = {k: entries.pop(k).duration(f"{what}.{k}") for k in ("after", "for") if k in entries}
+    timing = {k: entries[k].duration(f"{what}.{k}", PHASE_BOUNDS[k]) for k in ("after", "for") if k in entries}
+    if timing.get("after", 0.0) >= span_s:
+        entries["after"].fail(f"{what}.after {entries['after'].text} must be less than {span}'s duration "
+                              f"{format_duration(span_s)} (the fault would never start)")
+    entries = {k: v for k, v in entries.items() if k not in ("after", "for")}
     _unknown(entries, kinds[kind], f"{what} ({family}: {kind})")
-    params = {k: typed(v, kinds[kind][k], f"{what}.{k}") for k, v in entries.items()}
+    bounds = fault_bounds()
+    params = {k: typed(v, kinds[kind][k], f"{what}.{k}", bound=bounds.get(k)) for k, v in entries.items()}
     for name, param in kinds[kind].items():
         if param.required and name not in params:
             node.fail(f"{what} ({family}: {kind}): missing {name!r} ({param.help or param.type})")
+    if "size_variation" in params and params["size_variation"] >= params["average_size"]:
+        entries["size_variation"].fail(f"{what}.size_variation {entries['size_variation'].text} must be less "
+                                       f"than average_size {params['average_size']} (Toxiproxy's slicer)")
     return FaultSpec(family, kind, params, after_s=timing.get("after", 0.0), for_s=timing.get("for"),
                      line=node.line)
 
 
-def _phases(node: Node) -> tuple[Phase, ...]:
+def _phases(node: Node, traffic: RecordingTraffic | GeneratorTraffic) -> tuple[Phase, ...]:
     items = node.sequence("phases")
     if not items:
         node.fail("phases: expected at least one phase ({name: baseline, duration: 15s})")
-    phases, seen = [], set()
+    if len(items) > MAX_PHASES:
+        node.fail(f"phases has {len(items)} phases; a scenario may have at most {MAX_PHASES}")
+    phases: list[Phase] = []
+    seen: set[str] = set()
     for i, item in enumerate(items):
         what = f"phases[{i}]"
         entries = item.mapping(what)
@@ -184,18 +280,27 @@ def _phases(node: Node) -> tuple[Phase, ...]:
         if name in seen:
             entries["name"].fail(f"{what}.name: duplicate phase name {name!r}")
         seen.add(name)
-        duration = entries["duration"].duration(f"{what}.duration")
-        if duration <= 0:
-            entries["duration"].fail(f"{what}.duration: expected a duration > 0")
-        faults = tuple(_fault(f, f"{what}.faults[{j}]")
+        duration = entries["duration"].duration(f"{what}.duration", PHASE_BOUNDS["duration"])
+        faults = tuple(_fault(f, f"{what}.faults[{j}]", duration, "the phase")
                        for j, f in enumerate(entries["faults"].sequence(f"{what}.faults"))) \
             if "faults" in entries and entries["faults"].value() else ()
-        load = entries["load"].number(f"{what}.load", minimum=0.01, maximum=100) if "load" in entries else 1.0
+        load = entries["load"].number(f"{what}.load", PHASE_BOUNDS["load"]) if "load" in entries else 1.0
+        if isinstance(traffic, GeneratorTraffic) and traffic.rate * load > MAX_RATE:
+            entries["load"].fail(f"{what}.load {entries['load'].text} makes {traffic.rate * load:g} calls/s "
+                                 f"(traffic.generator.rate {traffic.rate:g} x {load:g}); at most {MAX_RATE} "
+                                 "calls/s")
         phases.append(Phase(name, duration, faults, load=load, line=item.line))
+    total = sum(p.duration_s for p in phases)
+    if total > MAX_DURATION_S:
+        node.fail(f"phases last {format_duration(total)} in all; a run may last at most "
+                  f"{format_duration(MAX_DURATION_S)}")
     return tuple(phases)
 
 
 def _checks(node: Node, phases: set[str]) -> tuple[CheckSpec, ...]:
+    if node.value() is None or not node.sequence("expect"):
+        node.fail("expect: the list is empty; add at least one check (e.g. '- no_loss: {}'), or leave "
+                  "'expect' out to run the scenario unjudged (the run then fails with 'no checks')")
     out = []
     for i, item in enumerate(node.sequence("expect")):
         what = f"expect[{i}]"
@@ -205,8 +310,8 @@ def _checks(node: Node, phases: set[str]) -> tuple[CheckSpec, ...]:
         (kind, params), = entries.items()
         if kind not in CHECKS:
             item.fail(f"{what}: unknown check {kind!r}; expected one of: {', '.join(sorted(CHECKS))}")
-        values = typed_params(params, CHECKS[kind].params, f"{what}.{kind}", phases) \
-            if params.value() is not None else typed_params(None, CHECKS[kind].params, f"{what}.{kind}")
+        values = typed_params(params if params.value() is not None else None, CHECKS[kind].params,
+                              f"{what}.{kind}", phases, CHECK_BOUNDS)
         out.append(CheckSpec(kind, values, line=item.line))
     return tuple(out)
 
@@ -222,14 +327,16 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
     name = entries["name"].string("name")
     target = _target(entries["target"])
     traffic = _traffic(entries["traffic"], base or Path("."))
-    phases = _phases(entries["phases"])
+    phases = _phases(entries["phases"], traffic)
     expect = _checks(entries["expect"], {p.name for p in phases}) if "expect" in entries else ()
+    run_s = sum(p.duration_s for p in phases)
     return Scenario(
         name=name, target=target, traffic=traffic, phases=phases, expect=expect,
-        seed=entries["seed"].integer("seed") if "seed" in entries else 0,
+        seed=entries["seed"].integer("seed", SEED) if "seed" in entries else 0,
         description=entries["description"].string("description") if "description" in entries else "",
         proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,
-        faults=tuple(_fault(f, f"faults[{j}]") for j, f in enumerate(entries["faults"].sequence("faults")))
+        faults=tuple(_fault(f, f"faults[{j}]", run_s, "the run")
+                     for j, f in enumerate(entries["faults"].sequence("faults")))
         if "faults" in entries and entries["faults"].value() else ())
 
 
