@@ -35,11 +35,12 @@ class GuardConfig:
     min_samples: int = 20                # fewer finished calls in a period: "insufficient"
     error_ratio_threshold: float = 0.005     # ErrorRatioHigh: errors / (ok + errors) above this
     rejected_ratio_threshold: float = 0.05   # RejectedRatioHigh: rejected / offered above this
-    queue_light_depth: int = 5           # queue depth above this serves new batches light ...
-    queue_drain_depth: int = 2           # ... until it is at most this
-    queue_hold_s: float = 0.5            # ... and at least this long after the switch
+    queue_light_depth: int = 5           # queue depth above this (for queue_sustain_s) serves light ...
+    queue_drain_depth: int = 2           # ... until it is at most this (for queue_sustain_s)
+    queue_sustain_s: float = 0.25        # how long the queue must stay deep (or drained) to count
     alerts: bool = True                  # False: alerts never fire (a deliberately broken agent)
-    tier_hold_periods: int = 2           # healthy periods (from the resolving one) before full returns
+    tier_hold_periods: int = 2           # periods the tier holds after any change (the alert firing
+                                         # excepted); healthy periods (from the resolving one) before full returns
 
 
 class Guard(Protocol):

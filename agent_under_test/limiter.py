@@ -11,6 +11,7 @@ The `gradient` formula, its defaults and why are in docs/protection.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -56,6 +57,9 @@ class Limiter(Protocol):
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         """Adapt to the period just closed; the adjustment made, or None when the rate is unchanged."""
 
+    def set_threshold(self, threshold_ms: float) -> None:
+        """Judge P99 against `threshold_ms` from the next period on."""
+
 
 class TokenBucket:
     """Refills at `rate` tokens/s up to `burst` tokens; starts full."""
@@ -98,6 +102,9 @@ class _BucketLimiter:
         self.s = settings
         start = float(min(settings.max_rate, max(settings.min_rate, settings.initial_rate)))
         self.bucket = TokenBucket(start, settings.burst_s)
+
+    def set_threshold(self, threshold_ms: float) -> None:
+        self.s = dataclasses.replace(self.s, threshold_ms=threshold_ms)
 
     @property
     def rate(self) -> float:
@@ -394,6 +401,9 @@ class OffLimiter:
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         return None
+
+    def set_threshold(self, threshold_ms: float) -> None:
+        self.s = dataclasses.replace(self.s, threshold_ms=threshold_ms)
 
 
 LIMITERS: dict[str, Callable[[LimiterSettings], Limiter]] = {

@@ -45,7 +45,8 @@ class ProtectionGuard:
         self.alerts = AlertSet(config.alert_periods, config.resolve_periods, config.error_ratio_threshold,
                                config.rejected_ratio_threshold, config.min_samples)
         self.tiers = TierSelector(config.tier, config.queue_light_depth, config.queue_drain_depth,
-                                  config.tier_hold_periods, config.queue_hold_s)
+                                  hold_periods=config.tier_hold_periods, sustain_s=config.queue_sustain_s,
+                                  period_s=config.period_s)
         self.events = EventLog(self.clock)
         self.metrics = Metrics(config.p99_threshold_ms / 1000.0, tuple(self.alerts.machines))
         self.metrics.limiter_rate.set(self.limiter.rate)
@@ -112,7 +113,7 @@ class ProtectionGuard:
             # alerts=False is the deliberately broken agent the chaos checks must catch.
             transitions = self.alerts.observe(summary) if self.config.alerts else []
             adjustment = self.limiter.on_period(summary)
-            change = self.tiers.on_period(self.alerts.firing(P99_ALERT), summary.state)
+            change = self.tiers.on_period(self.alerts.firing(P99_ALERT), summary.state, now)
             self.last_summary = summary
         self._publish(summary, transitions, adjustment, change, now)
         return summary
@@ -151,9 +152,7 @@ class ProtectionGuard:
             raise ValueError("the P99 threshold must be a finite positive number")
         with self._lock:
             self.config = dataclasses.replace(self.config, p99_threshold_ms=threshold_ms)
-            settings = getattr(self.limiter, "s", None)
-            if isinstance(settings, LimiterSettings):
-                self.limiter.s = dataclasses.replace(settings, threshold_ms=threshold_ms)  # type: ignore[attr-defined]
+            self.limiter.set_threshold(threshold_ms)
         self.metrics.threshold.set(threshold_ms / 1000.0)
 
     @property

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent_under_test.config import ServeOptions
 from harness.checks import CHECKS, Param
+from harness.checks.rule import declare_rule
 from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
 from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds
@@ -81,7 +82,8 @@ CHECK_BOUNDS: dict[str, Bound] = {
     "at_least_pct": Bound(0, 100, "%", above=True), "to_pct_of_baseline": Bound(0, 100, "%", above=True),
     "max_pct": Bound(0, 100, "%"), "tolerance_pct": Bound(0, 100, "%"),
     "min_increase_pct": Bound(0, 10_000, "%"), "min_increase_ms": Bound(0, MAX_MS, "ms"),
-    "within_s": _DURATION, "settle_s": _OFFSET,
+    "within_s": _DURATION, "settle_s": _OFFSET, "per_s": _DURATION,
+    "fire_after": _PERIODS, "resolve_after": _PERIODS, "min_samples": AGENT_BOUNDS["min_samples"],
 }
 
 
@@ -329,6 +331,7 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
     traffic = _traffic(entries["traffic"], base or Path("."))
     phases = _phases(entries["phases"], traffic)
     expect = _checks(entries["expect"], {p.name for p in phases}) if "expect" in entries else ()
+    expect = tuple(declare_rule(c, target) for c in expect)   # alert_rule: the rule the target declares
     run_s = sum(p.duration_s for p in phases)
     return Scenario(
         name=name, target=target, traffic=traffic, phases=phases, expect=expect,

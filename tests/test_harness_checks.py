@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from harness.checks import CHECKS, evaluate_all
+from collections.abc import Callable
+from typing import Any
+
+from harness.checks import CHECKS, Verdict, evaluate_all
 from harness.scenario import CheckSpec
 from harness.timeline import CallResult, CpuSample, Event, FaultWindow, MetricSample, Timeline
 
@@ -37,7 +40,7 @@ def tier(t: float, to: str) -> Event:
     return Event(t, "tier", {"from": "full" if to == "light" else "light", "to": to})
 
 
-def run(kind: str, tl: Timeline, **params):  # type: ignore[no-untyped-def]
+def run(kind: str, tl: Timeline, **params: Any) -> Verdict:
     return CHECKS[kind].evaluate(tl, CheckSpec(kind, params))
 
 
@@ -166,3 +169,25 @@ def test_fault_effective() -> None:
 def test_a_crashing_check_is_a_failed_verdict() -> None:
     verdicts = evaluate_all(timeline(), [CheckSpec("limiter_recovers", {"phase": "nope"})])
     assert len(verdicts) == 1 and verdicts[0].passed is False
+
+
+def _service_periods(p99s: list[float], p95_of: Callable[[float], float] = lambda p99: p99 * 0.8) -> list[Event]:
+    """The service's own period events (period k ends at t=k), 50 calls each."""
+    return [Event(float(k), "period", {"period": k, "seq": k, "count": 50, "p50_ms": p99 / 2, "p95_ms": p95_of(p99),
+                                       "p99_ms": p99, "state": "breaching" if p99 > 20 else "healthy"})
+            for k, p99 in enumerate(p99s, start=1)]
+
+
+def test_alert_rule_and_percentiles_judge_the_services_own_series() -> None:
+    rule = {"resolve_after": 3, "min_samples": 20}
+    p99s = [5.0] * 4 + [30.0] * 3 + [5.0] * 4          # breaches 5,6,7: fires at 7; heals 8,9,10: resolves at 10
+    moves = [(5, "inactive", "pending"), (7, "pending", "firing"), (10, "firing", "inactive")]
+    alerts = [Event(float(p), "alert", {"alert": "P99High", "from": f, "to": to, "period": p, "seq": 100 + p})
+              for p, f, to in moves]
+    assert run("alert_rule", timeline(events=_service_periods(p99s) + alerts), **rule).passed
+    late = [Event(e.t + 1, "alert", e.data | {"period": e.data["period"] + 1}) for e in alerts]
+    v = run("alert_rule", timeline(events=_service_periods(p99s) + late), **rule)
+    assert not v.passed and v.summary.startswith("period 5 (t=5.0s): p99 30 ms > 20 was only the 1st consecutive")
+    assert run("percentiles_distinct", timeline(events=_service_periods(p99s))).passed
+    v = run("percentiles_distinct", timeline(events=_service_periods(p99s, p95_of=lambda p99: p99)))
+    assert not v.passed and "P99 equals P95 in 11 of 11 periods" in v.summary

@@ -66,11 +66,11 @@ def test_rejections_get_a_retry_hint_and_are_counted_everywhere():
 def test_queue_depth_switches_tier_and_emits_events_with_reason_queue():
     g, clock = guard()
     tiers = []
-    for depth in (3, 6, 2, 2):
+    for depth in (3, 6, 7, 8) + (2,) * 10:       # one pass every 0.25 s
         tiers.append(g.choose_tier(depth))
         clock.advance(0.25)
-    # Light from the deep queue until it drained to 2 and 0.5 s passed since the switch.
-    assert tiers == ["full", "light", "light", "full"]
+    # Light once deep for 0.25 s; full once drained 0.25 s and 2 periods after the switch.
+    assert tiers == ["full"] * 2 + ["light"] * 8 + ["full"] * 4
     assert [(e["to"], e["reason"]) for e in g.events.since(0, "tier")] == [("light", "queue"), ("full", "recovered")]
 
 

@@ -1,12 +1,22 @@
 """Checks: each turns the run's timeline into a verdict with evidence (see `base.Check`)."""
 
-from harness.checks import alerts, limiter, service  # noqa: F401  (register the checks)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.checks import alerts, limiter, rule, service, tier  # noqa: F401  (register the checks)
 from harness.checks.base import CHECKS, Check, Param, Verdict, register, verdict
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from harness.scenario import CheckSpec
+    from harness.timeline import Timeline
 
 __all__ = ["CHECKS", "Check", "Param", "Verdict", "register", "verdict", "evaluate_all"]
 
 
-def evaluate_all(timeline, specs):  # type: ignore[no-untyped-def]
+def evaluate_all(timeline: Timeline, specs: Iterable[CheckSpec]) -> list[Verdict]:
     """Run every check in `specs`; a check that crashes becomes a failed verdict that says so."""
     out = []
     for spec in specs:
