@@ -1,4 +1,4 @@
-# shadowtest: `make demo` runs the whole story, `make test` the test suite. Both set up from nothing.
+# shadowtest: `make demo` runs the whole story, `make test` the linters and the test suite. Both set up from nothing.
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -11,7 +11,8 @@ setup:
 demo: setup
 	$(VENV)/bin/shadowtest demo
 
-test: setup
+# CI (.ci/run) calls `make test`: the linters run first, so a lint error fails CI like a failing test.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -6,16 +6,23 @@ Only click is imported here; torch and grpc load inside the commands, so `shadow
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from agent_under_test.config import DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, TIERS, ServeOptions
 
+if TYPE_CHECKING:   # numpy: not imported at run time here (see above)
+    from agent_under_test.traffic_report import TrafficReport
+
 _D = ServeOptions()
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
-    return click.option(name, show_default=True, **kw)  # type: ignore[arg-type]
+def _opt(name: str, **kw: Any) -> Callable[[_F], _F]:
+    """click.option with the default shown (`kw`: click's own option attributes)."""
+    return click.option(name, show_default=True, **kw)
 
 
 @click.command("serve")
@@ -60,7 +67,7 @@ def _opt(name: str, **kw: object):  # type: ignore[no-untyped-def]
 @_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
 @_opt("--max-message-bytes", type=int, default=_D.max_message_bytes, help="larger snapshots are rejected")
 @_opt("--ready-file", type=click.Path(dir_okay=False), default=None, help="also write the ready line here")
-def serve_command(**kwargs: object) -> None:
+def serve_command(**kwargs: Any) -> None:   # click's values, already converted by the options' types
     """Serve the reference trading agent over gRPC until SIGTERM/SIGINT (then drain and exit 0).
 
     Prints one JSON ready line on stdout once the model is warm and the port is open.
@@ -74,9 +81,9 @@ def serve_command(**kwargs: object) -> None:
     """
     from agent_under_test import app
 
-    if kwargs["metrics_port"] is not None and int(kwargs["metrics_port"]) < 0:  # type: ignore[call-overload]
+    if kwargs["metrics_port"] is not None and int(kwargs["metrics_port"]) < 0:
         kwargs["metrics_port"] = None
-    sys.exit(app.run(ServeOptions(**kwargs)))  # type: ignore[arg-type]
+    sys.exit(app.run(ServeOptions(**kwargs)))
 
 
 @click.command("save-weights")
@@ -140,13 +147,13 @@ def traffic_command(target: str, rate: float, duration_s: float, pattern: str, s
     sys.exit(0 if report.ok else 1)
 
 
-def _print_report(report: object) -> None:
+def _print_report(report: TrafficReport) -> None:
     r = report
     lines = [
-        f"target {r.target}  pattern {r.pattern}  seed {r.seed}",  # type: ignore[attr-defined]
-        f"sent {r.sent}  ok {r.ok}  achieved {r.achieved_rate}/s (asked {r.rate:g}/s)",  # type: ignore[attr-defined]
-        f"latency ms  p50 {r.p50_ms}  p95 {r.p95_ms}  p99 {r.p99_ms}  (send lag p99 {r.send_lag_p99_ms} ms)",  # type: ignore[attr-defined]
-        f"by method {r.by_method}  errors {r.errors or 'none'}",  # type: ignore[attr-defined]
+        f"target {r.target}  pattern {r.pattern}  seed {r.seed}",
+        f"sent {r.sent}  ok {r.ok}  achieved {r.achieved_rate}/s (asked {r.rate:g}/s)",
+        f"latency ms  p50 {r.p50_ms}  p95 {r.p95_ms}  p99 {r.p99_ms}  (send lag p99 {r.send_lag_p99_ms} ms)",
+        f"by method {r.by_method}  errors {r.errors or 'none'}",
     ]
     if sys.stdout.isatty():
         from rich.console import Console

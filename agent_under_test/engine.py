@@ -10,12 +10,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agent_under_test.errors import ServeError
 from agent_under_test.features import N_FEATURES, Features
+
+if TYPE_CHECKING:   # torch loads inside the functions that use it
+    import torch
 
 
 @dataclass
@@ -60,9 +63,9 @@ class Engine:
     """Holds the models; `run()` is called from worker threads (one forward pass per call)."""
 
     device: str
-    models: dict = field(default_factory=dict)
-    streams_used: set = field(default_factory=set)
-    autocast_dtype: object = None
+    models: dict[str, torch.nn.Module] = field(default_factory=dict)   # tier -> model (traced on CPU)
+    streams_used: set[int] = field(default_factory=set)               # CUDA stream handles
+    autocast_dtype: torch.dtype | None = None
     _local: threading.local = field(default_factory=threading.local)
 
     def run(self, items: Sequence[Features], tier: str) -> np.ndarray:
@@ -78,16 +81,16 @@ class Engine:
                 return out.numpy()
             return self._run_cuda(model, c)
 
-    def _run_cuda(self, model: object, c: Collated) -> np.ndarray:
+    def _run_cuda(self, model: torch.nn.Module, c: Collated) -> np.ndarray:
         import torch
 
         stream = getattr(self._local, "stream", None)
         if stream is None:  # one stream per worker thread, created on its first batch
             stream = self._local.stream = torch.cuda.Stream()
         self.streams_used.add(stream.cuda_stream)
-        with torch.cuda.stream(stream), torch.autocast("cuda", dtype=self.autocast_dtype):  # type: ignore[arg-type]
+        with torch.cuda.stream(stream), torch.autocast("cuda", dtype=self.autocast_dtype):
             args = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in (c.x, c.t, c.w, c.valid)]
-            out = model(*args).float().cpu()  # type: ignore[operator]
+            out = model(*args).float().cpu()
         stream.synchronize()
         return out.numpy()
 
@@ -105,7 +108,7 @@ class Engine:
                     self.run([feats] * size, tier)
 
 
-def trace_model(model: Any, levels: int = 10) -> Any:
+def trace_model(model: torch.nn.Module, levels: int = 10) -> torch.jit.ScriptModule:
     """TorchScript-trace and freeze a model for CPU serving: same outputs, about half the per-op
     Python overhead (which dominates at these tensor sizes). Batch size and length stay dynamic."""
     import warnings
@@ -140,7 +143,7 @@ def load_engine(device: str, weights: str | None, seed: int, torch_threads: int,
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ServeError(f"--weights {weights}: cannot load ({exc}); write one with "
                          "`python -m agent_under_test save-weights PATH`") from exc
-    served: dict[str, object] = {tier: m.to(dev) for tier, m in models.items()}
+    served: dict[str, torch.nn.Module] = {tier: m.to(dev) for tier, m in models.items()}
     if dev == "cpu" and jit:
         served = {tier: trace_model(m) for tier, m in served.items()}
     engine = Engine(dev, served)

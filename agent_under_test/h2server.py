@@ -653,7 +653,7 @@ class LeanServer:
         if handler is None:
             details = _CallDetails(path, metadata)
             for generic in self._generic:
-                if (handler := generic.service(details)) is not None:  # type: ignore[arg-type]
+                if (handler := generic.service(details)) is not None:
                     break
         return handler
 

@@ -14,10 +14,13 @@ from agent_under_test.batcher import Batcher
 from agent_under_test.features import build_features
 from agent_under_test.hooks import Guard
 from agent_under_test.proto import agent_pb2
-from agent_under_test.risk import RiskLimits, check, propose
+from agent_under_test.risk import BUY, HOLD, SELL, RiskLimits, check, propose
 from agent_under_test.snapshot import parse_snapshot
 
 STAGES = ("parse", "features", "strategy", "risk", "order")
+# risk's sides (plain ints) as the Decision's enum: the same numbers, checked here once
+_SIDES = (agent_pb2.HOLD, agent_pb2.BUY, agent_pb2.SELL)
+assert _SIDES == (HOLD, BUY, SELL), "agent.proto's Side and risk.py's sides disagree"
 
 
 class Pipeline:
@@ -47,10 +50,10 @@ class Pipeline:
         parse_s, features_s, risk_s = t1 - t0, t2 - t1, t4 - t3
         # The stages go into the constructor as dicts: one call instead of six stages.add() (half the cost).
         decision = agent_pb2.Decision(
-            sequence_id=snap.sequence_id, symbol=snap.symbol, side=order.side,  # type: ignore[arg-type]
+            sequence_id=snap.sequence_id, symbol=snap.symbol, side=_SIDES[order.side],
             price=order.price, size=order.size, confidence=order.confidence, tier=result.tier, reason=order.reason,
             batch_size=result.batch_size,
-            stages=[{"stage": "parse", "ns": int(parse_s * 1e9)},  # type: ignore[list-item]
+            stages=[{"stage": "parse", "ns": int(parse_s * 1e9)},
                     {"stage": "features", "ns": int(features_s * 1e9)},
                     {"stage": "queue", "ns": int(result.queue_s * 1e9)},
                     {"stage": "strategy", "ns": int(result.forward_s * 1e9)},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 from grpc import aio
@@ -48,10 +49,16 @@ def admission(guard: Guard) -> Admit:
     return admit
 
 
-async def _refuse(context: aio.ServicerContext, retry_s: float) -> None:
+async def _abort(context: aio.ServicerContext, code: grpc.StatusCode, detail: str) -> NoReturn:
+    """End the call with `code`: grpc.aio's abort() always raises (grpc ships no types to say so)."""
+    await context.abort(code, detail)
+    raise AssertionError("ServicerContext.abort() returned")
+
+
+async def _refuse(context: aio.ServicerContext, retry_s: float) -> NoReturn:
     _, message, metadata = refusal(retry_s)
     context.set_trailing_metadata(metadata)
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def _received_ns(context: aio.ServicerContext) -> int:
@@ -87,10 +94,10 @@ class TradingAgentServicer(agent_pb2_grpc.TradingAgentServicer):
         try:
             result = await self._one(DECIDE, request, received)
         except Exception as exc:  # noqa: BLE001 - a failed forward pass must not look like UNKNOWN
-            await context.abort(grpc.StatusCode.INTERNAL, f"agent failed: {type(exc).__name__}: {exc}")
+            await _abort(context, grpc.StatusCode.INTERNAL, f"agent failed: {type(exc).__name__}: {exc}")
         if isinstance(result, InvalidSnapshotError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
-        return result  # type: ignore[return-value]
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        return result
 
     async def DecideStream(self, request_iterator: AsyncIterator[agent_pb2.MarketSnapshot],  # noqa: N802
                            context: aio.ServicerContext) -> AsyncIterator[agent_pb2.Decision]:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agent_under_test.errors import InvalidSnapshotError
+
+if TYPE_CHECKING:
+    from agent_under_test.proto import agent_pb2
 
 MAX_LEVELS = 64
 MAX_TICKS = 256
@@ -21,6 +25,9 @@ MAX_POSITION = 1e9
 _SYMBOL = re.compile(r"^[A-Za-z0-9._:/-]{1,32}$")
 _LEVEL_FIELDS = ("bid_price", "bid_size", "ask_price", "ask_size")
 _TICK_FIELDS = ("ts_ns", "price", "size")
+
+BookRow = tuple[float, float, float, float]   # bid_price, bid_size, ask_price, ask_size
+TickRow = tuple[float, float, float]          # ts_ns (an int when parsed), price, size
 
 
 class ParsedSnapshot:
@@ -40,16 +47,16 @@ class ParsedSnapshot:
         self.sequence_id, self.symbol, self.ts_ns, self.position = sequence_id, symbol, ts_ns, position
         self._book: np.ndarray | None = book
         self._ticks: np.ndarray | None = ticks
-        self._book_rows: list[tuple[float, float, float, float]] | None = None
-        self._tick_rows: list[tuple[float, float, float]] | None = None
+        self._book_rows: list[BookRow] | None = None
+        self._tick_rows: list[TickRow] | None = None
 
     @classmethod
-    def from_rows(cls, sequence_id: int, symbol: str, book_rows: list[tuple[float, float, float, float]],
-                  tick_rows: list[tuple[int, float, float]], ts_ns: int, position: float) -> ParsedSnapshot:
+    def from_rows(cls, sequence_id: int, symbol: str, book_rows: list[BookRow], tick_rows: list[TickRow],
+                  ts_ns: int, position: float) -> ParsedSnapshot:
         snap = cls.__new__(cls)
         snap.sequence_id, snap.symbol, snap.ts_ns, snap.position = sequence_id, symbol, ts_ns, position
         snap._book = snap._ticks = None
-        snap._book_rows, snap._tick_rows = book_rows, tick_rows  # type: ignore[assignment]
+        snap._book_rows, snap._tick_rows = book_rows, tick_rows
         return snap
 
     @property
@@ -65,17 +72,19 @@ class ParsedSnapshot:
         return self._ticks
 
     @property
-    def book_rows(self) -> list[tuple[float, float, float, float]]:
-        if self._book_rows is None:
-            self._book_rows = [tuple(r) for r in self.book.tolist()]  # type: ignore[misc]
-        return self._book_rows  # type: ignore[return-value]
+    def book_rows(self) -> list[BookRow]:
+        rows = self._book_rows
+        if rows is None:
+            rows = self._book_rows = [(a, b, c, d) for a, b, c, d in self.book.tolist()]
+        return rows
 
     @property
-    def tick_rows(self) -> list[tuple[float, float, float]]:
+    def tick_rows(self) -> list[TickRow]:
         """ts_ns, price, size per tick, oldest first (ts_ns an int when parsed, a float from an array)."""
-        if self._tick_rows is None:
-            self._tick_rows = [tuple(r) for r in self.ticks.tolist()]  # type: ignore[misc]
-        return self._tick_rows  # type: ignore[return-value]
+        rows = self._tick_rows
+        if rows is None:
+            rows = self._tick_rows = [(ts, price, size) for ts, price, size in self.ticks.tolist()]
+        return rows
 
     def __repr__(self) -> str:
         return (f"ParsedSnapshot(sequence_id={self.sequence_id!r}, symbol={self.symbol!r}, "
@@ -87,7 +96,7 @@ def _first_bad(bad: np.ndarray) -> tuple[int, int]:
     return int(row), int(col)
 
 
-def _book_ok(rows: list[tuple[float, float, float, float]]) -> bool:
+def _book_ok(rows: list[BookRow]) -> bool:
     """Fast path for the common, valid book, on plain floats (cheaper than numpy at ~10 levels): a plain
     loop, no generator (half the cost of all(...)). `0 < bid <= ask < MAX_PRICE` is the three price rules
     at once. NaN fails every comparison, so it takes the slow path, which names the field."""
@@ -97,7 +106,7 @@ def _book_ok(rows: list[tuple[float, float, float, float]]) -> bool:
     return True
 
 
-def _ticks_ok(rows: list[tuple[int, float, float]]) -> bool:
+def _ticks_ok(rows: list[TickRow]) -> bool:
     """Fast path for valid ticks, like _book_ok."""
     for ts, price, size in rows:
         if not (ts > 0 and 0 < price < MAX_PRICE and 0 <= size <= MAX_SIZE):
@@ -137,33 +146,33 @@ def _check_ticks(ticks: np.ndarray) -> None:
             raise InvalidSnapshotError(f"ticks[{row}].{_TICK_FIELDS[col]}", f"{rule}, got {float(ticks[row, col])!r}")
 
 
-def parse_snapshot(msg: object, max_message_bytes: int = 65536) -> ParsedSnapshot:
+def parse_snapshot(msg: agent_pb2.MarketSnapshot, max_message_bytes: int = 65536) -> ParsedSnapshot:
     """Validate `msg` (an agent_pb2.MarketSnapshot) and return its arrays.
 
     Raises:
         InvalidSnapshotError: the first problem found; `.field` names the field.
     """
-    size = msg.ByteSize()  # type: ignore[attr-defined]
+    size = msg.ByteSize()
     if size > max_message_bytes:
         raise InvalidSnapshotError("message", f"{size} bytes, at most {max_message_bytes}")
-    levels, ticks = msg.levels, msg.ticks  # type: ignore[attr-defined]
+    levels, ticks = msg.levels, msg.ticks
     if not levels:
         raise InvalidSnapshotError("levels", f"empty order book (send 1..{MAX_LEVELS} levels)")
     if len(levels) > MAX_LEVELS:
         raise InvalidSnapshotError("levels", f"{len(levels)} levels, at most {MAX_LEVELS}")
     if len(ticks) > MAX_TICKS:
         raise InvalidSnapshotError("ticks", f"{len(ticks)} ticks, at most {MAX_TICKS}")
-    symbol = msg.symbol  # type: ignore[attr-defined]
+    symbol = msg.symbol
     if not _SYMBOL.match(symbol):
         raise InvalidSnapshotError("symbol", f"{symbol[:40]!r} is not 1-32 characters of [A-Za-z0-9._:/-]")
-    position = msg.position  # type: ignore[attr-defined]
+    position = msg.position
     if not math.isfinite(position) or abs(position) > MAX_POSITION:
         raise InvalidSnapshotError("position", f"must be finite with |position| <= {MAX_POSITION:g}, got {position!r}")
-    rows = [(lv.bid_price, lv.bid_size, lv.ask_price, lv.ask_size) for lv in levels]
+    rows: list[BookRow] = [(lv.bid_price, lv.bid_size, lv.ask_price, lv.ask_size) for lv in levels]
     if not _book_ok(rows):
         _check_book(np.array(rows, dtype=np.float64))   # finds and names the first bad value
-    tick_rows = [(t.ts_ns, t.price, t.size) for t in ticks]
+    tick_rows: list[TickRow] = [(t.ts_ns, t.price, t.size) for t in ticks]
     if not _ticks_ok(tick_rows):
         _check_ticks(np.array(tick_rows, dtype=np.float64).reshape(-1, 3))
-    return ParsedSnapshot.from_rows(msg.sequence_id, symbol, rows, tick_rows, msg.ts_ns,  # type: ignore[attr-defined]
+    return ParsedSnapshot.from_rows(msg.sequence_id, symbol, rows, tick_rows, msg.ts_ns,
                                     position)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import IO, Protocol, cast
 
 from capture.errors import PcapError
 from capture.packets import parse
@@ -24,6 +25,29 @@ from capture.sink import FlowSink, SinkStats
 _SNAP = 1 << 18
 
 
+class _PcapMeta(Protocol):
+    """scapy's RawPcapReader.PacketMetadata (a namedtuple: sec, usec, wirelen, caplen)."""
+
+    sec: int
+    usec: int
+
+
+class _PcapNgMeta(Protocol):
+    """scapy's RawPcapNgReader.PacketMetadata (namedtuple PacketMetadataNg)."""
+
+    linktype: int
+    tshigh: int
+    tslow: int
+    tsresol: int
+
+
+class _PcapFile(Protocol):
+    """What is read from either scapy reader: its link type and its open file."""
+
+    linktype: int
+    f: IO[bytes]
+
+
 @dataclass
 class ImportResult:
     packets: int = 0
@@ -31,9 +55,14 @@ class ImportResult:
     sink: SinkStats = field(default_factory=SinkStats)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def all_problems(self) -> list[str]:
+        """The import's problems, then the first 20 of the reassembly's (what `problems` holds in as_dict)."""
+        return self.problems + self.reassembly.problems[:20]
+
     def as_dict(self) -> dict[str, object]:
         return {"packets": self.packets, **asdict(self.reassembly), **self.sink.as_dict(),
-                "problems": self.problems + self.reassembly.problems[:20]}
+                "problems": self.all_problems}
 
 
 def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, bytes]]:
@@ -69,17 +98,20 @@ def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, byt
 
 
 def _stamp(reader: object, meta: object, data: bytes) -> tuple[int, int, bytes]:
+    # scapy's readers return namedtuples built at run time: these casts are the boundary to them
     if hasattr(meta, "tshigh"):
-        units = (meta.tshigh << 32) | meta.tslow   # type: ignore[attr-defined]
-        return meta.linktype, units * 1_000_000_000 // meta.tsresol, data   # type: ignore[attr-defined]
+        ng = cast(_PcapNgMeta, meta)
+        units = (ng.tshigh << 32) | ng.tslow
+        return ng.linktype, units * 1_000_000_000 // ng.tsresol, data
     scale = 1 if getattr(reader, "nano", False) else 1000
-    return reader.linktype, meta.sec * 1_000_000_000 + meta.usec * scale, data   # type: ignore[attr-defined]
+    pcap = cast(_PcapMeta, meta)
+    return cast(_PcapFile, reader).linktype, pcap.sec * 1_000_000_000 + pcap.usec * scale, data
 
 
 def _truncated_tail(path: str, reader: object) -> bool:
     """scapy reports a cut-off last record as a clean EOF; compare positions to tell them apart."""
     try:
-        pos = reader.f.tell()   # type: ignore[attr-defined]
+        pos = cast(_PcapFile, reader).f.tell()
     except (ValueError, OSError, AttributeError):
         return False
     return 0 < pos < os.path.getsize(path)

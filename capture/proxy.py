@@ -13,10 +13,11 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Hashable
 
 from capture.backends import RecordOptions
 from capture.errors import CaptureError
-from capture.recording import Flow
+from capture.recording import Direction, Flow
 from capture.sink import FlowSink
 
 _READ = 65536
@@ -84,11 +85,12 @@ class ProxyBackend:
             if task:
                 self._tasks.discard(task)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, key: object, direction: str) -> None:
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, key: Hashable,
+                    direction: Direction) -> None:
         assert self.sink is not None
         try:
             while data := await src.read(_READ):
-                self.sink.data(key, direction, time.monotonic_ns(), data)   # type: ignore[arg-type]
+                self.sink.data(key, direction, time.monotonic_ns(), data)
                 dst.write(data)
                 await dst.drain()
         except (ConnectionError, OSError):

@@ -14,11 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from capture.packets import FIN, RST, SYN, Segment
-from capture.recording import Flow
+from capture.recording import Direction, Flow
 from capture.sink import FlowSink
 
 _MAX_HELD = 4 << 20      # bytes held out of order per direction before declaring a gap
 _MOD = 1 << 32
+
+_Addr = tuple[str, int]
+_Key = tuple[_Addr, _Addr]        # (client, server)
 
 
 @dataclass
@@ -54,9 +57,9 @@ class Reassembler:
         self.server_ports = server_ports or set()
         self.accept = accept
         self.stats = ReassemblyStats()
-        self._flows: dict[tuple[tuple[str, int], tuple[str, int]], dict[str, _Dir]] = {}
+        self._flows: dict[_Key, dict[Direction, _Dir]] = {}
 
-    def _flow(self, seg: Segment, ts_ns: int) -> tuple[tuple, str] | None:
+    def _flow(self, seg: Segment, ts_ns: int) -> tuple[_Key, Direction] | None:
         key = (seg.src, seg.dst) if (seg.src, seg.dst) in self._flows else (seg.dst, seg.src)
         if key in self._flows:
             return key, ("c2s" if seg.src == key[0] else "s2c")
@@ -101,7 +104,7 @@ class Reassembler:
             if all(x.fin for x in self._flows[key].values()) or seg.flags & RST:
                 self._close(key, ts_ns)
 
-    def _data(self, key: tuple, direction: str, d: _Dir, seq: int, data: bytes, ts_ns: int) -> None:
+    def _data(self, key: _Key, direction: Direction, d: _Dir, seq: int, data: bytes, ts_ns: int) -> None:
         assert d.next is not None
         ahead = _diff(seq, d.next)
         if ahead < 0:
@@ -121,16 +124,17 @@ class Reassembler:
         self._deliver(key, direction, d, data, ts_ns)
         self._drain(key, direction, d)
 
-    def _deliver(self, key: tuple, direction: str, d: _Dir, data: bytes, ts_ns: int) -> None:
+    def _deliver(self, key: _Key, direction: Direction, d: _Dir, data: bytes, ts_ns: int) -> None:
         assert d.next is not None
-        self.sink.data(key, direction, ts_ns, data)   # type: ignore[arg-type]
+        self.sink.data(key, direction, ts_ns, data)
         d.next = (d.next + len(data)) % _MOD
 
-    def _drain(self, key: tuple, direction: str, d: _Dir) -> None:
+    def _drain(self, key: _Key, direction: Direction, d: _Dir) -> None:
         while d.held:
-            assert d.next is not None
-            seq = min(d.held, key=lambda s: _diff(s, d.next))   # type: ignore[arg-type]
-            ahead = _diff(seq, d.next)
+            nxt = d.next
+            assert nxt is not None
+            seq = min(d.held, key=lambda s: _diff(s, nxt))
+            ahead = _diff(seq, nxt)
             if ahead > 0:
                 return
             ts, data = d.held.pop(seq)
@@ -138,21 +142,22 @@ class Reassembler:
             if -ahead < len(data):
                 self._deliver(key, direction, d, data[-ahead:], ts)
 
-    def _skip_gaps(self, key: tuple, direction: str, d: _Dir) -> None:
+    def _skip_gaps(self, key: _Key, direction: Direction, d: _Dir) -> None:
         """Bytes that never arrived: jump over each hole, report it, deliver what follows."""
         while d.held:
-            assert d.next is not None
-            seq = min(d.held, key=lambda s: _diff(s, d.next))   # type: ignore[arg-type]
-            hole = _diff(seq, d.next)
+            nxt = d.next
+            assert nxt is not None
+            seq = min(d.held, key=lambda s: _diff(s, nxt))
+            hole = _diff(seq, nxt)
             if hole > 0:
                 self.stats.gaps += 1
                 self.stats.gap_bytes += hole
                 self.stats.problems.append(f"gap of {hole} bytes in {direction} of {key[0]}->{key[1]}")
-                self.sink.gap(key, direction, hole)   # type: ignore[arg-type]
+                self.sink.gap(key, direction, hole)
                 d.next = seq
             self._drain(key, direction, d)
 
-    def _close(self, key: tuple, ts_ns: int) -> None:
+    def _close(self, key: _Key, ts_ns: int) -> None:
         self.sink.close_flow(key, ts_ns)
         del self._flows[key]
 
@@ -160,5 +165,5 @@ class Reassembler:
         """End of capture: report holes still open; flows left open stay open (closed_ns NULL)."""
         for key, dirs in list(self._flows.items()):
             for direction, d in dirs.items():
-                self._skip_gaps(key, direction, d)   # type: ignore[arg-type]
+                self._skip_gaps(key, direction, d)
         return self.stats

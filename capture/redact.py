@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -106,12 +107,12 @@ class JsonFieldRule:
         return _map_messages(call, self.mask)
 
 
-def _map_messages(call: Call, fn: object) -> bool:
+def _map_messages(call: Call, fn: Callable[[bytes], bytes]) -> bool:
     changed = False
     for attr in ("requests", "responses"):
         out = []
         for m in getattr(call, attr):
-            data = fn(m.data)  # type: ignore[operator]
+            data = fn(m.data)
             changed |= data != m.data
             out.append(Message(m.direction, m.seq, m.ts_ns, data, m.compressed))
         setattr(call, attr, out)

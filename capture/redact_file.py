@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from capture.decode.h2mask import H2ChunkMasker
-from capture.recording import Chunk, Recording, RecordingWriter
+from capture.recording import Chunk, Direction, Recording, RecordingWriter
 from capture.redact import Redactor, mask_http1_headers
 from capture.salvage import open_salvaged
 
@@ -44,7 +44,7 @@ def _copy_flows(rec: Recording, out: RecordingWriter) -> tuple[dict[int, int], d
 def _copy_chunks(rec: Recording, out: RecordingWriter, ids: dict[int, int],
                  protos: dict[int, tuple[str, bool]], redactor: Redactor) -> int:
     rule = redactor.header_rule()
-    maskers: dict[tuple[int, str], H2ChunkMasker] = {}
+    maskers: dict[tuple[int, Direction], H2ChunkMasker] = {}
     n = 0
     for c in rec.chunks():
         proto, joined = protos.get(c.flow_id, ("tcp", False))
@@ -62,7 +62,7 @@ def _copy_chunks(rec: Recording, out: RecordingWriter, ids: dict[int, int],
             n += 1
     for (fid, direction), m in maskers.items():
         for ts, data in m.flush():
-            out.add_chunk(Chunk(ids.get(fid, fid), direction, ts, data))  # type: ignore[arg-type]
+            out.add_chunk(Chunk(ids.get(fid, fid), direction, ts, data))
             n += 1
     return n
 

@@ -67,9 +67,10 @@ class _FlowState:
         self.flow_id = flow_id
         self.joined = joined
         self.decoder = FlowDecoder(flow_id, joined, calls)
-        self.maskers: dict[str, H2ChunkMasker] = {}
+        self.maskers: dict[Direction, H2ChunkMasker] = {}
         self.protocol_written: str | None = None
-        self.stored = {"c2s": 0, "s2c": 0}   # chunks written per direction (where at-stop gaps go)
+        # chunks written per direction (where at-stop gaps go)
+        self.stored: dict[Direction, int] = {"c2s": 0, "s2c": 0}
 
 
 class FlowSink:
@@ -202,7 +203,7 @@ class FlowSink:
             return
         for direction, masker in st.maskers.items():
             for ts, chunk in masker.flush():
-                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))  # type: ignore[arg-type]
+                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
                 st.stored[direction] += 1
         self._store_calls(st, st.decoder.finish(ts_ns))
         self.stats.truncated_messages += st.decoder.truncated_messages

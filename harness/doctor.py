@@ -79,7 +79,7 @@ def _tracepoint() -> Check:
     fix = ("needs root, python3-bpfcc, kernel headers and tracefs mounted at /sys/kernel/tracing "
            "(`mount -t tracefs tracefs /sys/kernel/tracing`); without it use --backend pcap or proxy")
     try:
-        from bcc import BPF  # type: ignore[import-not-found]
+        from bcc import BPF
 
         b = BPF(text=_BPF_PROBE.encode())
         b.cleanup()

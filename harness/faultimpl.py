@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from harness.errors import RunError
-from harness.faultrun import FaultContext, register
+from harness.faultapi import FaultContext, register
 from harness.scenario import FaultSpec
 
 

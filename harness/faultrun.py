@@ -12,34 +12,12 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from harness.errors import RunError
+from harness.faultapi import APPLIERS, Applier, FaultContext, register
+from harness.faultimpl import NetworkProxy, check_leftovers, clear_leftovers  # also registers cpu/process
 from harness.scenario import FaultSpec
-
-
-@dataclass
-class FaultContext:
-    running: Any            # harness.target.Running
-    rng: random.Random
-    applied_at: float | None = None   # set by an applier that knows exactly when its fault took effect
-
-
-class Applier(Protocol):
-    def __call__(self, spec: FaultSpec, ctx: FaultContext) -> contextlib.AbstractContextManager[str]:
-        """A context manager that holds the fault while entered; entering returns a one-line detail."""
-
-
-APPLIERS: dict[tuple[str, str], Applier] = {}
-
-
-def register(family: str, *kinds: str) -> Callable[[Applier], Applier]:
-    def deco(fn: Applier) -> Applier:
-        for kind in kinds:
-            APPLIERS[(family, kind)] = fn
-        return fn
-    return deco
 
 
 class FaultSession:
@@ -67,8 +45,9 @@ class FaultSession:
         return detail or "", self.ctx.applied_at
 
     def remove(self, key: int) -> None:
-        label, stack = self._held.pop(key, ("", None))  # type: ignore[assignment]
-        if stack is not None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            label, stack = held
             try:
                 stack.close()
             except Exception as exc:  # noqa: BLE001 -- keep removing the others; say what stayed
@@ -111,8 +90,5 @@ def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
         yield f"toxic {name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}"
 
 
-from harness import faultimpl  # noqa: E402,F401  (registers cpu/process appliers; imports faults lazily)
-from harness.faultimpl import NetworkProxy, check_leftovers, clear_leftovers  # noqa: E402
-
-__all__ = ["APPLIERS", "FaultSession", "NetworkProxy", "check_leftovers", "clear_leftovers", "register",
-           "toxic_of"]
+__all__ = ["APPLIERS", "Applier", "FaultContext", "FaultSession", "NetworkProxy", "check_leftovers",
+           "clear_leftovers", "register", "toxic_of"]

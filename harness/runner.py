@@ -312,4 +312,4 @@ def _signals_to_exceptions() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
+        signal.signal(signal.SIGTERM, previous)

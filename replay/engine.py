@@ -29,13 +29,17 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from replay import report as report_mod
-from replay.clock import Clock, real_clock, run_ticks
+from replay.clock import Clock, TimerfdClock, real_clock, run_ticks
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
 from replay.stats import CallResult, RunStats
 from replay.target import check_target
+
+if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
+    from replay.compare import Comparer, CompareSpec
 
 log = logging.getLogger(__name__)
 _WAKE_NS = 100_000_000  # the longest sleep between stop checks
@@ -82,7 +86,7 @@ class ReplayOptions:
     stop_grace_s: float = 1.0
     spin_us: int = -1
     allow_targets: tuple[str, ...] = ()
-    compare: object | None = None
+    compare: Comparer | CompareSpec | None = None
     event_loop: str = "auto"
 
 
@@ -142,6 +146,7 @@ class ReplayRun:
         self._warming: list[Awaitable[object]] | None = []  # connections opening before t0
         self.t0_ns = 0
         self.end_ns = 0
+        self.comparer: Comparer | None = None   # options.compare, built (at the start of the run)
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> report_mod.ReplayReport:
@@ -166,7 +171,7 @@ class ReplayRun:
             if choice == "uvloop":
                 raise ValueError("event_loop uvloop: uvloop is not installed (pip install uvloop)") from None
             return None
-        return uvloop.new_event_loop  # type: ignore[no-any-return]
+        return uvloop.new_event_loop
 
     def stop(self) -> None:
         """Ask a running replay to end early (thread-safe, idempotent)."""
@@ -185,7 +190,7 @@ class ReplayRun:
             problems.append(f"{self._hidden} calls' recorded status is unknown (their trailers referred to HPACK "
                             f"entries from before the capture joined): replayed, but their status is not compared")
         return report_mod.build(self.stats, self.t0_ns, self.end_ns, target=self.target,
-                                options=self.options, problems=problems, comparer=self.options.compare)
+                                options=self.options, problems=problems, comparer=self.comparer)
 
     async def run_async(self) -> None:
         """The run itself, for callers that already have an event loop."""
@@ -196,6 +201,7 @@ class ReplayRun:
         try:
             if isinstance(self.options.compare, CompareSpec):
                 self.options.compare = self.options.compare.build(self.target)
+            self.comparer = self.options.compare
             self._heap, self._plan = [], self._open_plan()
             self._pending = next(self._plan, None)
             # Before the clock starts, read the first lookahead (skipping to a window, reading and
@@ -210,8 +216,8 @@ class ReplayRun:
             self.end_ns = self.clock.now_ns()
             for sender in self._senders.values():
                 await sender.close()
-            if self._own_clock and hasattr(self.clock, "close"):
-                self.clock.close()  # type: ignore[attr-defined]
+            if self._own_clock and isinstance(self.clock, TimerfdClock):
+                self.clock.close()
             self._close_source()
 
     # ---- plan -------------------------------------------------------------------------------
@@ -466,8 +472,8 @@ class ReplayRun:
             self._idle.set_result(None)
         result = CallResult(p.index, p.method, p.connection, p.flow_id, live.intended_ns, live.sent_ns,
                             self.clock.now_ns(), out.outcome, out.code, detail=out.detail)
-        if self.options.compare is not None and out.outcome in ("ok", "error", "rejected"):
-            result.mismatch = self.options.compare.compare(p, out)  # type: ignore[attr-defined]
+        if self.comparer is not None and out.outcome in ("ok", "error", "rejected"):
+            result.mismatch = self.comparer.compare(p, out)
         self.stats.add(result)
         self._emit(result)
 
@@ -535,11 +541,28 @@ class _Ready:
             raise StopAsyncIteration from None
 
 
+class ReplayOptionFields(TypedDict, total=False):
+    """The ReplayOptions fields `replay_to` takes as keywords (all but `schedule`, built from `speed`)."""
+
+    sender: str
+    sender_options: dict[str, object]
+    timeout_s: float
+    max_in_flight: int
+    lookahead_s: float
+    start_at_ns: int | None
+    stop_grace_s: float
+    spin_us: int
+    allow_targets: tuple[str, ...]
+    compare: Comparer | CompareSpec | None
+    event_loop: str
+
+
 def replay_to(source: str | Path | Iterable[PlannedCall], target: str, *, speed: float = 1.0,
-              on_result: Callable[[CallResult], None] | None = None, **options: object) -> report_mod.ReplayReport:
+              on_result: Callable[[CallResult], None] | None = None,
+              **options: Unpack[ReplayOptionFields]) -> report_mod.ReplayReport:
     """Replay `source` straight to `target` (e.g. a fault proxy's listen address) and return the report.
 
     `options` are ReplayOptions fields (timeout_s, max_in_flight, allow_targets, ...). Blocks; for an
     early stop from another thread, build a ReplayRun and call its stop()."""
-    opts = ReplayOptions(schedule=ScheduleOptions(speed=speed), **options)  # type: ignore[arg-type]
+    opts = ReplayOptions(schedule=ScheduleOptions(speed=speed), **options)
     return ReplayRun(source, target, opts, on_result=on_result).run()

@@ -69,6 +69,16 @@ def shard_of(environment: Any) -> tuple[int, int]:
     return (index, workers) if index >= 0 and type(runner).__name__ == "WorkerRunner" else (0, 1)
 
 
+def _window(text: str | None) -> tuple[float, float] | None:
+    """--shadow-window START:END (recorded seconds) -> (start, end); empty -> None."""
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"--shadow-window {text!r}: expected START:END in seconds")
+    return float(start), float(end)
+
+
 class ReplayUser(User):
     """Replays this worker's shard once (or --shadow-loop times) and then stops."""
 
@@ -86,10 +96,10 @@ class ReplayUser(User):
     @task
     def replay(self) -> None:
         shard = shard_of(self.environment)
-        window = tuple(float(x) for x in self.opts.shadow_window.split(":")) if self.opts.shadow_window else None
+        window = _window(self.opts.shadow_window)
         methods = frozenset(m for m in self.opts.shadow_method.split(",") if m)
         sched = ScheduleOptions(speed=self.opts.shadow_speed, loop=self.opts.shadow_loop, shard=shard,
-                                window=window, methods=methods)  # type: ignore[arg-type]
+                                window=window, methods=methods)
         rec, plan = plan_from_recording(self.opts.shadow_recording, sched)
         spawned = getattr(self.environment.runner, "last_received_spawn_timestamp", None) or time.time()
         t0 = spawned + self.opts.shadow_start_delay

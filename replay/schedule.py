@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from capture.recording import STATUS_HIDDEN, Call
@@ -112,14 +112,15 @@ class _Copies:
     """Per-flow copy count for rate scaling, drawn once per flow in first-seen order (seeded)."""
 
     def __init__(self, rate: float, rng: random.Random) -> None:
-        self.rate, self.rng, self.copies = rate, rng, {}  # type: ignore[var-annotated]
+        self.rate, self.rng = rate, rng
+        self.copies: dict[Hashable, int] = {}
 
-    def of(self, flow_key: object) -> int:
+    def of(self, flow_key: Hashable) -> int:
         if flow_key not in self.copies:
             whole = math.floor(self.rate)
             extra = 1 if self.rng.random() < self.rate - whole else 0
             self.copies[flow_key] = whole + extra
-        return int(self.copies[flow_key])
+        return self.copies[flow_key]
 
 
 def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop: int,

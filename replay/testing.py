@@ -13,11 +13,15 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from capture.recording import Call, Flow, Message, RecordingWriter
 from replay.clock import Clock
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders import SendOutcome
+
+if TYPE_CHECKING:
+    import grpc.aio
 
 SERVICE = "shadowtest.agent.v1.TradingAgent"
 DECIDE = f"/{SERVICE}/Decide"
@@ -113,7 +117,7 @@ class EchoServer:
         self._rng = random.Random(1)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
+        self._server: grpc.aio.Server | None = None
         self._thread = threading.Thread(target=self._main, daemon=True)
 
     @property
@@ -135,7 +139,8 @@ class EchoServer:
             asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
 
     async def _stop(self) -> None:
-        await self._server.stop(None)  # type: ignore[attr-defined]
+        if self._server is not None:
+            await self._server.stop(None)
 
     def _main(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -169,30 +174,30 @@ class EchoServer:
         self.received.append((time.monotonic_ns(), method, snap.sequence_id))
         return decision_bytes(snap.sequence_id, snap.symbol, self._rng.randrange(1, 10**6))
 
-    async def _decide(self, request: bytes, context: object) -> bytes:
+    async def _decide(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         import grpc
         if self.fast:
             return request
         n = len(self.received) + 1
-        self.metadata.append(dict(context.invocation_metadata()))  # type: ignore[attr-defined]
-        self.peers.add(context.peer())  # type: ignore[attr-defined]
+        self.metadata.append(dict(context.invocation_metadata()))
+        self.peers.add(context.peer())
         answer = self._answer("Decide", request)
         if self.reject_every and n % self.reject_every == 0:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed")  # type: ignore[attr-defined]
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return answer
 
-    async def _collect(self, requests: AsyncIterator[bytes], context: object) -> bytes:
+    async def _collect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         seqs = [self._answer("Collect", r) for r in [r async for r in requests]]
         return b"%d" % len(seqs)
 
-    async def _fanout(self, request: bytes, context: object) -> AsyncIterator[bytes]:
+    async def _fanout(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         answer = self._answer("Fanout", request)
         for _ in range(3):
             yield answer
 
-    async def _decide_stream(self, requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+    async def _decide_stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         async for request in requests:
             yield self._answer("DecideStream", request)
 

@@ -58,9 +58,9 @@ def _worker_main(i: int, n: int, path: str, target: str, opts: ReplayOptions, ou
         done.set()
         # A batch it popped must reach the queue before "done": the parent stops reading at "done".
         reporter.join()
-    cmp = run.options.compare
+    cmp = run.comparer
     out.put(("done", i, {"stats": run.stats.to_wire(), "results": list(pending), "end_ns": run.end_ns,
-                         "problems": run.problems, "mismatches": cmp.summary() if cmp is not None else None}))  # type: ignore[attr-defined]
+                         "problems": run.problems, "mismatches": cmp.summary() if cmp is not None else None}))
 
 
 class WorkerPool:
@@ -141,8 +141,9 @@ class WorkerPool:
                         finals[w] = {"stats": RunStats().to_wire(), "results": [], "end_ns": 0,
                                      "problems": [], "mismatches": None}
                 continue
-            for r in payload["results"] if self.on_result else ():
-                self.on_result(r)  # type: ignore[misc]
+            if self.on_result is not None:
+                for r in payload["results"]:
+                    self.on_result(r)
             if payload["stats"] is not None:
                 latest[i] = RunStats.from_wire(payload["stats"])
             if kind == "done":

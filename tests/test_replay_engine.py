@@ -242,3 +242,13 @@ def test_allowlist_from_environment_and_config_file(tmp_path: Path, monkeypatch:
     conf.write_text("# shadow cluster\n203.0.113.0/28\n")
     assert "203.0.113.0/28" in configured_allowlist(conf)
     assert check_target("[::1]:50051") == "[::1]:50051"  # loopback v6 needs no entry
+
+
+def test_replay_to_takes_every_replay_option_but_schedule_as_a_typed_keyword() -> None:
+    import dataclasses
+
+    from replay.engine import ReplayOptionFields
+
+    fields = {f.name: f.type for f in dataclasses.fields(ReplayOptions) if f.name != "schedule"}
+    typed = {name: getattr(t, "__forward_arg__", t) for name, t in ReplayOptionFields.__annotations__.items()}
+    assert typed == fields   # the same names with the same annotations

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
@@ -46,6 +46,14 @@ POLL_S = 0.1              # ring drain period (see _poll)
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
 EV_DATA, EV_OPEN, EV_CLOSE, EV_LISTENER = 1, 2, 3, 4
 UNKNOWN_END = ("0.0.0.0", 0)
+
+
+class _Bcc(Protocol):
+    """What this module uses of bcc's BPF object (bcc ships no types; its tables are dynamic classes)."""
+
+    def __getitem__(self, name: bytes) -> Any: ...
+    def ring_buffer_consume(self) -> None: ...
+    def cleanup(self) -> None: ...
 
 
 class SockInfo(ctypes.Structure):
@@ -163,7 +171,7 @@ class EbpfBackend:
             raise CaptureError(f"--max-bytes {options.max_bytes}: choose 1 to {MAX_BYTES_LIMIT} bytes per syscall")
         self.options = options
         self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
-        self.bpf: Any = None
+        self.bpf: _Bcc | None = None
         self.sink: FlowSink | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,17 +197,18 @@ class EbpfBackend:
         return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
                 "cgroup_id": self.cgroup_id, "cgroup_v1_tgids": self.tgid_map}
 
-    def _load(self) -> object:
+    def _load(self) -> _Bcc:
         if os.geteuid() != 0:
             raise PrivilegeError("the ebpf backend needs root (CAP_BPF + CAP_PERFMON): run as root, "
                                  "or use --backend proxy (unprivileged) or pcap")
         try:
-            from bcc import BPF  # type: ignore[import-not-found]
+            from bcc import BPF
         except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception
             raise PrivilegeError("bcc is not importable: apt-get install python3-bpfcc (and expose it to this "
                                  f"interpreter; `make setup` does), or use --backend proxy ({exc})") from exc
         try:
-            return BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map).encode())
+            bpf: _Bcc = BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map).encode())
+            return bpf
         except Exception as exc:  # noqa: BLE001 - compile/attach errors are plain Exception
             raise PrivilegeError(f"cannot load the eBPF program ({str(exc).splitlines()[0][:160]}): needs kernel "
                                  "headers (apt-get install linux-headers-amd64) and tracefs; "
@@ -209,7 +218,7 @@ class EbpfBackend:
         self.sink = sink
         self.bpf = b = self._load()
         self._sync_tgids()
-        b[b"events"].open_ring_buffer(self._on_event)   # type: ignore[index]
+        b[b"events"].open_ring_buffer(self._on_event)
         self._learn_listeners()
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
@@ -217,10 +226,15 @@ class EbpfBackend:
         self._thread.start()
         self._worker.start()
 
+    def _table(self, name: bytes) -> Any:
+        """One of the program's maps (a bcc table: untyped)."""
+        assert self.bpf is not None, "the eBPF program is not loaded"
+        return self.bpf[name]
+
     def _sync_tgids(self) -> None:
         if not self.tgid_map:
             return
-        table = self.bpf[b"tgids"]   # type: ignore[index]
+        table = self._table(b"tgids")
         current = _cgroup_procs(Path(self.options.cgroup or "")) if self.options.cgroup else set()
         for tgid in current - self.tgids:
             table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
@@ -240,7 +254,7 @@ class EbpfBackend:
         with no address are traced (later listen() calls it sees for itself)."""
         if not self._server_side:
             return
-        table = self.bpf[b"listeners"]   # type: ignore[index]
+        table = self._table(b"listeners")
         for c in procnet.listening(self.options.port, self._pids()):
             table[ctypes.c_uint64((c.pid << 32) | c.fd)] = Listener(lport=c.local[1], family=c.family, ours=1)
 
@@ -248,7 +262,7 @@ class EbpfBackend:
         """Put connections opened before the capture into the socket map, marked as joined."""
         assert self.sink is not None
         pids = self._pids()
-        socks = self.bpf[b"socks"]   # type: ignore[index]
+        socks = self._table(b"socks")
         now = time.monotonic_ns()
         for c in procnet.open_connections(self.options.port, self.options.side, pids):
             key = ctypes.c_uint64((c.pid << 32) | c.fd)
@@ -268,6 +282,7 @@ class EbpfBackend:
         1.3 % of a core). The 32 MiB ring holds far more than POLL_S of traffic (~0.4 MiB at
         3,000 calls/s)."""
         b = self.bpf
+        assert b is not None
         while not self._stop.wait(POLL_S):
             b.ring_buffer_consume()
             if self._queue:
@@ -306,8 +321,8 @@ class EbpfBackend:
         ts_ns, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
         key: tuple[int, ...] = as_key or (tgid, fd)
         if etype == EV_DATA:
-            if self._held and as_key is None and key in self._held:
-                self._held[key].records.append(raw)     # type: ignore[index]
+            if self._held and as_key is None and (held := self._held.get((tgid, fd))) is not None:
+                held.records.append(raw)
                 return
             direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
             payload = raw[HDR_SIZE:HDR_SIZE + length]
@@ -357,7 +372,7 @@ class EbpfBackend:
     def _still_accepted(self, key: tuple[int, int], opened_ns: int) -> bool:
         """Whether the program's socket map still holds this accept (not closed, fd not reused)."""
         try:
-            return int(self.bpf[b"socks"][ctypes.c_uint64((key[0] << 32) | key[1])].opened_ns) == opened_ns  # type: ignore[index]
+            return int(self._table(b"socks")[ctypes.c_uint64((key[0] << 32) | key[1])].opened_ns) == opened_ns
         except KeyError:
             return False
 
@@ -434,13 +449,13 @@ class EbpfBackend:
             ours = bool(ends and ends[3] == procnet.LISTEN and (not port or ends[0][1] == port))
             self._listeners_seen[lkey] = ours
             if ends is not None:
-                self.bpf[b"listeners"][ctypes.c_uint64((tgid << 32) | lfd)] = Listener(  # type: ignore[index]
+                self._table(b"listeners")[ctypes.c_uint64((tgid << 32) | lfd)] = Listener(
                     lport=ends[0][1], family=ends[2], ours=int(ours))
         if not ours:
             return
         inode = procnet.socket_inode(tgid, fd)
         ends = procnet.tcp_ends(tgid, inode) if inode is not None else None
-        socks = self.bpf[b"socks"]   # type: ignore[index]
+        socks = self._table(b"socks")
         skey = ctypes.c_uint64((tgid << 32) | fd)
         port = self.options.port
         if ends is None or ends[3] != procnet.ESTABLISHED or (port and ends[0][1] != port) or skey in socks:
@@ -492,7 +507,7 @@ class EbpfBackend:
                 self.sink.gap(key, direction, p[3] - len(p[1]))
 
     def _counter(self, name: str) -> int:
-        table = self.bpf[name.encode()]   # type: ignore[index]
+        table = self._table(name.encode())
         return int(sum(table[ctypes.c_int(0)]))
 
     def _report_counters(self) -> None:
@@ -502,12 +517,13 @@ class EbpfBackend:
         self._reported = (lost, trunc)
 
     def stop(self) -> None:
-        if self.bpf is None:
+        bpf = self.bpf
+        if bpf is None:
             return
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
-        self.bpf.ring_buffer_consume()   # type: ignore[attr-defined]
+        bpf.ring_buffer_consume()
         self._drained.set()
         self._ready.set()
         if self._worker:
@@ -524,5 +540,5 @@ class EbpfBackend:
             assert self.sink is not None   # the recorder's ticker has stopped: nothing else writes now
             self.sink.writer.set_meta({"accepted_without_address": dict(self.accepts),
                                        "accepted_peer_unknown": self.accepts["peer_unknown"]})
-        self.bpf.cleanup()   # type: ignore[attr-defined]
+        bpf.cleanup()
         self.bpf = None

@@ -7,7 +7,7 @@ import logging
 import random
 import socket
 import struct
-from typing import Any
+from typing import Any, cast
 
 from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
 from faults.proxy.h2tap import CallRule, H2Tap
@@ -36,8 +36,9 @@ class _Side(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.role == "client":
             assert self.proxy is not None
-            transport.pause_reading()  # type: ignore[attr-defined]
-            self.conn = Connection(self.proxy, transport)  # type: ignore[arg-type]
+            client = cast(asyncio.Transport, transport)   # a stream server's transport; typed as the base
+            client.pause_reading()
+            self.conn = Connection(self.proxy, client)
 
     def data_received(self, data: bytes) -> None:
         if self.conn is not None:

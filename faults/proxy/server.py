@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -59,7 +59,8 @@ async def start_api(host: str, port: int, seed: int) -> tuple[asyncio.Server, Pr
     return server, collection
 
 
-def _stamped(fn: Callable[[ProxyCollection], Awaitable[T]]) -> Callable[[ProxyCollection], Awaitable[tuple[T, float]]]:
+def _stamped(fn: Callable[[ProxyCollection], Awaitable[T]]
+             ) -> Callable[[ProxyCollection], Coroutine[Any, Any, tuple[T, float]]]:
     """Run `fn` and read `applied_at` in the same loop step, so a concurrent change cannot slip between."""
 
     async def run(c: ProxyCollection) -> tuple[T, float]:
@@ -144,24 +145,24 @@ class EmbeddedToxiproxy:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def call(self, fn: Callable[[ProxyCollection], Awaitable[T]], timeout: float = 30) -> T:
+    def call(self, fn: Callable[[ProxyCollection], Coroutine[Any, Any, T]], timeout: float = 30) -> T:
         """Run `fn(collection)` on the proxy's loop; API errors become ProxyApiError."""
         if self.loop is None or self.collection is None:
             raise ProxyUnavailableError("the embedded proxy is not running (call start() first)")
         collection = self.collection
         future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
-            fn(collection), self.loop)  # type: ignore[arg-type]
+            fn(collection), self.loop)
         try:
             return future.result(timeout)
         except ApiError as exc:
             raise ProxyApiError(exc.message, exc.status) from exc
 
-    async def acall(self, fn: Callable[[ProxyCollection], Awaitable[T]], timeout: float = 30) -> T:
+    async def acall(self, fn: Callable[[ProxyCollection], Coroutine[Any, Any, T]], timeout: float = 30) -> T:
         """`call` for asyncio callers: awaits without blocking the caller's own event loop."""
         if self.loop is None or self.collection is None:
             raise ProxyUnavailableError("the embedded proxy is not running (call start() first)")
         future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
-            fn(self.collection), self.loop)  # type: ignore[arg-type]
+            fn(self.collection), self.loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except ApiError as exc:

@@ -32,14 +32,15 @@ def command(capture_file: str, output: str, port: int | None, redact: tuple[str,
     from capture.pcap_import import import_capture
     from capture.record import build_redactor
 
-    result = import_capture(capture_file, output, port=port, overwrite=force,
-                            redactor=build_redactor(default_redaction, list(redact))).as_dict()
+    imported = import_capture(capture_file, output, port=port, overwrite=force,
+                              redactor=build_redactor(default_redaction, list(redact)))
+    result = imported.as_dict()
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(f"imported {result['packets']} packets: {result['flows']} flows, {result['calls']} calls, "
                    f"{result['retransmitted']} retransmitted, {result['out_of_order']} out of order, "
                    f"{result['gaps']} gaps ({result['gap_bytes']} bytes) -> {output}")
-        for p in result["problems"]:  # type: ignore[attr-defined]
+        for p in imported.all_problems:
             click.echo(f"problem: {p}", err=True)
-    sys.exit(1 if result["problems"] else 0)
+    sys.exit(1 if imported.all_problems else 0)

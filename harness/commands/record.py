@@ -11,18 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # capture loads when a command runs, keeping `shadowtest --help` fast
+    from capture.backends import RecordOptions
+    from capture.record import Recorder
+    from capture.sink import SinkStats
     from harness.infer import Source
 
 _DEFERRED_CALLS = {"at-stop": "at stop", "later": "by --finish"}   # what the live line shows for calls
 
 
-def _live_line(stats: object, elapsed: float, decode: str = "live") -> str:
+def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
     s = stats
-    calls = _DEFERRED_CALLS.get(decode, s.calls)  # type: ignore[attr-defined]
-    return (f"{elapsed:6.1f}s  flows {s.flows} (joined {s.joined_flows})  calls {calls}  "  # type: ignore[attr-defined]
-            f"bytes {s.bytes:,}  lost {s.lost_events}  truncated {s.truncated_events}  "  # type: ignore[attr-defined]
-            f"unknown-method {s.unknown_method_calls}")  # type: ignore[attr-defined]
+    calls = _DEFERRED_CALLS.get(decode, s.calls)
+    return (f"{elapsed:6.1f}s  flows {s.flows} (joined {s.joined_flows})  calls {calls}  "
+            f"bytes {s.bytes:,}  lost {s.lost_events}  truncated {s.truncated_events}  "
+            f"unknown-method {s.unknown_method_calls}")
 
 
 @click.command("record")
@@ -118,12 +121,12 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         _print_methods(result, output, as_json)
 
 
-def _run(opts: object, duration: float | None, quiet: bool) -> dict[str, object]:
+def _run(opts: RecordOptions, duration: float | None, quiet: bool) -> dict[str, object]:
     from capture.record import Recorder
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    rec = Recorder(opts)  # type: ignore[arg-type]
+    rec = Recorder(opts)
     try:
         rec.start()
         proxy_addr = getattr(rec.backend, "address", None)
@@ -137,7 +140,7 @@ def _run(opts: object, duration: float | None, quiet: bool) -> dict[str, object]
     return result
 
 
-def _wait(rec: object, stop: threading.Event, duration: float | None, quiet: bool) -> None:
+def _wait(rec: Recorder, stop: threading.Event, duration: float | None, quiet: bool) -> None:
     t0 = time.monotonic()
     tty = sys.stderr.isatty()
     last_print = 0.0
@@ -149,7 +152,7 @@ def _wait(rec: object, stop: threading.Event, duration: float | None, quiet: boo
             break
         if quiet:
             continue
-        line = _live_line(rec.stats, elapsed, rec.options.decode)  # type: ignore[attr-defined]
+        line = _live_line(rec.stats, elapsed, rec.options.decode)
         if tty:
             click.echo("\r" + line, nl=False, err=True)
         elif elapsed - last_print >= 5:   # plain lines, not a flood, when not on a terminal

@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # matplotlib is imported only when a plot is drawn
+    from matplotlib.axes import Axes
+
     from harness.report.write import RunResult
+    from harness.timeline import Timeline
 
 
 def plot_timeline(result: RunResult, path: Path) -> None:
@@ -49,7 +52,7 @@ def plot_timeline(result: RunResult, path: Path) -> None:
     plt.close(fig)
 
 
-def _rates(ax, tl, mids) -> None:  # type: ignore[no-untyped-def]
+def _rates(ax: Axes, tl: Timeline, mids: list[float]) -> None:
     ax.plot(mids, [p.offered_rate for p in tl.periods], label="offered/s")
     ax.plot(mids, [p.achieved_rate for p in tl.periods], label="achieved/s")
     ax.plot(mids, [p.rejected / tl.period_s for p in tl.periods], label="rejected/s")
@@ -65,7 +68,7 @@ def _rates(ax, tl, mids) -> None:  # type: ignore[no-untyped-def]
     ax.set_ylabel("calls/s")
 
 
-def _tier(ax, tl) -> None:  # type: ignore[no-untyped-def]
+def _tier(ax: Axes, tl: Timeline) -> None:
     tiers = tl.tier_series()
     if tiers:
         xs = [0.0] + [t for t, _ in tiers] + [tl.duration_s]
@@ -82,7 +85,7 @@ def _tier(ax, tl) -> None:  # type: ignore[no-untyped-def]
     ax.set_ylabel("tier")
 
 
-def _shade(ax, tl) -> None:  # type: ignore[no-untyped-def]
+def _shade(ax: Axes, tl: Timeline) -> None:
     for f in tl.faults:
         if f.applied_s is not None:
             end = f.removed_s if f.removed_s is not None else tl.duration_s
@@ -93,7 +96,7 @@ def _shade(ax, tl) -> None:  # type: ignore[no-untyped-def]
             ax.text(start, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
 
 
-def _legend(ax) -> None:  # type: ignore[no-untyped-def]
+def _legend(ax: Axes) -> None:
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))   # one entry per label, although each band adds one
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")

@@ -34,6 +34,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from replay.senders.base import OK, SendOutcome
 from replay.senders.h2frames import connection_failed, outcome
@@ -171,11 +172,12 @@ class H2Connection(asyncio.Protocol, FrameLoop):
 
     # ---- asyncio Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream connection's transport (loop.create_connection): asyncio types the argument as the base
+        self.transport = t = cast(asyncio.Transport, transport)
         preface = PREFACE + settings({Setting.ENABLE_PUSH: 0, Setting.INITIAL_WINDOW_SIZE: self.window})
         if self.conn_window > DEFAULT_WINDOW:
             preface += window_update(0, self.conn_window - DEFAULT_WINDOW)
-        transport.write(preface)  # type: ignore[attr-defined]
+        t.write(preface)
         # Ready only with the server's first SETTINGS (as grpc-core does): before it we would not know
         # its MAX_CONCURRENT_STREAMS, and streams beyond it would be refused.
 
@@ -218,21 +220,22 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         fut = self.loop.create_future() if on_end is None else None
         st = self.streams[sid] = Stream(sid, fut, self.peer_window, on_end, self.window, self.max_message)
         st.timer = self.loop.call_at(deadline, self._deadline, st)
+        transport = self.transport
+        assert transport is not None, "open() before the connection is made"
         n = len(block)
         head = (HEAD.pack(n >> 16, n & 0xFFFF, _HEADERS, _END_HEADERS, sid) + block if n <= self.peer_max_frame
                 else headers(sid, block, self.peer_max_frame))  # the usual case, packed inline
         if payload is None:
-            self.transport.write(head)  # type: ignore[union-attr]
+            transport.write(head)
             return st
         n = len(payload)
         st.half_closed = True
         if not self.blocked and n <= self.send_window and n <= st.window and n <= self.peer_max_frame:
             self.send_window -= n
             st.window -= n
-            self.transport.write(b"".join((head, HEAD.pack(n >> 16, n & 0xFFFF, _DATA, _END_STREAM, sid),  # type: ignore[union-attr]
-                                           payload)))
+            transport.write(b"".join((head, HEAD.pack(n >> 16, n & 0xFFFF, _DATA, _END_STREAM, sid), payload)))
         else:
-            self.transport.write(head)  # type: ignore[union-attr]
+            transport.write(head)
             self.blocked.append([st, memoryview(payload), True])
             self._flush()
         return st
@@ -252,7 +255,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
 
     def _flush(self) -> None:
         """Send queued DATA in FIFO order as far as the connection and stream windows allow."""
-        write = self.transport.write  # type: ignore[union-attr]
+        assert self.transport is not None
+        write = self.transport.write
         while self.blocked and not self.closed:
             item = self.blocked[0]
             st, data, end = item
@@ -281,7 +285,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         if st.timer is not None:
             st.timer.cancel()
         if reset is not None and not self.closed:
-            self.transport.write(rst_stream(st.sid, reset))  # type: ignore[union-attr]
+            assert self.transport is not None
+            self.transport.write(rst_stream(st.sid, reset))
         if st.on_end is not None:
             on_end, st.on_end = st.on_end, None
             on_end(out)
@@ -341,7 +346,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         self.recv_window -= n
         self.recv_unacked += n
         if self.recv_unacked >= self.conn_window // 2:
-            self.transport.write(window_update(0, self.recv_unacked))  # type: ignore[union-attr]
+            assert self.transport is not None
+            self.transport.write(window_update(0, self.recv_unacked))
             self.recv_window += self.recv_unacked
             self.recv_unacked = 0
         st = self.streams.get(sid)
@@ -365,7 +371,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             return
         st.unacked += n
         if st.unacked >= self.window // 2:
-            self.transport.write(window_update(sid, st.unacked))  # type: ignore[union-attr]
+            assert self.transport is not None
+            self.transport.write(window_update(sid, st.unacked))
             st.recv_window += st.unacked
             st.unacked = 0
 
@@ -403,7 +410,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         self._end(st, out, reset=None if st.half_closed else ErrorCode.CANCEL)
 
     def on_control(self, ftype: int, sid: int, flags: int, payload: bytes) -> None:
-        write = self.transport.write  # type: ignore[union-attr]
+        assert self.transport is not None
+        write = self.transport.write
         if ftype == _SETTINGS:
             if not self.settings_budget.spend():
                 raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, f"SETTINGS flood (over {SETTINGS_BURST} at "

@@ -1,0 +1,37 @@
+"""What a fault applier is and where it registers: the one module both `faultrun` (which runs the
+appliers) and `faultimpl` (which holds most of them) import, so neither imports the other's half-made
+module (`import harness.faultimpl` on its own used to fail on that cycle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from harness.scenario import FaultSpec
+
+
+@dataclass
+class FaultContext:
+    running: Any            # harness.target.Running
+    rng: random.Random
+    applied_at: float | None = None   # set by an applier that knows exactly when its fault took effect
+
+
+class Applier(Protocol):
+    def __call__(self, spec: FaultSpec, ctx: FaultContext) -> contextlib.AbstractContextManager[str]:
+        """A context manager that holds the fault while entered; entering returns a one-line detail."""
+
+
+APPLIERS: dict[tuple[str, str], Applier] = {}
+
+
+def register(family: str, *kinds: str) -> Callable[[Applier], Applier]:
+    def deco(fn: Applier) -> Applier:
+        for kind in kinds:
+            APPLIERS[(family, kind)] = fn
+        return fn
+    return deco
