@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Protocol
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor, ServiceDescriptor
 
+from capture.recording import MethodGroup
+
 if TYPE_CHECKING:
     from replay.compare import Descriptors
 
@@ -390,16 +392,9 @@ MANUAL = "--method-map"
 
 
 @dataclass(frozen=True)
-class GroupState:
+class GroupState(MethodGroup):
     """A group as it stands after the map and inference; `changed` when this run decided it."""
 
-    flow_id: int
-    ref: str
-    protocol: str
-    calls: int
-    kinds: dict[str, int]
-    method: str | None
-    how: str | None
     candidates: tuple[str, ...] = ()
     changed: bool = False
 
