@@ -63,7 +63,7 @@ def test_bundled_baseline_scenario_runs_scaled_down(tmp_path: Path) -> None:
     assert scenario.duration_s == pytest.approx(7.0)
     result, paths = run_scenario(scenario, report_dir=str(tmp_path / "r"), stream=io.StringIO(), png=False)
     verdicts = {v.kind: v for v in result.verdicts}
-    assert set(verdicts) == {"alert_silent", "slo", "error_rate", "no_loss"}
+    assert set(verdicts) == {"alert_silent", "slo", "error_rate", "no_loss", "alert_rule", "percentiles_distinct"}
     # Latency verdicts depend on how busy the host is; accounting never does.
     assert verdicts["no_loss"].passed and verdicts["error_rate"].passed, [v.summary for v in result.verdicts]
-    assert Path(paths["junit"]).read_text().count("<testcase") == 4
+    assert Path(paths["junit"]).read_text().count("<testcase") == 6
