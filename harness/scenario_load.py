@@ -172,15 +172,37 @@ def _target(node: Node) -> AgentTarget | ExternalTarget:
     spec = {"address": Param("str", required=True), "metrics_url": Param("str"), "events_url": Param("str"),
             "p99_threshold_ms": Param("number"), "alert_periods": Param("int"), "period_s": Param("number")}
     metrics_node = ext.pop("metrics", None)
-    _unknown(ext, spec | {"metrics": Param("str")}, "target.external")
+    allow_node = ext.pop("allow", None)
+    _unknown(ext, spec | {"metrics": Param("str"), "allow": Param("str")}, "target.external")
     if "address" not in ext:
         ext_node.fail("target.external: missing 'address' (host:port of your gRPC service)")
     values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k)) for k, v in ext.items()}
+    _external_allowed(ext["address"], values["address"], allow_node)
     names = MetricNames()
     if metrics_node is not None:
         fields = {k: Param("str") for k in MetricNames.__dataclass_fields__}
         names = MetricNames(**typed_params(metrics_node, fields, "target.external.metrics"))
     return ExternalTarget(metrics=names, **values)
+
+
+def _external_allowed(addr_node: Node, address: str, allow_node: Node | None) -> None:
+    """`replay`'s safety check (replay/target.py) on an external target, before any traffic: loopback,
+    SHADOWTEST_ALLOW_TARGETS or the allow-targets file, or `allow:` here (true: this host; or hosts/CIDRs)."""
+    from replay.errors import TargetNotAllowedError
+    from replay.target import check_target, split_target
+
+    try:
+        allow: tuple[str, ...] = ()
+        if allow_node is not None and isinstance(allow_node.value(), bool):
+            allow = (split_target(address)[0],) if allow_node.boolean("target.external.allow") else ()
+        elif allow_node is not None:
+            allow = allow_node.strings("target.external.allow")
+        check_target(address, allow)
+    except TargetNotAllowedError as exc:
+        reason = str(exc).split("; pass --allow-target", 1)[0].replace("replay to", "send traffic to")
+        hint = ("; if it really is a shadow environment, add 'allow: true' (or a list of hosts/CIDRs) "
+                "under target.external") if "not allowed" in reason else ""
+        addr_node.fail(f"target.external.address: {reason}{hint}")
 
 
 def _limiter_range(node: Node, options: dict[str, Any]) -> None:

@@ -327,3 +327,63 @@ def test_the_six_bundled_scenarios_validate_on_the_command_line() -> None:
     out = CliRunner().invoke(chaos, ["validate", *files])
     assert out.exit_code == 0, out.output
     assert [line.split(":")[0] for line in out.output.splitlines()] == [f"ok  {f}" for f in files]
+
+
+# ---- external targets pass replay's allowlist at load (validation only: nothing is dialled) -------------
+EXTERNAL = """\
+name: ext
+target:
+  external:
+    address: "ADDRESS"
+ALLOW
+traffic: {generator: {rate: 5}}
+phases: [{name: only, duration: 1s}]
+"""
+
+
+@pytest.fixture
+def no_configured_allowlist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import replay.target
+
+    monkeypatch.delenv("SHADOWTEST_ALLOW_TARGETS", raising=False)
+    monkeypatch.setattr(replay.target, "CONFIG_FILE", tmp_path / "no-allow-targets")
+
+
+def _external(address: str, allow: str = "") -> str:
+    return EXTERNAL.replace("ADDRESS", address).replace("ALLOW\n", f"    allow: {allow}\n" if allow else "")
+
+
+@pytest.mark.usefixtures("no_configured_allowlist")
+def test_external_target_off_loopback_is_refused_with_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "ext.yaml"
+    f.write_text(_external("10.255.255.1:50051"))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(f)
+    assert info.value.file == str(f) and info.value.line == 4, str(info.value)
+    assert "10.255.255.1:50051" in str(info.value) and "not loopback and not allowed" in str(info.value)
+    assert "allow: true" in str(info.value)
+
+
+@pytest.mark.usefixtures("no_configured_allowlist")
+@pytest.mark.parametrize("address, allow", [
+    ("127.0.0.1:7000", ""), ("[::1]:7000", ""),
+    ("10.255.255.1:50051", "true"), ("10.255.255.1:50051", "[10.0.0.0/8]"), ("10.255.255.1:50051", "10.255.255.1"),
+])
+def test_external_target_allowed(address: str, allow: str) -> None:
+    s = load_scenario_text(_external(address, allow))
+    assert isinstance(s.target, ExternalTarget) and s.target.address == address
+
+
+@pytest.mark.usefixtures("no_configured_allowlist")
+@pytest.mark.parametrize("allow, expected", [
+    ("false", "not loopback and not allowed"), ("[192.168.0.0/16]", "not loopback and not allowed"),
+    ("{x: 1}", "target.external.allow: expected a list"),
+])
+def test_external_target_allow_must_cover_it(allow: str, expected: str) -> None:
+    with pytest.raises(ScenarioError, match=expected):
+        load_scenario_text(_external("10.255.255.1:50051", allow))
+
+
+def test_external_target_allowed_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHADOWTEST_ALLOW_TARGETS", "10.255.0.0/16")
+    assert load_scenario_text(_external("10.255.255.1:50051")).target.address == "10.255.255.1:50051"

@@ -1,9 +1,11 @@
-"""Toxiproxy 2.x's HTTP API over a small asyncio HTTP/1.1 server (keep-alive, Content-Length bodies).
+"""Toxiproxy 2.x's HTTP API over a small asyncio HTTP/1.1 server (keep-alive, Content-Length or
+chunked request bodies, `Expect: 100-continue` answered as Go's net/http does).
 
-Routes, status codes and error bodies follow Toxiproxy's api.go: errors are
-``{"error": "<message>", "status": <code>}`` with 400, 404, 409 (500 for a listen failure);
-creates answer 201 (toxics 200, as Toxiproxy does), deletes and /reset 204. Mutating answers also
-carry `X-Shadowtest-Applied-At`: CLOCK_MONOTONIC seconds when every live connection had switched.
+Routes, status codes and error bodies follow Toxiproxy's api.go: an error is Go's `http.Error` of the
+compact JSON ``{"error":"<message>","status":<code>}`` -- so Content-Type `text/plain; charset=utf-8`,
+`X-Content-Type-Options: nosniff` and a trailing newline -- with 400, 404, 409 (500 for a listen
+failure); creates answer 201 (toxics 200, as Toxiproxy does), deletes and /reset 204. Mutating answers
+also carry `X-Shadowtest-Applied-At`: CLOCK_MONOTONIC seconds when every live connection had switched.
 """
 
 from __future__ import annotations
@@ -22,6 +24,30 @@ from faults.proxy.model import ERR_BAD_REQUEST_BODY, ApiError
 log = logging.getLogger(__name__)
 VERSION = "2.12.0"
 _MAX_BODY = 8 << 20
+_MAX_LINE = 8 << 10
+ERROR_TYPE = "text/plain; charset=utf-8"  # Go's http.Error overrides the application/json set before it
+
+
+def go_json(obj: Any) -> str:
+    """json.Marshal's text: compact, UTF-8, with <, > and & escaped as Go does."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+                    ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text
+
+
+def error_body(message: str, status: int) -> bytes:
+    """Toxiproxy's apiError: http.Error(json.Marshal(ApiError)) -- the JSON and a newline."""
+    return (go_json({"error": message, "status": status}) + "\n").encode()
+
+
+class HttpError(Exception):
+    """A request the HTTP layer refuses before routing (Go's net/http answers these itself)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 Reply = tuple[int, Any]
 Handler = Callable[[ProxyCollection, dict[str, str], Any], Awaitable[Reply]]
@@ -129,8 +155,7 @@ async def dispatch(c: ProxyCollection, method: str, path: str, raw: bytes) -> tu
         try:
             status, obj = await handler(c, {k: unquote(x) for k, x in m.groupdict().items()}, raw)
         except ApiError as exc:
-            status, obj = exc.status, {"error": exc.message, "status": exc.status}
-            return status, (json.dumps(obj) + "\n").encode(), "application/json"
+            return exc.status, error_body(exc.message, exc.status), ERROR_TYPE
         if obj is None:
             return status, b"", "application/json"
         if isinstance(obj, str):
@@ -140,44 +165,108 @@ async def dispatch(c: ProxyCollection, method: str, path: str, raw: bytes) -> tu
 
 
 _REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 403: "Forbidden",
-            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 500: "Internal Server Error"}
+            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Request Entity Too Large",
+            417: "Expectation Failed", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            501: "Not Implemented"}
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes] | None:
+async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                        ) -> tuple[str, str, dict[str, str], bytes] | None:
     line = await reader.readline()
     if not line:
         return None
-    method, target, version = line.decode("latin-1").split()
+    parts = line.decode("latin-1").split()
+    if len(parts) != 3:
+        raise HttpError(400, "malformed HTTP request")
+    method, target, version = parts
     headers: dict[str, str] = {"_version": version}
     while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        if len(h) > _MAX_LINE:
+            raise HttpError(431, "request header too large")
         k, _, val = h.decode("latin-1").partition(":")
         headers[k.strip().lower()] = val.strip()
-    size = int(headers.get("content-length", "0") or 0)
-    if size > _MAX_BODY:
-        raise ValueError("body too large")
-    body = await reader.readexactly(size) if size else b""
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+    if headers.get("transfer-encoding") and not chunked:
+        raise HttpError(501, "unsupported transfer encoding")
+    try:
+        size = 0 if chunked else int(headers.get("content-length", "0") or 0)
+    except ValueError as exc:
+        raise HttpError(400, "bad Content-Length") from exc
+    if size > _MAX_BODY or size < 0:
+        raise HttpError(413, "request body too large")
+    expect = headers.get("expect", "").lower()
+    if expect and expect != "100-continue":
+        raise HttpError(417, "unsupported Expect")
+    if expect and version == "HTTP/1.1" and (size or chunked):
+        # What Go's net/http does: the client is told to send the body once a handler reads it.
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+    if chunked:
+        body = await _read_chunked(reader)
+    else:
+        body = await reader.readexactly(size) if size else b""
     return method.upper(), target, headers, body
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A Transfer-Encoding: chunked body, at most _MAX_BODY bytes; trailers are read and ignored."""
+    out = bytearray()
+    while True:
+        line = await reader.readline()
+        if not line.endswith(b"\n") or len(line) > _MAX_LINE:
+            raise HttpError(400, "malformed chunked encoding")
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError as exc:
+            raise HttpError(400, "malformed chunked encoding") from exc
+        if size < 0 or len(out) + size > _MAX_BODY:
+            raise HttpError(413, "request body too large")
+        if size == 0:
+            while (t := await reader.readline()) not in (b"\r\n", b"\n"):
+                if not t or len(t) > _MAX_LINE:
+                    raise HttpError(400, "malformed chunked encoding")
+            return bytes(out)
+        out += await reader.readexactly(size)
+        if await reader.readline() not in (b"\r\n", b"\n"):
+            raise HttpError(400, "malformed chunked encoding")
+
+
+def _head(status: int, ctype: str, length: int, keep: bool) -> list[str]:
+    return [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}", f"Content-Type: {ctype}",
+            f"Content-Length: {length}", f"Connection: {'keep-alive' if keep else 'close'}"]
 
 
 async def serve_connection(c: ProxyCollection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answer requests on one HTTP connection until the client closes it."""
     try:
-        while (req := await _read_request(reader)) is not None:
+        while True:
+            try:
+                req = await _read_request(reader, writer)
+            except HttpError as exc:
+                # Answered and closed, as net/http does for a request it cannot parse or accept.
+                payload = f"{exc.status} {_REASONS.get(exc.status, 'Bad Request')}: {exc.message}".encode()
+                head = _head(exc.status, ERROR_TYPE, len(payload), False)
+                writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+                await writer.drain()
+                break
+            if req is None:
+                break
             method, target, headers, body = req
             if headers.get("user-agent", "").startswith("Mozilla/"):
-                status, payload, ctype = 403, b"User agent not allowed\n", "text/plain; charset=utf-8"
+                status, payload, ctype = 403, b"User agent not allowed\n", ERROR_TYPE
             else:
                 status, payload, ctype = await dispatch(c, method, target, body)
             keep = headers["_version"] == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-            head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}", f"Content-Type: {ctype}",
-                    f"Content-Length: {len(payload)}", f"Connection: {'keep-alive' if keep else 'close'}"]
+            head = _head(status, ctype, len(payload), keep)
+            if ctype == ERROR_TYPE and status >= 400:
+                head.append("X-Content-Type-Options: nosniff")
             if method in _MUTATING and status < 300:
                 head.append(f"X-Shadowtest-Applied-At: {c.applied_at:.9f}")
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
             await writer.drain()
             if not keep:
                 break
-    except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+    except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
         log.debug("API connection ended: %s", exc)
     finally:
         writer.close()

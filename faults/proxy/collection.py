@@ -24,6 +24,36 @@ from faults.proxy.model import (
 )
 from faults.proxy.proxy import Proxy
 
+_GO_KINDS = {bool: "bool", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _typed(body: dict[str, Any], where: str = "") -> None:
+    """Go's decoder into toxiproxy.Proxy: name/listen/upstream strings, enabled a JSON boolean (else 400)."""
+    for key, want in (("name", str), ("listen", str), ("upstream", str), ("enabled", bool)):
+        value = body.get(key)
+        if value is None or isinstance(value, want):
+            continue
+        go_type = "bool" if want is bool else "string"
+        raise ERR_BAD_REQUEST_BODY.joined(
+            f"json: cannot unmarshal {_GO_KINDS.get(type(value), 'value')} into Go struct field "
+            f"Proxy.{key} of type {go_type}{where}")
+
+
+def _check_address(field: str, addr: str, where: str = "") -> None:
+    """HOST:PORT with a port 0-65535 (a host is required upstream); else 400 before anything listens or dials."""
+    host, sep, port = addr.rpartition(":")
+    problem = ""
+    if not sep:
+        problem = "missing port in address"
+    elif not port.isdigit() or int(port) > 65535:
+        problem = "invalid port"
+    elif field == "upstream" and not host.strip("[]"):
+        problem = "missing host in address"
+    elif host.count(":") and not (host.startswith("[") and host.endswith("]")):
+        problem = "too many colons in address"
+    if problem:
+        raise ERR_BAD_REQUEST_BODY.joined(f"{field}{where}: address {addr}: {problem}")
+
 
 class ProxyCollection:
     """Named proxies; one lock serialises changes, like Toxiproxy's collection mutex."""
@@ -47,13 +77,17 @@ class ProxyCollection:
     def _fields(body: Any, where: str = "") -> tuple[str, str, str, bool]:
         if not isinstance(body, dict):
             raise ERR_BAD_REQUEST_BODY.joined("json: cannot unmarshal into Go value of type toxiproxy.Proxy")
+        _typed(body, where)
         name, upstream = body.get("name") or "", body.get("upstream") or ""
-        if not isinstance(name, str) or not name:
+        if not name:
             raise ERR_MISSING_FIELD.joined("name" + where)
-        if not isinstance(upstream, str) or not upstream:
+        if not upstream:
             raise ERR_MISSING_FIELD.joined("upstream" + where)
+        listen = str(body.get("listen") or "127.0.0.1:0")
+        _check_address("listen", listen, where)
+        _check_address("upstream", upstream, where)
         enabled = body.get("enabled")
-        return name, str(body.get("listen") or "127.0.0.1:0"), upstream, True if enabled is None else bool(enabled)
+        return name, listen, upstream, True if enabled is None else enabled
 
     async def create(self, body: Any) -> Proxy:
         name, listen, upstream, enabled = self._fields(body)
@@ -98,8 +132,11 @@ class ProxyCollection:
             proxy = self.get(name)
             if not isinstance(body, dict):
                 raise ERR_BAD_REQUEST_BODY.joined("json: cannot unmarshal into Go value of type toxiproxy.Proxy")
+            _typed(body)
             listen = str(body.get("listen") or proxy.listen)
             upstream = str(body.get("upstream") or proxy.upstream)
+            _check_address("listen", listen)
+            _check_address("upstream", upstream)
             enabled = proxy.enabled if body.get("enabled") is None else bool(body["enabled"])
             if listen != proxy.listen or upstream != proxy.upstream:
                 await proxy.stop()

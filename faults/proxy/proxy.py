@@ -25,6 +25,8 @@ def split_hostport(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep:
         raise ValueError(f"address {addr}: missing port")
+    if port and not port.isdigit():
+        raise ValueError(f"address {addr}: invalid port")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port or 0)
 
@@ -82,12 +84,23 @@ class Connection:
         self.closed = False
         proxy.connections.add(self)
         self._open_task = self.loop.create_task(self._open())
+        self._open_task.add_done_callback(self._opened)
+
+    def _opened(self, task: asyncio.Task[None]) -> None:
+        """Whatever went wrong while dialling, the client is closed, never left waiting."""
+        if task.cancelled():
+            return self.close()
+        exc = task.exception()
+        if exc is not None:
+            log.warning("proxy %s: connection to %s failed: %r", self.proxy.name, self.proxy.upstream, exc)
+            self.close()
 
     async def _open(self) -> None:
-        host, port = split_hostport(self.proxy.upstream)
         try:
+            host, port = split_hostport(self.proxy.upstream)
             self.upstream, _ = await self.loop.create_connection(lambda: _Side(None, self, "upstream"), host, port)
-        except OSError as exc:
+        except (OSError, ValueError, OverflowError) as exc:
+            # One line, and the client is closed at once (as Toxiproxy does), never held open.
             log.warning("proxy %s: upstream %s unreachable: %s", self.proxy.name, self.proxy.upstream, exc)
             return self.close()
         if self.closed:  # the client went away (or the proxy was disabled) while we dialled

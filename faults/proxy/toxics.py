@@ -45,6 +45,21 @@ class Toxic:
         for key, value in attrs.items():
             setattr(self, key, value)
 
+    LIMITS: ClassVar[dict[str, tuple[float, float]]] = {}
+
+    @classmethod
+    def check(cls, attrs: dict[str, Any]) -> None:
+        """Raise ValueError when an attribute is out of range: numbers are never negative (as
+        Toxiproxy's toxics assume: a negative size or duration has no meaning), `LIMITS` narrows more."""
+        for key, default in cls.ATTRS.items():
+            value = attrs.get(key, default)
+            if isinstance(value, str) or isinstance(value, bool):
+                continue
+            lo, hi = cls.LIMITS.get(key, (0, float("inf")))
+            if not lo <= value <= hi:
+                bound = f"at least {lo:g}" if hi == float("inf") else f"between {lo:g} and {hi:g}"
+                raise ValueError(f"{cls.GO_NAME}.attributes.{key} {value:g} must be {bound}")
+
     def new_state(self) -> Any:
         return None
 
@@ -85,6 +100,7 @@ def parse_attributes(toxic_type: str, given: Any, base: dict[str, Any] | None = 
     for key, value in given.items():
         if key in cls.ATTRS:
             out[key] = _coerce(cls, key, value)
+    cls.check(out)
     return out
 
 
@@ -234,22 +250,27 @@ class ResetPeerToxic(Toxic):
 
 
 def slice_offsets(rng: random.Random, size: int, average: int, variation: int) -> list[int]:
-    """Cut points for a chunk of `size` bytes, Toxiproxy's recursive halving: [0, a, b, ..., size]."""
-    if average <= 0:
+    """Cut points for a chunk of `size` bytes, Toxiproxy's halving: [0, a, b, ..., size].
+
+    Every cut lies strictly inside its span, so the pieces are non-empty, ascending and add up to
+    `size` whatever `variation` is (Toxiproxy's own halving can step outside the chunk when the
+    variation is larger than half of it). Iterative, so no input can exhaust the recursion limit.
+    """
+    if average <= 0 or size <= 0:
         return [0, size]
-    cuts: list[int] = []
-
-    def chunk(start: int, end: int) -> None:
-        if (end - start) - average <= variation:
+    variation = max(0, variation)
+    cuts = [0]
+    todo = [(0, size)]  # a stack; the left half is taken first, as Toxiproxy recurses
+    while todo:
+        start, end = todo.pop()
+        if (end - start) - average <= variation or end - start < 2:
             cuts.append(end)
-            return
+            continue
         vary = rng.randrange(variation * 2) - variation if variation > 0 else 0
-        mid = start + (end - start) // 2 + vary
-        chunk(start, mid)
-        chunk(mid, end)
-
-    chunk(0, size)
-    return [0, *cuts]
+        mid = min(end - 1, max(start + 1, start + (end - start) // 2 + vary))
+        todo.append((mid, end))
+        todo.append((start, mid))
+    return cuts
 
 
 @register("slicer")
@@ -261,6 +282,15 @@ class SlicerToxic(Toxic):
     size_variation: int
     delay: int
     GO_NAME = "SlicerToxic"
+
+    @classmethod
+    def check(cls, attrs: dict[str, Any]) -> None:
+        """Toxiproxy's rule (slicer.go, README): the variation must be less than the average size."""
+        super().check(attrs)
+        avg, var = attrs.get("average_size", 0), attrs.get("size_variation", 0)
+        if var > 0 and var >= avg:
+            raise ValueError(f"SlicerToxic.attributes.size_variation {var} must be less than "
+                             f"average_size {avg}")
 
     async def pipe(self, stub: Stub) -> None:
         while True:
@@ -316,6 +346,7 @@ class GrpcDelayToxic(Toxic):
     """Call-level (HTTP/2): delays `share` of the calls (optionally only `method`) by `delay` +/- `jitter` ms."""
 
     ATTRS = {"delay": 0, "jitter": 0, "share": 1.0, "method": ""}
+    LIMITS = {"share": (0.0, 1.0)}
     GO_NAME = "GrpcDelayToxic"
     stage = False
 
@@ -325,6 +356,7 @@ class GrpcErrorToxic(Toxic):
     """Call-level (HTTP/2): fails `share` of the calls (optionally only `method`) with gRPC `status`."""
 
     ATTRS = {"status": 14, "message": "injected by shadowtest proxy", "share": 1.0, "method": ""}
+    LIMITS = {"share": (0.0, 1.0), "status": (1, 16)}
     GO_NAME = "GrpcErrorToxic"
     stage = False
 
