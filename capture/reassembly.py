@@ -6,10 +6,18 @@
     FIN / end of capture / too much held --> skip the hole: a gap, reported, never silent
 
 Deliveries go to a `FlowSink` with the timestamp of the segment that carried the bytes.
+
+Cost per segment is O(log held): held segments are keyed by their offset in the stream (not the
+wrapping sequence number) in a heap, so a burst of small out-of-order segments does not make each
+delivery scan all of them. At most `_MAX_HELD` bytes and `_MAX_HELD_SEGMENTS` segments are held per
+direction. `feed` and `finish` may be called from different threads (the live backend does):
+one lock serialises them.
 """
 
 from __future__ import annotations
 
+import heapq
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +26,7 @@ from capture.recording import Direction, Flow
 from capture.sink import FlowSink
 
 _MAX_HELD = 4 << 20      # bytes held out of order per direction before declaring a gap
+_MAX_HELD_SEGMENTS = 16384   # segments held per direction (tiny segments: bytes alone would allow millions)
 _MOD = 1 << 32
 
 _Addr = tuple[str, int]
@@ -36,8 +45,10 @@ class ReassemblyStats:
 
 class _Dir:
     def __init__(self) -> None:
-        self.next: int | None = None
-        self.held: dict[int, tuple[int, bytes]] = {}
+        self.next: int | None = None     # sequence number of the next byte expected
+        self.off = 0                     # its offset in the stream (no wrap): what `held` is keyed by
+        self.held: dict[int, tuple[int, bytes]] = {}   # stream offset -> (ts, data)
+        self.heap: list[int] = []        # the keys of `held`, smallest first
         self.held_bytes = 0
         self.fin = False
 
@@ -58,6 +69,7 @@ class Reassembler:
         self.accept = accept
         self.stats = ReassemblyStats()
         self._flows: dict[_Key, dict[Direction, _Dir]] = {}
+        self._lock = threading.Lock()
 
     def _flow(self, seg: Segment, ts_ns: int) -> tuple[_Key, Direction] | None:
         key = (seg.src, seg.dst) if (seg.src, seg.dst) in self._flows else (seg.dst, seg.src)
@@ -83,6 +95,10 @@ class Reassembler:
         return seg.dst[1] < seg.src[1]                # no SYN seen: the lower port is the service
 
     def feed(self, seg: Segment, ts_ns: int) -> None:
+        with self._lock:
+            self._feed(seg, ts_ns)
+
+    def _feed(self, seg: Segment, ts_ns: int) -> None:
         self.stats.tcp_segments += 1
         if self.accept and not self.accept(seg):
             return
@@ -115,10 +131,14 @@ class Reassembler:
             ahead = 0
         if ahead > 0:
             self.stats.out_of_order += 1
-            if seq not in d.held or len(d.held[seq][1]) < len(data):
-                d.held[seq] = (ts_ns, data)
-                d.held_bytes += len(data)
-            if d.held_bytes > _MAX_HELD:
+            off = d.off + ahead
+            old = d.held.get(off)
+            if old is None:
+                heapq.heappush(d.heap, off)
+            if old is None or len(old[1]) < len(data):
+                d.held[off] = (ts_ns, data)
+                d.held_bytes += len(data) - (len(old[1]) if old else 0)
+            if d.held_bytes > _MAX_HELD or len(d.held) > _MAX_HELD_SEGMENTS:
                 self._skip_gaps(key, direction, d)
             return
         self._deliver(key, direction, d, data, ts_ns)
@@ -128,33 +148,30 @@ class Reassembler:
         assert d.next is not None
         self.sink.data(key, direction, ts_ns, data)
         d.next = (d.next + len(data)) % _MOD
+        d.off += len(data)
 
     def _drain(self, key: _Key, direction: Direction, d: _Dir) -> None:
-        while d.held:
-            nxt = d.next
-            assert nxt is not None
-            seq = min(d.held, key=lambda s: _diff(s, nxt))
-            ahead = _diff(seq, nxt)
-            if ahead > 0:
-                return
-            ts, data = d.held.pop(seq)
+        """Deliver the held segments that now start at or before the next expected byte."""
+        while d.heap and d.heap[0] <= d.off:
+            off = heapq.heappop(d.heap)
+            ts, data = d.held.pop(off)
             d.held_bytes -= len(data)
-            if -ahead < len(data):
-                self._deliver(key, direction, d, data[-ahead:], ts)
+            behind = d.off - off
+            if behind < len(data):
+                self._deliver(key, direction, d, data[behind:], ts)
 
     def _skip_gaps(self, key: _Key, direction: Direction, d: _Dir) -> None:
         """Bytes that never arrived: jump over each hole, report it, deliver what follows."""
-        while d.held:
-            nxt = d.next
-            assert nxt is not None
-            seq = min(d.held, key=lambda s: _diff(s, nxt))
-            hole = _diff(seq, nxt)
+        while d.heap:                     # each turn delivers or drops at least the first held segment
+            hole = d.heap[0] - d.off
             if hole > 0:
+                assert d.next is not None
                 self.stats.gaps += 1
                 self.stats.gap_bytes += hole
                 self.stats.problems.append(f"gap of {hole} bytes in {direction} of {key[0]}->{key[1]}")
                 self.sink.gap(key, direction, hole)
-                d.next = seq
+                d.next = (d.next + hole) % _MOD
+                d.off += hole
             self._drain(key, direction, d)
 
     def _close(self, key: _Key, ts_ns: int) -> None:
@@ -163,7 +180,8 @@ class Reassembler:
 
     def finish(self) -> ReassemblyStats:
         """End of capture: report holes still open; flows left open stay open (closed_ns NULL)."""
-        for key, dirs in list(self._flows.items()):
-            for direction, d in dirs.items():
-                self._skip_gaps(key, direction, d)
+        with self._lock:
+            for key, dirs in list(self._flows.items()):
+                for direction, d in dirs.items():
+                    self._skip_gaps(key, direction, d)
         return self.stats

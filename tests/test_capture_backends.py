@@ -264,3 +264,91 @@ def test_record_cli_decode_later_tells_the_user_how_to_finish(server: int, tmp_p
     assert res.exit_code == 0 and "calls not decoded yet" in res.output
     assert f"run `shadowtest record --finish -o {out}` on any machine" in res.output
     assert "decoded 0 calls" in CliRunner().invoke(cli, ["record", "--finish", "-o", str(out)]).output
+
+
+@pytest.mark.root
+def test_pcap_backend_stops_within_2s_of_sigint_under_load_and_keeps_its_calls(server: int,
+                                                                             tmp_path: Path) -> None:
+    """Found: under heavy gRPC traffic (a client stream of 50,000 small messages beside unary calls)
+    the pcap backend died with `dictionary changed size during iteration`, spun after SIGINT until
+    SIGTERM and left 0 calls."""
+    import os
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "load.rec"
+    proc = subprocess.Popen([sys.executable, "-c", "from harness.cli import main; main()", "record",
+                             "--backend", "pcap", "--interface", "lo", "--port", str(server), "-o", str(out),
+                             "--json"], stdout=(tmp_path / "out.json").open("w"),
+                            stderr=(tmp_path / "err.txt").open("w"), cwd=Path(__file__).resolve().parents[1])
+    try:
+        for _ in range(200):                            # capture is on once the backend's settings are in
+            if out.exists() and b"backend_settings" in out.read_bytes() + _wal(out):
+                break
+            time.sleep(0.05)
+        done = {"unary": 0}
+        halt = threading.Event()
+        channel = grpc.insecure_channel(f"127.0.0.1:{server}")   # one connection, as in the finding
+
+        def unary() -> None:
+            decide = channel.unary_unary(DECIDE)
+            req = agent_pb2.MarketSnapshot(sequence_id=1, symbol="AAPL").SerializeToString()
+            for _ in range(100_000):
+                if halt.is_set():
+                    return
+                decide(req, timeout=5)
+                done["unary"] += 1
+
+        def stream() -> None:   # a stream of 50,000 small messages
+            reqs = (agent_pb2.MarketSnapshot(sequence_id=i, symbol="MSFT").SerializeToString()
+                    for i in range(50_000) if not halt.is_set())
+            try:
+                for _ in channel.stream_stream(STREAM)(reqs, timeout=60):
+                    pass
+            except grpc.RpcError:
+                pass
+
+        def big() -> None:   # ~1 MB requests and responses
+            decide = channel.unary_unary(DECIDE)
+            req = agent_pb2.MarketSnapshot(sequence_id=2, symbol="X" * (1 << 20)).SerializeToString()
+            for _ in range(4):
+                if not halt.is_set():
+                    decide(req, timeout=10)
+
+        workers = [threading.Thread(target=f) for f in (unary, stream, big)]
+        for w in workers:
+            w.start()
+        time.sleep(3)
+        before = done["unary"]
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(10)
+        finally:
+            took = time.monotonic() - sent
+            halt.set()
+            for w in workers:
+                w.join(30)
+            channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    stdout, stderr = (tmp_path / "out.json").read_text(), (tmp_path / "err.txt").read_text()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert took < 2.0, f"stopped {took:.2f} s after SIGINT"
+    result = json.loads(stdout)
+    with Recording(out) as r:
+        unary_calls = sum(1 for c in r.calls(with_messages=False) if c.method == DECIDE)
+    assert before > 50 and result["calls"] > 0
+    assert unary_calls >= before // 2, (unary_calls, before, result)
+
+
+def _wal(path: Path) -> bytes:
+    wal = Path(f"{path}-wal")
+    try:
+        return wal.read_bytes()
+    except FileNotFoundError:
+        return b""
