@@ -77,11 +77,18 @@ def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, byt
     except Exception as exc:  # noqa: BLE001 - scapy raises Scapy_Exception for a bad magic
         raise PcapError(f"{path} is not a pcap or pcapng file ({exc}); export it from Wireshark as pcapng") from exc
     count = 0
+    start = _track_record_starts(reader)
     try:
         while True:
+            start[0] = _tell(reader)
             try:
                 data, meta = reader._read_packet(size=_SNAP)   # the public one caps frames at 1500 bytes
             except EOFError:
+                # scapy reads a cut-off last record (pcap header, pcapng block) as a clean EOF: a record
+                # that began before the end of the file and did not come back whole is a truncation
+                if 0 <= start[0] < os.path.getsize(path):
+                    problems.append(f"the file ends inside a record after {count} whole packets "
+                                    f"(truncated capture); imported the {count} packets before it")
                 break
             if len(data) < getattr(meta, "caplen", 0):
                 problems.append(f"the file ends inside packet {count + 1} (truncated capture); "
@@ -95,6 +102,27 @@ def read_packets(path: str, problems: list[str]) -> Iterator[tuple[int, int, byt
         reader.close()
     if _truncated_tail(path, reader) and not problems:
         problems.append(f"the file ends inside a packet after {count} whole packets (truncated capture)")
+
+
+def _tell(reader: object) -> int:
+    try:
+        return int(cast(_PcapFile, reader).f.tell())
+    except (ValueError, OSError, AttributeError):
+        return -1
+
+
+def _track_record_starts(reader: object) -> list[int]:
+    """[offset where the record being read began]: for pcapng, updated at every block (one packet read
+    may step over interface and statistics blocks first); for pcap, set by the caller per packet."""
+    start = [-1]
+    block = getattr(reader, "_read_block", None)
+    if block is not None:
+        def read_block(*args: object, **kwargs: object) -> object:
+            start[0] = _tell(reader)
+            return block(*args, **kwargs)
+
+        reader._read_block = read_block   # type: ignore[attr-defined]  # scapy's per-block hook
+    return start
 
 
 def _stamp(reader: object, meta: object, data: bytes) -> tuple[int, int, bytes]:

@@ -407,6 +407,25 @@ class RecordingWriter:
         self.close()
 
 
+def _metadata_column(r: sqlite3.Row, column: str) -> list[tuple[str, str]]:
+    try:
+        return _metadata(r[column])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{column} is not a JSON list of pairs ({exc})") from exc
+
+
+def _row_id(r: sqlite3.Row) -> object:
+    return r["id"] if "id" in r.keys() else "?"
+
+
+def _ints(r: sqlite3.Row, *columns: str, null: bool = False) -> None:
+    """TypeError naming the first of `columns` that is not an integer (a damaged or hand-edited row)."""
+    for c in columns:
+        v = r[c]
+        if not isinstance(v, int) and not (null and v is None):
+            raise TypeError(f"{c} is {v!r}, not an integer")
+
+
 def _row_to_flow(r: sqlite3.Row) -> Flow:
     return Flow(src=(r["src_addr"], r["src_port"]), dst=(r["dst_addr"], r["dst_port"]), pid=r["pid"],
                 comm=r["comm"], opened_ns=r["opened_ns"], closed_ns=r["closed_ns"],
@@ -459,7 +478,11 @@ class Recording:
             self._db.row_factory = sqlite3.Row
             self.meta = {r["key"]: json.loads(r["value"]) for r in self._db.execute("SELECT * FROM meta")}
         except sqlite3.DatabaseError as exc:
+            self._db.close()   # now: a connection left to the collector keeps -wal/-shm files beside the file
             raise CorruptRecordingError(f"{self.path} is not a readable recording: {exc}") from exc
+        except (ValueError, TypeError) as exc:
+            self._db.close()
+            raise CorruptRecordingError(f"{self.path} is damaged: a meta value is not JSON ({exc})") from exc
         version = self.meta.get("schema_version")
         if version != SCHEMA_VERSION:
             raise RecordingError(f"{self.path}: schema version {version!r}, this shadowtest reads "
@@ -495,12 +518,23 @@ class Recording:
                 return hit
         return self._method_map.get((flow_id, ref)) or self._method_map.get((None, ref))
 
+    def _damaged(self, table: str, r: sqlite3.Row, exc: Exception) -> CorruptRecordingError:
+        return CorruptRecordingError(f"{self.path} is damaged: row {_row_id(r)} of {table} is unreadable ({exc})")
+
     def _call(self, r: sqlite3.Row) -> Call:
+        try:
+            return self._checked_call(r)
+        except (ValueError, TypeError) as exc:   # bad JSON metadata, a timestamp that is not an integer
+            raise self._damaged("calls", r, exc) from exc
+
+    def _checked_call(self, r: sqlite3.Row) -> Call:
+        _ints(r, "request_ts_ns")
+        _ints(r, "response_ts_ns", "end_ts_ns", "flow_id", "stream_id", "status", "id", null=True)
         call = Call(
             protocol=r["protocol"], method=r["method"], request_ts_ns=r["request_ts_ns"],
             flow_id=r["flow_id"], kind=r["kind"], stream_id=r["stream_id"],
-            request_metadata=_metadata(r["request_metadata"]),
-            response_metadata=_metadata(r["response_metadata"]), status=r["status"],
+            request_metadata=_metadata_column(r, "request_metadata"),
+            response_metadata=_metadata_column(r, "response_metadata"), status=r["status"],
             status_message=r["status_message"], response_ts_ns=r["response_ts_ns"],
             end_ts_ns=r["end_ts_ns"], method_unknown=bool(r["method_unknown"]), id=r["id"],
             method_ref=r["method_ref"] if self._has_ref else None)
@@ -531,6 +565,10 @@ class Recording:
         if flow_id is not None:
             sql, args = "SELECT * FROM chunks WHERE flow_id = ? ORDER BY id", (flow_id,)
         for r in self._rows(sql, args):
+            try:
+                _ints(r, "ts_ns")
+            except TypeError as exc:
+                raise self._damaged("chunks", r, exc) from exc
             yield Chunk(flow_id=r["flow_id"], direction=r["direction"], ts_ns=r["ts_ns"], data=r["data"])
 
     def calls(self, *, with_messages: bool = True, batch_size: int = _BATCH) -> Iterator[Call]:
@@ -556,7 +594,11 @@ class Recording:
         except sqlite3.DatabaseError:
             rows = self._salvage_messages(calls)
         for m in rows:
-            call = by_id[m["call_id"]]
+            try:
+                _ints(m, "seq", "ts_ns")
+                call = by_id[m["call_id"]]
+            except (ValueError, TypeError, KeyError) as exc:
+                raise self._damaged("messages", m, exc) from exc
             (call.requests if m["direction"] == "c2s" else call.responses).append(Message(
                 direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
                 compressed=bool(m["compressed"])))

@@ -1,9 +1,12 @@
 """Open a damaged recording and read what is intact.
 
 A recording cut short (disk full, a copy interrupted) fails SQLite's own size check and would be
-refused whole. `open_salvaged` then writes a repaired copy (mode 0600, removed on close) whose
-header claims only the pages actually present; `Recording`'s iterators read up to the first
-damaged page and list what was cut off in `problems`.
+refused whole. `open_salvaged` then writes a repaired copy (mode 0600, removed on close, with any
+-wal/-shm/-journal beside it) whose header claims only the pages actually present; `Recording`'s
+iterators read up to the first damaged page and list what was cut off in `problems`.
+
+The copy is streamed in blocks of `_BLOCK` bytes, so memory stays bounded whatever the file's size,
+and is marked as a rollback-journal database so that reading it creates no WAL files.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from capture.errors import CorruptRecordingError
 from capture.recording import Recording
 
 _MAGIC = b"SQLite format 3\x00"
+_BLOCK = 1 << 20
+_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 class SalvagedRecording(Recording):
@@ -40,23 +45,45 @@ class SalvagedRecording(Recording):
 
     def close(self) -> None:
         super().close()
-        self._copy.unlink(missing_ok=True)
+        _remove(self._copy)
+
+
+def _remove(copy: Path) -> None:
+    for suffix in ("", *_SIDE_FILES):
+        Path(f"{copy}{suffix}").unlink(missing_ok=True)
 
 
 def _repaired_copy(path: str) -> str | None:
-    data = bytearray(Path(path).read_bytes())
-    if len(data) < 100 or not data.startswith(_MAGIC):
-        return None                       # not SQLite at all: nothing to salvage
-    page = struct.unpack(">H", data[16:18])[0]
-    page = 65536 if page == 1 else page
-    pages = len(data) // page
-    if pages < 1:
-        return None
-    del data[pages * page:]
-    data[28:32] = struct.pack(">I", pages)   # the header's page count: what is really there
-    fd, tmp = tempfile.mkstemp(prefix="shadowtest-salvage-", suffix=".rec")   # mkstemp: mode 0600
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    """A repaired copy of `path`, streamed; None when the file is not SQLite at all. Raises
+    CorruptRecordingError when its header cannot be repaired (a page size SQLite does not allow)."""
+    with open(path, "rb") as src:
+        head = bytearray(src.read(100))
+        if len(head) < 100 or not head.startswith(_MAGIC):
+            return None                   # not SQLite at all: nothing to salvage
+        page = struct.unpack(">H", head[16:18])[0]
+        page = 65536 if page == 1 else page
+        if page < 512 or page & (page - 1):
+            raise CorruptRecordingError(f"{path} is damaged beyond salvage: its header's page size ({page}) "
+                                        "is not one SQLite allows")
+        pages = os.fstat(src.fileno()).st_size // page
+        if pages < 1:
+            return None
+        head[18:20] = b"\x01\x01"        # rollback journal, not WAL: reading the copy leaves no -wal/-shm
+        head[28:32] = struct.pack(">I", pages)   # the header's page count: what is really there
+        fd, tmp = tempfile.mkstemp(prefix="shadowtest-salvage-", suffix=".rec")   # mkstemp: mode 0600
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(head)
+                left = pages * page - len(head)
+                while left > 0:
+                    block = src.read(min(_BLOCK, left))
+                    if not block:
+                        break
+                    out.write(block)
+                    left -= len(block)
+        except BaseException:
+            _remove(Path(tmp))
+            raise
     return tmp
 
 
@@ -68,11 +95,19 @@ def open_salvaged(path: str | os.PathLike[str]) -> Recording:
     try:
         return Recording(path)
     except CorruptRecordingError as exc:
-        copy = _repaired_copy(str(path))
+        if not isinstance(exc.__cause__, sqlite3.DatabaseError):
+            raise                         # readable pages, damaged values: a copy would not help
+        try:
+            copy = _repaired_copy(str(path))
+        except OSError as err:
+            raise CorruptRecordingError(f"{path} is damaged and cannot be salvaged: {err}") from err
         if copy is None:
             raise
         try:
             return SalvagedRecording(copy, str(path), str(exc.__cause__ or exc))
         except CorruptRecordingError as again:
-            Path(copy).unlink(missing_ok=True)
+            _remove(Path(copy))
             raise CorruptRecordingError(f"{path} is damaged beyond salvage: {again}") from again
+        except BaseException:
+            _remove(Path(copy))
+            raise

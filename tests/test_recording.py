@@ -271,3 +271,44 @@ def test_inspect_says_unknown_methods_are_a_problem_until_every_group_is_named(t
     assert report["methods"][D] == 6 and report["unresolved_method_calls"] == 0
     plain = CliRunner().invoke(cli, ["inspect", str(path)])
     assert f"group flow {f2} hpack:5,4: 1 calls (unary 1) -> {D} (descriptors: unique fit)" in plain.output
+
+
+def _damage(path: Path, statement: str) -> None:
+    import sqlite3
+    db = sqlite3.connect(path)
+    db.execute(statement)
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize(("statement", "says"), [
+    ("UPDATE calls SET request_metadata = '[[\"x-k\", ' WHERE request_ts_ns = 300",
+     "request_metadata is not a JSON list of pairs"),
+    ("UPDATE calls SET response_metadata = '{\"a\": 1}' WHERE request_ts_ns = 300", "response_metadata"),
+    ("UPDATE calls SET request_ts_ns = 'yesterday' WHERE request_ts_ns = 300",
+     "request_ts_ns is 'yesterday', not an integer"),
+    ("UPDATE messages SET ts_ns = 'soon' WHERE seq = 0 AND direction = 's2c'", "row .* of messages"),
+])
+def test_a_damaged_row_is_a_corrupt_recording_error_naming_it(tmp_path: Path, statement: str, says: str) -> None:
+    path = tmp_path / "r.rec"
+    _write_sample(path)
+    _damage(path, statement)
+    with Recording(path) as rec, pytest.raises(CorruptRecordingError, match=says):
+        list(rec.calls())
+
+
+def test_bad_meta_json_is_a_corrupt_recording_error_and_leaves_no_side_files(tmp_path: Path) -> None:
+    path = tmp_path / "r.rec"
+    _write_sample(path)
+    _damage(path, "UPDATE meta SET value = '{not json' WHERE key = 'host'")
+    with pytest.raises(CorruptRecordingError, match="a meta value is not JSON"):
+        Recording(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.rec"]
+
+
+def test_bad_chunk_timestamp_is_a_corrupt_recording_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.rec"
+    _write_sample(path)
+    _damage(path, "UPDATE chunks SET ts_ns = 'x' WHERE data = X'776f726c64'")
+    with Recording(path) as rec, pytest.raises(CorruptRecordingError, match="of chunks is unreadable"):
+        list(rec.chunks())
