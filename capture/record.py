@@ -78,6 +78,7 @@ class Recorder:
             self.backend.start(self.sink)
         except BaseException:
             writer.close()
+            self.sink = None   # nothing started: stop() has nothing to stop (it would write to a closed file)
             raise
         self._started_ns = self.clock.now_ns()   # after the (slow) eBPF load: capture starts now
         writer.set_meta({"backend_settings": self.backend.describe()})

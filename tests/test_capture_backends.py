@@ -352,3 +352,20 @@ def _wal(path: Path) -> bytes:
         return wal.read_bytes()
     except FileNotFoundError:
         return b""
+
+
+def test_a_backend_that_fails_to_start_leaves_stop_a_no_op(tmp_path: Path) -> None:
+    """Recorder.start closes the file when the backend cannot start; a caller's stop() in a finally must
+    not then write to that closed file (it turned a clear start error into a sqlite traceback)."""
+    from capture.record import Recorder, RecordOptions
+
+    rec = Recorder(RecordOptions(output=str(tmp_path / "x.rec"), backend="proxy", port=1))
+
+    class Broken:
+        def start(self, sink: object) -> None:
+            raise RuntimeError("cannot start")
+
+    rec.backend = Broken()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="cannot start"):
+        rec.start()
+    assert rec.stop() == {}
