@@ -75,6 +75,12 @@ SCHEMA_VERSION = 1
 # calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
 # capture joined (a grpc C-core server indexes `grpc-status: 0`): its status is unknown, not missing.
 STATUS_HIDDEN = "status not captured: the trailers refer to HPACK entries from before the capture joined"
+# calls.status_message of an HTTP/1 call whose body fell in a gap of known size that the decoder stepped
+# over ("body not captured: request, N bytes missing in a gap"): the body is not stored (never invented);
+# replay does not send a call whose request body is missing.
+BODY_NOT_CAPTURED = "body not captured"
+# calls.status_message of an HTTP/1 call after a gap the decoder could not resynchronise from: no status.
+OUTCOME_UNKNOWN = "outcome unknown: bytes of the connection were lost and the HTTP/1 pairing could not resume"
 Direction = Literal["c2s", "s2c"]
 
 _SCHEMA = """

@@ -89,7 +89,8 @@ class FlowSink:
         self._lock = threading.Lock()
         self._live = decode == "live"
         self._decode = decode
-        self._gaps: list[tuple[int, str, int]] = []   # at-stop: (flow, direction, chunks before it)
+        # at-stop: (flow, direction, chunks before it, bytes missing or None)
+        self._gaps: list[tuple[int, str, int, int | None]] = []
         self._discarded: dict[tuple[int, str], list[int]] = {}   # (flow, direction) -> [bytes, reads]
         self._discarded_unsaved = False
         if not self._live:
@@ -158,7 +159,7 @@ class FlowSink:
         with self._lock:
             st = self._flows.get(key)
             if st is not None:
-                self._gap_locked(st, direction)
+                self._gap_locked(st, direction, nbytes)
 
     def discarded(self, key: Hashable, direction: Direction, nbytes: int) -> None:
         """The application dropped `nbytes` of this direction without reading them (recv with
@@ -173,14 +174,14 @@ class FlowSink:
             per[0] += nbytes
             per[1] += 1
             self._discarded_unsaved = True
-            self._gap_locked(st, direction)
+            self._gap_locked(st, direction, nbytes)
 
     def _discarded_meta(self) -> dict[str, object]:
         self._discarded_unsaved = False
         return {"discarded_bytes": self.stats.discarded_bytes,
                 "discarded_by_flow": [[f, d, n, reads] for (f, d), (n, reads) in sorted(self._discarded.items())]}
 
-    def _gap_locked(self, st: _FlowState, direction: Direction) -> None:
+    def _gap_locked(self, st: _FlowState, direction: Direction, nbytes: int | None) -> None:
         self.stats.gaps += 1
         masker = st.maskers.pop(direction, None)
         if masker is not None:
@@ -188,9 +189,9 @@ class FlowSink:
                 self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
                 st.stored[direction] += 1
             st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
-        st.decoder.gap(direction)
+        st.decoder.gap(direction, nbytes)
         if not self._live:
-            self._gaps.append((st.flow_id, direction, st.stored[direction]))
+            self._gaps.append((st.flow_id, direction, st.stored[direction], nbytes))
             self.writer.set_meta({"undecoded_gaps": self._gaps})
 
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
@@ -216,12 +217,18 @@ class FlowSink:
         redaction rules then give the same calls as live decoding."""
         self.writer.flush()
         self.writer.clear_calls()     # none while recording; some if an earlier decode was killed
-        gaps = {(f, d, n) for f, d, n in self.writer.meta_value("undecoded_gaps", [])}
+        # (flow, direction, chunks before it) -> bytes missing there (None: unknown; files before the
+        # length was kept have 3 fields); consecutive gaps at one place add up
+        gaps: dict[tuple[int, str, int], int | None] = {}
+        for g in self.writer.meta_value("undecoded_gaps", []):
+            where, n = (g[0], g[1], g[2]), (g[3] if len(g) > 3 else None)
+            prev = gaps.get(where, 0)
+            gaps[where] = None if n is None or prev is None else prev + n
         for flow_id, joined, closed_ns in self.writer.flow_rows():
             st = _FlowState(flow_id, joined)
             for direction, ts_ns, data in self.writer.chunks_of(flow_id):
                 if (flow_id, direction, st.stored[direction]) in gaps:
-                    st.decoder.gap(direction)
+                    st.decoder.gap(direction, gaps[(flow_id, direction, st.stored[direction])])
                 st.stored[direction] += 1
                 self._store_calls(st, st.decoder.feed(direction, ts_ns, data))
             self._store_calls(st, st.decoder.finish(closed_ns))

@@ -16,7 +16,7 @@ from typing import Any
 
 from capture.decode.h2grpc import MAX_MESSAGE
 from capture.deferred import calls_pending, pending_message
-from capture.recording import STATUS_HIDDEN, MethodGroup, Recording
+from capture.recording import BODY_NOT_CAPTURED, OUTCOME_UNKNOWN, STATUS_HIDDEN, MethodGroup, Recording
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -49,11 +49,14 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
     joined = {f.id for f in flows if f.joined_midstream}
     unresolved = ungrouped = 0      # gRPC/HTTP/2 calls whose method is unknown after the map
     hidden = 0                      # calls whose recorded trailers HPACK made unreadable (joined)
+    body_gaps = unknown_outcome = 0  # HTTP/1 calls with a body lost in a gap / after one it could not resync
     for call in rec.calls():
         methods[call.method or "<unknown>"] += 1
         statuses[str(call.status)] += 1
         unknown += int(call.method_unknown)
         hidden += call.status is None and call.status_message == STATUS_HIDDEN
+        body_gaps += bool(call.status_message and call.status_message.startswith(BODY_NOT_CAPTURED))
+        unknown_outcome += call.status_message == OUTCOME_UNKNOWN
         if call.method is None and call.protocol in ("grpc", "http2"):
             if call.method_ref is None and call.flow_id in joined and rec.has_method_refs:
                 ungrouped += 1
@@ -82,6 +85,7 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "unresolved_method_calls": unresolved, "unknown_method_ungrouped": ungrouped,
         "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
                      + _unknown_peers(meta) + _oversized(meta) + _discarded(meta) + _hidden_statuses(hidden)
+                     + _gapped_calls(body_gaps, unknown_outcome)
                      + _unresolved(rec, unresolved, groups)),
     }
     return out
@@ -93,6 +97,18 @@ def _hidden_statuses(n: int) -> list[str]:
         return []
     return [f"{n} call(s) have an unknown status: their trailers were recorded but refer to HPACK entries "
             "from before the capture joined the connection (replay does not compare their status)"]
+
+
+def _gapped_calls(body_gaps: int, unknown_outcome: int) -> list[str]:
+    """HTTP/1 calls a gap damaged: a body stepped over, or the pairing lost after the gap."""
+    out = []
+    if body_gaps:
+        out.append(f"{body_gaps} HTTP/1 call(s) have a body that was not captured (lost in a gap of known "
+                   "size; the pairing was kept, the body is not stored; replay does not send such requests)")
+    if unknown_outcome:
+        out.append(f"{unknown_outcome} HTTP/1 call(s) have an unknown outcome: bytes of their connection were "
+                   "lost where the decoder could not resynchronise, so their responses are not paired")
+    return out
 
 
 def _unresolved(rec: Recording, n: int, groups: list[MethodGroup]) -> list[str]:

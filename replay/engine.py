@@ -318,6 +318,9 @@ class ReplayRun:
         if _unnamed(planned):  # never sent blind (module docstring)
             self._not_sent(planned, "unknown_method")
             return
+        if planned.request_body_missing:  # its body fell in a capture gap: never send an invented one
+            self._not_sent(planned, "request_body_not_captured")
+            return
         if not planned.messages and planned.protocol != "http1":  # a damaged recording lost the request
             self._not_sent(planned, "no_request_in_recording")
             return

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from capture.recording import STATUS_HIDDEN, Call
+from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call
 from replay.errors import PlanError
 
 MIN_SPEED, MAX_SPEED = 0.1, 100.0
@@ -53,6 +53,7 @@ class PlannedCall:
     copy: int = 0
     expected_status: int | None = None
     status_hidden: bool = False          # the recorded status was unreadable (HPACK, joined), not missing
+    request_body_missing: bool = False   # HTTP/1: the request body fell in a capture gap (never sent)
     expected_responses: list[bytes] = field(default_factory=list)
 
     @property
@@ -136,6 +137,8 @@ def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop:
                        metadata=list(call.request_metadata), flow_id=call.flow_id, call_id=call.id,
                        loop=loop, copy=copy, expected_status=call.status,
                        status_hidden=call.status is None and call.status_message == STATUS_HIDDEN,
+                       request_body_missing=(call.status_message or "").startswith(
+                           f"{BODY_NOT_CAPTURED}: request"),
                        expected_responses=[bytes(m.data) for m in call.responses])
 
 

@@ -341,3 +341,174 @@ def test_method_refs_reach_the_recording_and_its_groups(tmp_path, decode: str) -
         refs = [g.ref for g in rec.method_groups()]
         assert [[m.data for c in rec.group_calls(fid, r) for m in c.requests] for r in refs] == \
                [[b"0", b"2", b"4"], [b"1", b"3"]]
+
+
+# --- HTTP/1 gaps: step over a gap of known size inside a body, never mis-pair -------------------------
+
+_BODY_MISSING = "body not captured: {side}, {n} bytes missing in a gap"
+
+
+def _gapped(parts: list[tuple[str, object]]) -> list[Call]:
+    """Feed ("c2s"|"s2c", bytes) and ("gap-c2s"|"gap-s2c", nbytes or None) in order."""
+    dec = FlowDecoder(flow_id=1)
+    calls: list[Call] = []
+    for i, (what, data) in enumerate(parts):
+        if what.startswith("gap-"):
+            dec.gap(what[4:], data)  # type: ignore[arg-type]
+        else:
+            calls += dec.feed(what, 1000 + i * 10, data)  # type: ignore[arg-type, arg-type]
+    return calls + dec.finish()
+
+
+_GETS = b"".join(b"GET /k%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(3))
+_RESPS = b"".join(b"HTTP/1.1 %d X\r\nContent-Length: 2\r\n\r\nk%d" % (200 + i, i) for i in range(3))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_http1_known_size_gap_in_a_request_body_keeps_every_pairing(chunked: bool) -> None:
+    if chunked:
+        head = b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n10\r\n0123"
+        tail = b"CDEF\r\n2\r\nzz\r\n0\r\n\r\n" + _GETS      # the gap: 8 of the 16-byte chunk's bytes
+    else:
+        head = b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n01234"
+        tail = b"FGHIJ" + _GETS                              # the gap: 10 of the 20 body bytes
+    gap = 8 if chunked else 10
+    resp = b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n" + _RESPS
+    calls = _gapped([("c2s", head), ("gap-c2s", gap), ("c2s", tail), ("s2c", resp)])
+    assert [(c.method, c.status) for c in calls] == [("POST /up", 413), ("GET /k0", 200), ("GET /k1", 201),
+                                                     ("GET /k2", 202)]
+    assert calls[0].requests == [] and calls[0].status_message == _BODY_MISSING.format(side="request", n=gap)
+    assert [m.data for c in calls[1:] for m in c.responses] == [b"k0", b"k1", b"k2"]
+    assert [c.status_message for c in calls[1:]] == ["X", "X", "X"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_http1_known_size_gap_in_a_response_body_keeps_every_pairing(chunked: bool) -> None:
+    req = b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" + _GETS
+    if chunked:
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n20\r\nabcd"
+        tail = b"\r\n0\r\n\r\n" + _RESPS                    # the gap: the rest of the 32-byte chunk (28)
+        gap = 28
+    else:
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabcd"
+        tail = b"z" * 6 + _RESPS
+        gap = 90
+    calls = _gapped([("c2s", req), ("s2c", head), ("gap-s2c", gap), ("s2c", tail)])
+    assert [(c.method, c.status) for c in calls] == [("GET /big", 200), ("GET /k0", 200), ("GET /k1", 201),
+                                                     ("GET /k2", 202)]
+    assert calls[0].responses == [] and calls[0].status_message == _BODY_MISSING.format(side="response", n=gap)
+    assert [m.data for c in calls[1:] for m in c.responses] == [b"k0", b"k1", b"k2"]
+
+
+def test_http1_two_gaps_in_one_body_add_up_and_a_gap_longer_than_the_body_does_not_step() -> None:
+    head = b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n01"
+    calls = _gapped([("c2s", head), ("gap-c2s", 5), ("c2s", b"789"), ("gap-c2s", 4), ("c2s", b"EFGHIJ" + _GETS),
+                     ("s2c", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" + _RESPS)])
+    assert [(c.method, c.status) for c in calls][:2] == [("POST /up", 200), ("GET /k0", 200)]
+    assert calls[0].status_message == _BODY_MISSING.format(side="request", n=9)
+
+    too_long = _gapped([("c2s", b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n01"), ("gap-c2s", 50),
+                        ("c2s", _GETS), ("s2c", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" + _RESPS)])
+    # the gap held more than the body: what follows cannot be trusted; the cut request still pairs
+    # (its answer comes first), nothing after it is paired
+    assert [(c.method, c.status) for c in too_long] == [("POST /up", 200)]
+    assert too_long[0].status_message == _BODY_MISSING.format(side="request", n="an unknown number of")
+
+
+def test_http1_gap_in_a_response_header_marks_the_rest_outcome_unknown_never_mispaired() -> None:
+    from capture.recording import OUTCOME_UNKNOWN
+    req = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+    calls = _gapped([("c2s", req), ("s2c", b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nAHTTP/1.1 4"),
+                     ("gap-s2c", 30), ("s2c", b"\r\n\r\n" + _RESPS), ("c2s", _GETS)])
+    assert [(c.method, c.status, c.status_message) for c in calls] == [
+        ("GET /a", 200, "OK"), ("GET /b", None, OUTCOME_UNKNOWN), ("GET /k0", None, OUTCOME_UNKNOWN),
+        ("GET /k1", None, OUTCOME_UNKNOWN), ("GET /k2", None, OUTCOME_UNKNOWN)]
+    assert all(c.responses == [] for c in calls[1:])
+
+
+def test_http1_gap_of_unknown_size_or_in_a_request_header_pairs_nothing_after_it() -> None:
+    for gap in (None, 12):
+        calls = _gapped([("c2s", b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HT"), ("gap-c2s", gap),
+                         ("c2s", b"\r\n\r\n" + _GETS), ("s2c", _RESPS)])
+        # /a still pairs with the first response (it precedes everything lost); no later response is
+        # attached to anything
+        assert [(c.method, c.status) for c in calls] == [("GET /a", 200)]
+
+
+def test_http1_gap_at_a_chunk_boundary_cannot_step() -> None:
+    head = b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+    calls = _gapped([("c2s", head), ("gap-c2s", 5), ("c2s", b"0\r\n\r\n" + _GETS), ("s2c", _RESPS)])
+    assert [(c.method, c.status) for c in calls] == [("POST /up", 200)]
+    assert calls[0].status_message and calls[0].status_message.startswith("body not captured: request")
+
+
+@pytest.mark.parametrize("decode", ["live", "at-stop"])
+@pytest.mark.parametrize("how", ["gap", "discarded"])
+def test_http1_sink_gaps_pass_their_length_and_inspect_counts_the_damage(tmp_path, decode: str,
+                                                                        how: str) -> None:
+    from capture.record import build_redactor
+    from capture.recording import Flow, Recording, RecordingWriter
+    from capture.sink import FlowSink
+    from capture.summary import summarize
+    from replay.schedule import ScheduleOptions, build_plan
+
+    out = tmp_path / f"gap-{decode}-{how}.rec"
+    with RecordingWriter(out) as w:
+        sink = FlowSink(w, build_redactor(True, []), decode=decode)
+        sink.open_flow("k", Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 80)))
+        sink.data("k", "c2s", 10, b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n01234")
+        getattr(sink, how)("k", "c2s", 15)
+        sink.data("k", "c2s", 20, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        sink.data("k", "s2c", 30, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+                                  b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+        sink.close_flow("k", 40)
+        sink.close()
+    with Recording(out) as r:
+        calls = list(r.calls())
+        summary = summarize(r)
+    assert [(c.method, c.status) for c in calls] == [("POST /up", 404), ("GET /hello", 200)]
+    assert calls[0].status_message == _BODY_MISSING.format(side="request", n=15) and calls[0].requests == []
+    assert any(p.startswith("1 HTTP/1 call(s) have a body that was not captured") for p in summary["problems"])
+    plan = list(build_plan(lambda: iter(calls), ScheduleOptions()))
+    assert [p.request_body_missing for p in plan] == [True, False]
+
+
+def test_http1_request_whose_body_was_not_captured_is_not_replayed(tmp_path) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from capture.recording import Flow, RecordingWriter
+    from replay.engine import ReplayRun
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with RecordingWriter(tmp_path / "g.rec") as w:
+            fid = w.add_flow(Flow(("127.0.0.1", 40000), ("127.0.0.1", 8080), protocol="http1"))
+            w.add_call(Call(protocol="http1", method="POST /up", request_ts_ns=10**10, flow_id=fid,
+                            kind="request", request_metadata=[("Content-Length", "20")], status=200,
+                            status_message=_BODY_MISSING.format(side="request", n=15)))
+            w.add_call(Call(protocol="http1", method="GET /health", request_ts_ns=10**10 + 5_000_000,
+                            flow_id=fid, kind="request", status=200))
+        rep = ReplayRun(tmp_path / "g.rec", f"127.0.0.1:{server.server_address[1]}").run()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["/health"]                       # never sent with an invented (or empty) body
+    assert rep.ok == 1 and rep.not_sent_reasons == {"request_body_not_captured": 1} and rep.invariant_ok

@@ -455,11 +455,17 @@ def test_body_discarded_with_msg_trunc_is_counted_as_skipped_bytes_never_stored(
     assert [p for p in summary["problems"] if "MSG_TRUNC" in p] == [
         f"90 bytes discarded by the application with MSG_TRUNC on flow {flow.id} (c2s, 2 read(s)): not captured "
         "(a gap in the recording; the decoders resynchronised after it)"]
-    # the decoder resynchronised: the request after the discards is decoded whole; nothing holds zeros.
-    # (Not asserted: its response. The HTTP/1 decoder's gap has no length, so the requests cut by the
-    # gaps are not calls and this one pairs with the first 413: see docs/capture.md, Receive flags.)
-    after = [c for c in calls if c.method == "POST /after"]
-    assert len(after) == 1 and [m.data for m in after[0].requests] == [b"hello"]
+    # the decoder stepped over each discard inside its Content-Length body: every request is a call,
+    # each paired with its own response; the two cut bodies are not stored and the calls say so.
+    assert [(c.method, c.status) for c in calls] == [("POST /upload", 413), ("POST /upload2", 413),
+                                                     ("POST /after", 200)]
+    assert [c.status_message for c in calls[:2]] == [
+        "body not captured: request, 50 bytes missing in a gap",
+        "body not captured: request, 40 bytes missing in a gap"]
+    assert [c.requests for c in calls[:2]] == [[], []]
+    after = calls[2]
+    assert [m.data for m in after.requests] == [b"hello"] and [m.data for m in after.responses] == [b"ok"]
+    assert "2 HTTP/1 call(s) have a body that was not captured" in " ".join(summary["problems"])
     assert not any(bytes(8) in m.data for c in calls for m in c.requests)
 
 

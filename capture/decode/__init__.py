@@ -115,12 +115,15 @@ class FlowDecoder:
         """Messages too large to keep as messages (their bytes stay in the chunks)."""
         return int(getattr(self.inner, "truncated_messages", 0))
 
-    def gap(self, direction: Direction) -> None:
-        """Bytes are missing before the next ones: resynchronise (or wait to detect afresh)."""
+    def gap(self, direction: Direction, nbytes: int | None = None) -> None:
+        """`nbytes` (None: unknown) are missing before the next ones: resynchronise (or wait to detect
+        afresh). Only HTTP/1 uses the length (to step over a gap inside a body of known size)."""
         if self.inner is None:
             self._held = [h for h in self._held if h[0] != direction]
             self._first[direction].clear()
             self.joined = True
+        elif isinstance(self.inner, Http1Decoder):
+            self.inner.gap(direction, nbytes)
         elif hasattr(self.inner, "gap"):
             self.inner.gap(direction)
 
