@@ -25,6 +25,17 @@ def _opt(name: str, **kw: Any) -> Callable[[_F], _F]:
     return click.option(name, show_default=True, **kw)
 
 
+def _require_agent_extra(*modules: str) -> None:
+    """The agent's model needs the `agent` extra; say so in one line instead of an ImportError."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"the reference agent needs {', '.join(missing)}, which this install lacks: "
+            "pip install 'shadowtest[agent]'")
+
+
 @click.command("serve")
 @_opt("--host", default=_D.host, help="address to listen on")
 @_opt("--port", type=int, default=_D.port, help="gRPC port; 0 picks a free one (see the ready line)")
@@ -79,6 +90,7 @@ def serve_command(**kwargs: Any) -> None:   # click's values, already converted 
       shadowtest agent serve --limiter gradient --p99-threshold-ms 20 --hpack-table-size 0
       python -m agent_under_test serve --device cpu --torch-threads 1
     """
+    _require_agent_extra("numpy", "torch")
     from agent_under_test import app
 
     if kwargs["metrics_port"] is not None and int(kwargs["metrics_port"]) < 0:
@@ -96,6 +108,7 @@ def save_weights_command(path: str, seed: int) -> None:
     Examples:
       shadowtest agent save-weights /tmp/agent-weights.pt --seed 7
     """
+    _require_agent_extra("numpy", "torch")
     from agent_under_test import model
 
     model.save_weights(path, seed)
@@ -132,6 +145,7 @@ def traffic_command(target: str, rate: float, duration_s: float, pattern: str, s
     """
     import json
 
+    _require_agent_extra("numpy")
     from agent_under_test.traffic import run_traffic
 
     report = run_traffic(target, rate, duration_s, pattern, seed, stream_share, symbols=symbols,

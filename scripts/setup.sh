@@ -64,8 +64,8 @@ make_venv() {
         say "virtual environment up to date"
     else
         [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || { warn "python3 -m venv failed"; exit 1; }
-        say "installing shadowtest[agent,dev] into $VENV (pinned by constraints.txt)"
-        "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[agent,dev]' \
+        say "installing shadowtest[all,dev] into $VENV (pinned by constraints.txt)"
+        "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[all,dev]' \
             || { warn "pip install failed"; exit 1; }
         echo "$want" > "$stamp"
     fi

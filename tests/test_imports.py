@@ -101,3 +101,49 @@ def test_a_missing_optional_dependency_is_not_a_failure_but_a_missing_project_mo
     (pkg / "extra.py").write_text("import shadowtest_no_such_extra_module\n")
     (pkg / "broken.py").write_text("import opt.gone\n")
     assert set(import_each(tmp_path, ("opt",))) == {"opt.broken"}
+
+
+# What recording and replay hosts install (`pip install shadowtest`) must not need the extras:
+# the agent's model (torch, numpy), Locust (and gevent, which it brings), the PNG plots (matplotlib),
+# or the test-only HTTP/2 peer (h2).
+EXTRAS = ("numpy", "torch", "matplotlib", "locust", "gevent", "h2")
+_LOADED_EXTRAS = r"""
+import importlib, json, pkgutil, sys
+import harness.commands
+names = ["harness.cli", "capture.record", "capture.recording", "capture.pcap_import", "capture.pcap_export",
+         "replay.engine", "replay.compare", "harness.runner", "harness.scenario_load", "faults.proxy.main"]
+names += [f"harness.commands.{m.name}" for m in pkgutil.iter_modules(harness.commands.__path__)]
+for name in names:
+    importlib.import_module(name)
+extras = set(sys.argv[1].split(","))
+print(json.dumps(sorted({m.partition(".")[0] for m in sys.modules} & extras)))
+"""
+
+
+def test_the_core_commands_load_no_optional_extra() -> None:
+    """`shadowtest` and every one of its commands import without numpy, torch, matplotlib, Locust or h2."""
+    done = subprocess.run([sys.executable, "-c", _LOADED_EXTRAS, ",".join(EXTRAS)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+_WITHOUT_AGENT_EXTRA = r"""
+import sys
+sys.modules["numpy"] = None   # as if `pip install shadowtest` had not installed the agent extra
+sys.modules["torch"] = None
+from harness.cli import main
+sys.argv = ["shadowtest"] + sys.argv[1:]
+main()
+"""
+
+
+def test_the_agent_without_its_extra_says_what_to_install_in_one_line() -> None:
+    for args in (["agent", "serve", "--port", "0"], ["agent", "save-weights", "/nonexistent/w.pt"],
+                 ["traffic", "--target", "127.0.0.1:1", "--rate", "1", "--duration", "1"]):
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_AGENT_EXTRA, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "pip install 'shadowtest[agent]'" in lines[0], (args, lines)

@@ -72,7 +72,7 @@ def write_reports(result: RunResult, report_dir: str | os.PathLike[str], junit: 
             plot_timeline(result, paths["png"])
             written["png"] = str(paths["png"])
         except ImportError as exc:
-            result.notes.append(f"timeline.png skipped: {exc} (pip install matplotlib)")
+            result.notes.append(f"timeline.png skipped: {exc} (pip install 'shadowtest[plots]')")
     _write(paths["json"], json.dumps(result.as_dict(), indent=2, default=_jsonable))
     written["json"] = str(paths["json"])
     _write(paths["junit"], junit_xml(result))
