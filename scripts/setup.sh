@@ -7,32 +7,79 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-SYS_PKGS="python3-bpfcc linux-headers-amd64 stress-ng prometheus tshark tcpdump nghttp2-client"
+# One Debian/Ubuntu package per line: name, then what is lost without it. Each is installed on its own,
+# so one that a distribution lacks costs only its own line. Kernel headers are handled apart (below).
+PACKAGES="
+python3-bpfcc      eBPF capture (record --backend ebpf) and the tests that load eBPF programs
+stress-ng          CPU contention faults (cpu: contention) and their tests
+prometheus         promtool rule tests and alerts judged by a real Prometheus (its service is not left running)
+tshark             the export checks that read our pcapng back with Wireshark's dissectors
+tcpdump            the import checks that compare with tcpdump's own capture
+nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
+"
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] WARNING: %s\n' "$*" >&2; }
 
 is_root() { [ "$(id -u)" = 0 ]; }
 
-install_system_packages() {
-    local missing=""
-    for p in $SYS_PKGS; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-    done
-    [ -z "$missing" ] && { say "system packages present"; return; }
-    if ! is_root || ! command -v apt-get >/dev/null; then
-        warn "cannot install:$missing (needs root and apt-get)."
-        warn "without them: eBPF capture (python3-bpfcc, linux-headers-amd64), stress-ng CPU contention,"
-        warn "promtool rule tests (prometheus), tshark export checks, tcpdump import checks and the h2load"
-        warn "interop tests (nghttp2-client: tests/test_interop_h2load.py) are skipped."
-        return
-    fi
-    say "installing:$missing"
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+APT_UPDATED=""
+apt_install() {   # apt_install PKG: 0 when installed now or before
+    installed "$1" && return 0
+    is_root && command -v apt-get >/dev/null || return 1
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
-    # shellcheck disable=SC2086
-    apt-get install -y -q --no-install-recommends $missing >/tmp/shadowtest-apt.log 2>&1 \
-        || warn "apt-get install failed (see /tmp/shadowtest-apt.log); the tests that need$missing will skip"
+    if [ -z "$APT_UPDATED" ]; then
+        apt-get update -q >/dev/null 2>&1 || warn "apt-get update failed"
+        APT_UPDATED=1
+    fi
+    # policy-rc.d 101: packages that ship a service (prometheus) install without starting it
+    local policy=/usr/sbin/policy-rc.d made_policy=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+    fi
+    apt-get install -y -q --no-install-recommends "$1" >>/tmp/shadowtest-apt.log 2>&1
+    local rc=$?
+    [ -n "$made_policy" ] && rm -f "$policy"
+    return $rc
+}
+
+install_system_packages() {
+    local name cost lost=0
+    if ! is_root || ! command -v apt-get >/dev/null; then
+        warn "not root or no apt-get: system packages are not installed by this script"
+    fi
+    while read -r name cost; do
+        [ -z "$name" ] && continue
+        installed "$name" && continue
+        say "installing $name"
+        if ! apt_install "$name"; then
+            warn "$name not installed (see /tmp/shadowtest-apt.log); lost: $cost"
+            lost=$((lost + 1))
+        fi
+    done <<< "$PACKAGES"
+    # A package that ships a service must not leave one running or enabled: only its binaries are used.
+    if installed prometheus && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+        systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+    [ "$lost" = 0 ] && say "system packages present"
+}
+
+install_kernel_headers() {
+    # bcc compiles its programs against kernel headers: the running kernel's own package first,
+    # then the distribution's meta-package (Debian: linux-headers-<arch>, Ubuntu: linux-headers-generic).
+    local rel arch p
+    rel=$(uname -r)
+    [ -e "/lib/modules/$rel/build/include" ] && return 0
+    arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+    for p in "linux-headers-$rel" "linux-headers-$arch" linux-headers-generic; do
+        installed "$p" && return 0
+        apt-cache show "$p" >/dev/null 2>&1 || continue
+        say "installing kernel headers: $p"
+        apt_install "$p" && return 0
+    done
+    warn "no kernel headers package found for $rel; lost: eBPF capture (bcc cannot compile its programs)"
 }
 
 link_kernel_headers() {
@@ -63,7 +110,15 @@ make_venv() {
     if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
         say "virtual environment up to date"
     else
-        [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || { warn "python3 -m venv failed"; exit 1; }
+        if [ ! -x "$VENV/bin/python" ] && ! "$PY" -m venv "$VENV" >/dev/null 2>&1; then
+            # Debian and Ubuntu ship venv (ensurepip) apart from python3
+            rm -rf "$VENV"
+            local ver; ver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+            say "python3 -m venv needs python${ver}-venv: installing it"
+            apt_install "python${ver}-venv" || apt_install python3-venv \
+                || { warn "python3 -m venv failed and python3-venv could not be installed (needs root and apt)"; exit 1; }
+            "$PY" -m venv "$VENV" || { warn "python3 -m venv failed"; exit 1; }
+        fi
         say "installing shadowtest[all,dev] into $VENV (pinned by constraints.txt)"
         "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[all,dev]' \
             || { warn "pip install failed"; exit 1; }
@@ -102,6 +157,7 @@ install_node_modules() {
 }
 
 install_system_packages
+install_kernel_headers
 link_kernel_headers
 mount_tracefs
 make_venv
