@@ -16,6 +16,7 @@ from replay.stats import RunStats, percentiles_ms, percentiles_us
 class ReplayReport:
     """What a run did. `invariant_ok`: scheduled == ok + rejected + errors + timeouts + not_sent.
 
+    `workers`: one entry per worker process (one for a plain run), `worker_share`'s fields.
     `error_reasons`: {error code: why its first call failed, in words}. `thresholds`, `failures` and
     `passed` are the verdict, set by `judge` (the CLI judges every run; `passed` is None until then):
     each threshold is {name, limit, actual, passed, unit, detail}, each failure one line."""
@@ -40,7 +41,7 @@ class ReplayReport:
     target: str = ""
     speed: float = 1.0
     seed: int = 0
-    workers: int = 1
+    workers: list[dict[str, Any]] = field(default_factory=list)  # each worker's share (worker_share)
     problems: list[str] = field(default_factory=list)
     error_reasons: dict[str, str] = field(default_factory=dict)
     thresholds: list[dict[str, Any]] = field(default_factory=list)
@@ -67,9 +68,20 @@ def _drift(stats: RunStats) -> tuple[float, float]:
     return (round(100.0 * end_lag / intended, 4) if intended > 0 else 0.0), end_lag / 1000
 
 
+def worker_share(worker: int, stats: RunStats, *, complete: bool = True) -> dict[str, Any]:
+    """One worker's part of a run: {worker, scheduled, sent, ok, rejected, errors, timeouts, not_sent,
+    lag_p99_us, latency_p99_ms, complete} (complete: False when its final counts never came)."""
+    o = stats.outcomes
+    return {"worker": worker, "scheduled": stats.scheduled, "sent": stats.sent, "ok": o["ok"],
+            "rejected": o["rejected"], "errors": sum(stats.errors.values()), "timeouts": o["timeout"],
+            "not_sent": o["not_sent"], "lag_p99_us": percentiles_us(stats.lag)["p99"],
+            "latency_p99_ms": percentiles_ms(stats.latency)["p99"], "complete": complete}
+
+
 def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any, problems: list[str],
-          comparer: Any = None, workers: int = 1) -> ReplayReport:
-    """Assemble the report from (merged) stats; `options` is a ReplayOptions."""
+          comparer: Any = None, workers: list[dict[str, Any]] | None = None) -> ReplayReport:
+    """Assemble the report from (merged) stats; `options` is a ReplayOptions. `workers`: each
+    worker's share (`worker_share`), default the one process that ran."""
     duration = max(0, end_ns - t0_ns) / 1e9
     span = (stats.last_sent - t0_ns) / 1e9 if stats.last_sent else 0.0  # from t0: a late start counts
     sent = stats.sent
@@ -89,7 +101,8 @@ def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any
         lag_us=percentiles_us(stats.lag), drift_pct=drift_pct, end_lag_us=end_lag,
         mismatches=comparer.summary() if comparer is not None else {},
         invariant_ok=stats.invariant_ok(), target=target, speed=options.schedule.speed,
-        seed=options.schedule.seed, workers=workers, problems=list(problems),
+        seed=options.schedule.seed,
+        workers=workers if workers is not None else [worker_share(0, stats)], problems=list(problems),
         error_reasons={code: error_reason(code, detail, target) for code, detail in stats.error_examples.items()})
 
 

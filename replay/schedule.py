@@ -4,13 +4,16 @@
         |  window -> method/flow filters -> rate scaling (copies per flow, seeded) -> loop N
         v
     PlannedCall(due_ns = (request_ts - base) / speed + loop * period / speed, messages at own offsets)
-        |  shard: connection ordinal % workers == worker
+        |  shard by call: plan index % workers == worker (round-robin in due order)
+        |  (or by connection: connection ordinal % workers == worker)
         v
     engine / Locust user
 
 Order within each original connection is preserved because due times are a monotonic function of
 the recorded times and the recording yields calls in (request_ts, id) order. Each message of a
-stream keeps its own offset from the call start, divided by the speed.
+stream keeps its own offset from the call start, divided by the speed, and a call (with all its
+stream messages) is never split: sharding by call hands whole calls to workers, so one recorded
+connection's calls are spread over the workers, each of which opens its own connection for them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call
 from replay.errors import PlanError
 
 MIN_SPEED, MAX_SPEED = 0.1, 100.0
+SHARD_BY = ("call", "connection")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class ScheduleOptions:
     loop: play the (windowed) recording N times back to back. rate: flow multiplier (2.0 duplicates
     every flow, 0.5 keeps each flow with probability 0.5, 1.5 adds a second copy to half of them),
     decided per flow with `random.Random(seed)`. shard: (worker, workers).
+    shard_by: "call" (default: the plan's calls round-robin over the workers, so even a recording of
+    one connection splits evenly; each worker opens its own connections) or "connection" (each
+    worker gets whole recorded connections: per-connection order on one socket, but a recording of
+    one connection lands on one worker).
     method_map: ((flow_id or None, ref, method), ...) from `--method-map`: names groups of calls whose
     method the recording could not see, for this replay only (applied where the recording is read,
     replay/plan.py; see replay/method_map.py).
@@ -83,6 +91,7 @@ class ScheduleOptions:
     rate: float = 1.0
     seed: int = 0
     shard: tuple[int, int] = (0, 1)
+    shard_by: str = "call"
     method_map: tuple[tuple[int | None, str, str], ...] = ()
 
     def validate(self) -> None:
@@ -98,6 +107,8 @@ class ScheduleOptions:
         worker, workers = self.shard
         if workers < 1 or not 0 <= worker < workers:
             raise PlanError(f"shard {worker}/{workers} is invalid")
+        if self.shard_by not in SHARD_BY:
+            raise PlanError(f"shard_by {self.shard_by!r} is not one of {', '.join(SHARD_BY)}")
 
 
 def method_matches(method: str | None, wanted: frozenset[str]) -> bool:
@@ -158,6 +169,8 @@ def build_plan(source: Callable[[], Iterable[Call]], opts: ScheduleOptions,
     opts.validate()
     copies = _Copies(opts.rate, rng or random.Random(opts.seed))
     conn_ordinal: dict[str, int] = {}
+    worker, workers = opts.shard
+    by_call = opts.shard_by == "call"
     index, base, period = 0, None, 0
     win = (round(opts.window[0] * 1e9), round(opts.window[1] * 1e9)) if opts.window else None
     for loop in range(opts.loop):
@@ -176,8 +189,8 @@ def build_plan(source: Callable[[], Iterable[Call]], opts: ScheduleOptions,
             due = int((rel + loop * period) / opts.speed)
             for copy in range(copies.of(call.flow_id)):
                 conn = f"f{call.flow_id}" + (f"#{copy}" if copy else "")
-                ordinal = conn_ordinal.setdefault(conn, len(conn_ordinal))
-                if ordinal % opts.shard[1] == opts.shard[0]:
+                ordinal = index if by_call else conn_ordinal.setdefault(conn, len(conn_ordinal))
+                if ordinal % workers == worker:
                     yield _planned(call, index, due, conn, opts.speed, loop, copy)
                 index += 1
         if loop == 0:

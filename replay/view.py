@@ -44,6 +44,8 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
             ("latency (from send)", _fmt(rep.latency_from_send_ms, " ms")),
             ("send lag", _fmt(rep.lag_us, " us")), ("drift", f"{rep.drift_pct:+.4f} %"),
             ("invariant", "ok" if rep.invariant_ok else "BROKEN: scheduled != accounted")]
+    if len(rep.workers) > 1:  # each worker's share (--workers)
+        rows += [(f"worker {w['worker']}", worker_line(w)) for w in rep.workers]
     if rep.mismatches:
         rows.append(("mismatches", str(rep.mismatches.get("total", 0))))
     rows += [("problem", p) for p in rep.problems]
@@ -53,8 +55,15 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
     return rows
 
 
+def worker_line(w: dict[str, Any]) -> str:
+    """"scheduled 344, sent 344, ok 344, not sent 0, lag p99 120 us" for one worker's share."""
+    return (f"scheduled {w['scheduled']}, sent {w['sent']}, ok {w['ok']}, not sent {w['not_sent']}, "
+            f"lag p99 {w['lag_p99_us']:,.0f} us" + ("" if w.get("complete", True) else " (final counts missing)"))
+
+
 def summary_table(rep: ReplayReport) -> Table:
-    table = Table(title=f"replay to {rep.target} at {rep.speed:g}x ({rep.workers} worker(s), seed {rep.seed})")
+    title = f"replay to {rep.target} at {rep.speed:g}x ({len(rep.workers)} worker(s), seed {rep.seed})"
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", overflow="fold")
     for label, value in summary_rows(rep):

@@ -1,4 +1,10 @@
-"""`--workers N`: N processes each replay a shard of the connections, start together, merge HDRs.
+"""`--workers N`: N processes each replay a shard of the calls, start together, merge HDRs.
+
+Sharding is by call (ScheduleOptions.shard_by, default "call"): the plan's calls go round-robin to
+the workers, so one recorded connection's calls are spread over all of them (each opens its own
+connections); a call and all its stream messages stay on one worker. Histograms merge bucket by
+bucket (exact percentiles of the whole run, never an average of percentiles); the report lists
+each worker's share (`ReplayReport.workers`).
 
     parent --spawn--> worker i: open recording, plan shard (i, N), report "ready"
            <-ready--  ...
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.engine import ReplayOptions, ReplayRun
-from replay.report import ReplayReport, build
+from replay.report import ReplayReport, build, worker_share
 from replay.stats import CallResult, RunStats
 
 _START_DELAY_NS = 50_000_000  # after the last "ready": time for every worker to see "go"
@@ -85,6 +91,7 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._stop = self._ctx.Event()
         self.pids: list[int] = []  # the worker processes, once started
+        self._died: set[int] = set()  # workers that died before their final counts
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,6 +145,7 @@ class WorkerPool:
                         exited.add(w)
                     else:
                         problems.append(f"worker {w} died (exit {p.exitcode}); its calls are missing")
+                        self._died.add(w)
                         finals[w] = {"stats": RunStats().to_wire(), "results": [], "end_ns": 0,
                                      "problems": [], "mismatches": None}
                 continue
@@ -154,14 +162,16 @@ class WorkerPool:
 
     def _report(self, finals: dict[int, dict[str, Any]], t0: int, problems: list[str]) -> ReplayReport:
         from replay.compare import Comparer
-        stats = _merge(RunStats.from_wire(f["stats"]) for f in finals.values())
+        parts = {w: RunStats.from_wire(f["stats"]) for w, f in sorted(finals.items())}
+        stats = _merge(parts.values())
+        shares = [worker_share(w, s, complete=w not in self._died) for w, s in parts.items()]
         for f in finals.values():
             problems += [p for p in f["problems"] if p not in problems]
         summaries = [f["mismatches"] for f in finals.values() if f["mismatches"] is not None]
         merged = _Summary(Comparer.merge_summaries(summaries)) if summaries else None
         end = max((f["end_ns"] for f in finals.values()), default=t0)
         report = build(stats, t0, end, target=self.target, options=self.options, problems=problems,
-                       comparer=merged, workers=self.workers)
+                       comparer=merged, workers=shares)
         # A dead worker's shard was never counted, so the sums cannot prove nothing was lost.
         report.invariant_ok = report.invariant_ok and not any("died" in p for p in problems)
         return report

@@ -68,7 +68,7 @@ def test_workers_through_the_cli(tmp_path: Path) -> None:
         assert sorted(s for _, _, s in server.received) == list(range(n))
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)  # progress lines go to stderr
-    assert data["workers"] == 2 and data["ok"] == n and data["invariant_ok"]
+    assert [w["worker"] for w in data["workers"]] == [0, 1] and data["ok"] == n and data["invariant_ok"]
 
 
 def test_unfinished_decode_later_recording_is_refused_until_finished(tmp_path: Path) -> None:

@@ -73,10 +73,10 @@ def test_rate_scaling_duplicates_or_thins_flows_deterministically() -> None:
     assert len(thin_a) == 2 * len(kept)
 
 
-def test_shards_partition_connections_and_preserve_order() -> None:
+def test_shards_by_connection_partition_connections_and_preserve_order() -> None:
     calls = _calls(list(range(0, 60, 2)), flows=5)
     whole = _plan(calls)
-    shards = [_plan(calls, shard=(w, 2)) for w in range(2)]
+    shards = [_plan(calls, shard=(w, 2), shard_by="connection") for w in range(2)]
     assert sorted(p.index for s in shards for p in s) == [p.index for p in whole]
     conns = [{p.connection for p in s} for s in shards]
     assert not conns[0] & conns[1] and conns[0] and conns[1]
@@ -84,8 +84,37 @@ def test_shards_partition_connections_and_preserve_order() -> None:
         assert [p.due_ns for p in s] == sorted(p.due_ns for p in s)
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_shards_by_call_split_one_connection_evenly(workers: int) -> None:
+    calls = _calls(list(range(0, 100, 1)), flows=1)          # one recorded connection, 100 calls
+    whole = _plan(calls)
+    shards = [_plan(calls, shard=(w, workers)) for w in range(workers)]   # by call is the default
+    assert sorted(p.index for s in shards for p in s) == [p.index for p in whole]
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 100
+    for w, s in enumerate(shards):
+        assert {p.connection for p in s} == {"f1"}            # each worker opens its own "f1"
+        assert [p.due_ns for p in s] == sorted(p.due_ns for p in s)
+        assert all(p.index % workers == w for p in s)
+        # a call is never split: same due time and bytes as in the whole plan
+        assert [(p.due_ns, p.messages) for p in s] == [(whole[p.index].due_ns, whole[p.index].messages) for p in s]
+
+
+def test_shards_by_call_keep_a_streams_messages_on_one_worker() -> None:
+    calls = [Call(protocol="grpc", method="/s.S/Bidi", kind="bidi", request_ts_ns=BASE + i * 10_000_000, flow_id=1,
+                  id=i + 1, requests=[Message("c2s", j, BASE + i * 10_000_000 + j * 1_000_000, b"%d.%d" % (i, j))
+                                      for j in range(3)])
+             for i in range(6)]
+    shards = [_plan(calls, shard=(w, 2)) for w in range(2)]
+    assert [len(s) for s in shards] == [3, 3]
+    for s in shards:
+        for p in s:
+            assert [m.data for m in p.messages] == [b"%d.%d" % (p.index, j) for j in range(3)]
+            assert [m.offset_ns for m in p.messages] == [0, 1_000_000, 2_000_000]
+
+
 @pytest.mark.parametrize("kw", [{"speed": 0.05}, {"speed": 101.0}, {"window": (2.0, 1.0)}, {"loop": 0},
-                                {"shard": (2, 2)}])
+                                {"shard": (2, 2)}, {"shard_by": "flow"}])
 def test_bad_options_are_plan_errors(kw: dict[str, object]) -> None:
     with pytest.raises(PlanError):
         _plan(_calls([0]), **kw)
