@@ -1,7 +1,8 @@
 """Process faults: pause (SIGSTOP, SIGCONT after a duration), and kill/restart of a process we own.
 
 Every signal goes through `signal_if_same`, which checks PID *and* start time, so a PID that the
-kernel reused for an unrelated process is never signalled.
+kernel reused for an unrelated process is never signalled. A pause is watched by a keeper process
+(`PauseKeeper`) that resumes the target if the process holding the pause dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -86,13 +87,104 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
 
 
+# The keeper: a tiny stdlib-only process that holds a pause on the harness's behalf. It watches
+# its parent through a pidfd (process-wide: a thread of the parent ending does not count) and its
+# stdin pipe; when the parent dies -- even by SIGKILL -- or the keeper itself gets SIGTERM/SIGHUP,
+# it SIGCONTs the target (if its start time still matches) and exits. "done" on stdin: the parent
+# resumed the target itself; the keeper just exits.
+_KEEPER = """
+import os, select, signal, sys
+pid, start, parent = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def resume(*_):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            s = f.read()
+        if s[s.rfind(b")") + 2:].split()[19].decode() == start:
+            os.kill(pid, signal.SIGCONT)
+    except (OSError, IndexError):
+        pass
+    os._exit(0)
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(s, resume)
+try:
+    pfd = os.pidfd_open(parent)
+except OSError:
+    resume()
+if os.getppid() != parent:
+    resume()
+sys.stdout.write("ready\\n")
+sys.stdout.flush()
+poller = select.poll()
+poller.register(pfd, select.POLLIN)
+poller.register(0, select.POLLIN | select.POLLHUP)
+buf = b""
+while True:
+    for fd, ev in poller.poll():
+        if fd == pfd:
+            resume()
+        data = os.read(0, 64)
+        if not data:
+            resume()
+        buf += data
+        if b"done" in buf:
+            os._exit(0)
+"""
+KEEPER_START_S = 10.0
+
+
+class PauseKeeper:
+    """The helper process that resumes a paused target if this process dies (see `_KEEPER`)."""
+
+    def __init__(self, pid: int, start: int) -> None:
+        import select
+        import sys
+
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _KEEPER, str(pid), str(start),
+                                          str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise ProcessFaultError(f"cannot start the pause keeper: {exc}") from exc
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], KEEPER_START_S)
+        line = self.proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self.close(resume=False)
+            raise ProcessFaultError(f"the pause keeper did not start within {KEEPER_START_S:g}s; "
+                                    f"not pausing PID {pid}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self, resume: bool = False) -> None:
+        """Tell the keeper the pause is over and reap it (`resume`: let it SIGCONT the target)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                if not resume:
+                    self.proc.stdin.write(b"done\n")
+                self.proc.stdin.close()      # EOF without "done": the keeper resumes the target
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
+
+
 @dataclass
 class Pause:
-    """A pause in effect: `paused_at`/`resumed_at` are time.monotonic() values."""
+    """A pause in effect: `paused_at`/`resumed_at` are time.monotonic() values; `keeper` the PID of
+    the helper that resumes the target should this process die."""
 
     pid: int
     paused_at: float
     resumed_at: float | None = None
+    keeper: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -100,7 +192,9 @@ class Pause:
 def paused(pid: int, duration_s: float | None = None, registry: FaultRegistry | None = None) -> Iterator[Pause]:
     """SIGSTOP `pid`; SIGCONT after `duration_s` (if given) or on exit, whichever is first.
 
-    Raises ProcessFaultError if the process does not exist or cannot be signalled.
+    A keeper process is started first: if this process dies while the pause holds (even SIGKILL),
+    the keeper resumes the target within milliseconds. Raises ProcessFaultError if the process
+    does not exist or cannot be signalled, or the keeper cannot start.
     """
     reg = registry or default_registry()
     start = proc_start_time(pid)
@@ -114,22 +208,29 @@ def paused(pid: int, duration_s: float | None = None, registry: FaultRegistry | 
                 signal_if_same(pid, start, signal.SIGCONT)
                 info.resumed_at = time.monotonic()
 
-    with reg.hold("paused", resume, pid=pid, start=start):
+    with reg.hold("paused", resume, pid=pid, start=start) as entry_id:
+        keeper = PauseKeeper(pid, start)
+        info.keeper = keeper.pid
         try:
-            os.kill(pid, signal.SIGSTOP)
-        except OSError as exc:
-            raise ProcessFaultError(f"cannot pause PID {pid}: {exc} (run as its owner or root)") from exc
-        _wait_stopped(pid)
-        info.paused_at = time.monotonic()
-        timer = threading.Timer(duration_s, resume) if duration_s is not None else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        try:
-            yield info
-        finally:
+            reg.update(entry_id, keeper={"pid": keeper.pid, "start": proc_start_time(keeper.pid)})
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except OSError as exc:
+                raise ProcessFaultError(f"cannot pause PID {pid}: {exc} (run as its owner or root)") from exc
+            _wait_stopped(pid)
+            info.paused_at = time.monotonic()
+            timer = threading.Timer(duration_s, resume) if duration_s is not None else None
             if timer is not None:
-                timer.cancel()
+                timer.daemon = True
+                timer.start()
+            try:
+                yield info
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                resume()
+        finally:
+            keeper.close(resume=info.resumed_at is None)
 
 
 def _wait_stopped(pid: int, timeout_s: float = 1.0) -> None:

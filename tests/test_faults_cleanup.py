@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from faults.cleanup import check_leftovers, clear_leftovers
+from faults.errors import StateError
 from faults.process import OwnedProcess, pause_for, paused
 from faults.proxy import ProxyProcess, spawn_proxy_server
 from faults.state import FaultRegistry, proc_start_time
@@ -141,7 +142,7 @@ def test_reused_pid_is_never_killed(state: Path) -> None:
     try:
         start = proc_start_time(victim.pid)
         assert start is not None
-        state.mkdir(parents=True)
+        state.mkdir(parents=True, mode=0o700)
         # A dead run recorded this PID with another start time: the PID now belongs to someone else.
         (state / "holder-999999-1.json").write_text(json.dumps({
             "holder": {"pid": 999999, "start": 1},
@@ -192,3 +193,121 @@ def test_owned_process_kill_and_restart(state: Path) -> None:
         recorded = json.loads(reg.path.read_text())["entries"]
         assert [p["pid"] for e in recorded.values() for p in e["procs"]] == [proc.pid]
     assert not alive(proc.pid or 0) and not reg.path.exists()
+
+
+# ---- the state directory is private, and what it holds is never trusted blindly -------------------
+
+def _cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "harness.cli", "faults", *args], capture_output=True, text=True,
+                          env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)), cwd=ROOT, timeout=60)
+
+
+def _one_line_refusal(out: subprocess.CompletedProcess[str], words: str) -> None:
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], out.stderr
+
+
+def test_state_dir_is_created_private_whatever_the_umask(state: Path) -> None:
+    old = os.umask(0)
+    try:
+        reg = FaultRegistry(state)
+        with reg.hold("paused", lambda e: None, pid=1, start=0):
+            assert oct(state.stat().st_mode & 0o777) == "0o700" and state.stat().st_uid == os.geteuid()
+            assert oct(reg.path.stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("how", ["mode 0777", "symlink", "other owner"])
+def test_an_unsafe_state_dir_is_refused_with_one_line(tmp_path: Path, state: Path, how: str) -> None:
+    if how == "other owner" and os.geteuid() != 0:
+        pytest.skip("needs root to give the directory away")
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    if how == "mode 0777":
+        state.mkdir()
+        state.chmod(0o777)
+    elif how == "symlink":
+        state.symlink_to(real)
+    else:
+        state.mkdir(mode=0o700)
+        os.chown(state, 65534, 65534)
+    words = {"mode 0777": "has mode 0777; it must be private (0700)", "symlink": "is a symlink",
+             "other owner": "is owned by uid 65534"}[how]
+    with pytest.raises(StateError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        FaultRegistry(state).register("paused", pid=1, start=0)
+    for command in ("clear", "list"):
+        _one_line_refusal(_cli(state, command), words)
+    assert list(real.iterdir()) == [] and list(Path(state).iterdir() if not state.is_symlink() else []) == []
+
+
+def test_symlinks_in_the_state_dir_are_never_followed(tmp_path: Path, state: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    reg = FaultRegistry(state)
+    state.mkdir(mode=0o700)
+    (state / f".{reg.name}.tmp").symlink_to(victim)          # planted where the atomic write starts
+    with reg.hold("paused", lambda e: None, pid=1, start=0):
+        assert json.loads(reg.path.read_text())["entries"]   # written, through a fresh file
+    assert victim.read_text() == "precious\n"
+    (state / "holder-999999-1.json").symlink_to(victim)
+    with pytest.raises(StateError, match="is a symlink; refusing to follow it"):
+        check_leftovers(state)
+    _one_line_refusal(_cli(state, "clear"), "is a symlink")
+    assert victim.read_text() == "precious\n"
+
+
+def _plant(state: Path, entries: dict[str, dict], holder_start: int = 1) -> Path:
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = state / f"holder-999999-{holder_start}.json"
+    path.write_text(json.dumps({"holder": {"pid": 999999, "start": holder_start}, "entries": entries}))
+    return path
+
+
+@pytest.mark.root
+def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path, state: Path) -> None:
+    victim, victim_dir = tmp_path / "victim", tmp_path / "victim-dir"
+    victim.write_text("precious\n")
+    victim_dir.mkdir()
+    older = subprocess.Popen(["sleep", "30"])                       # ours, but older than the "run"
+    foreign = subprocess.Popen(["sleep", "30"], user=65534)         # another user's process
+    try:
+        os.kill(foreign.pid, signal.SIGSTOP)
+        older_start, foreign_start = proc_start_time(older.pid), proc_start_time(foreign.pid)
+        assert older_start is not None and foreign_start is not None
+        planted = _plant(state, {
+            "cgroup-0": {"kind": "cgroup", "version": 2, "files": [{"path": str(victim), "original": "max"}]},
+            "cgroup-1": {"kind": "cgroup", "version": 2,
+                         "files": [{"path": "/sys/fs/cgroup/cgroup.subtree_control", "original": "max"}]},
+            "cgroup-2": {"kind": "cgroup", "version": 2, "created": str(victim_dir)},
+            "cgroup-3": {"kind": "cgroup", "version": 2, "created": "/sys/fs/cgroup/../../" + str(victim_dir)},
+            "cgroup-4": {"kind": "cgroup", "version": 2, "created": "/sys/fs/cgroup/system.slice"},
+            "cgroup-5": {"kind": "cgroup", "version": 2,
+                         "moves": [{"pid": older.pid, "start": older_start, "back": "/sys/fs/cgroup/cpu.max"}]},
+            "process-6": {"kind": "process", "procs": [{"pid": older.pid, "start": older_start}]},
+            "process-7": {"kind": "process", "procs": [{"pid": 1, "start": proc_start_time(1)}]},
+            "paused-8": {"kind": "paused", "pid": foreign.pid, "start": foreign_start},
+            "toxic-9": {"kind": "toxic", "api": f"file://{victim}", "proxy": "p", "toxic": "t"},
+        }, holder_start=older_start + 1)
+        before = planted.read_text()
+        result = clear_leftovers(state)
+        assert result.cleared == [] and len(result.failed) == 10
+        assert all("refused, nothing touched" in why for _, why in result.failed), result.failed
+        reasons = " | ".join(why for _, why in result.failed)
+        for words in ("is not a CPU limit file", "is not named shadowtest-999999-N", "not inside the cgroup mount",
+                      "is not a cgroup.procs file", "started before the run", "PID 1 is not",
+                      "belongs to uid 65534", "is not an http(s) URL"):
+            assert words in reasons, (words, reasons)
+        assert victim.read_text() == "precious\n" and victim_dir.is_dir()
+        assert Path("/sys/fs/cgroup/system.slice").is_dir() or not Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        assert older.poll() is None and foreign.poll() is None
+        assert Path(f"/proc/{foreign.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"  # not resumed
+        assert json.loads(planted.read_text()) == json.loads(before)   # kept for a human to look at
+        out = _cli(state, "clear")
+        assert out.returncode == 1 and "could NOT undo" in out.stdout and "refused" in out.stdout
+    finally:
+        for p in (older, foreign):
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
