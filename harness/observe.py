@@ -121,7 +121,8 @@ class EventsFollower(_Poller):
 
 
 class CpuFollower(_Poller):
-    """Samples the target's CPU (% of one core; None when it is not our process) and the host's."""
+    """Samples the target's CPU (% of one core; None when it is not our process) and the host's, and
+    the target's scheduler stats (`sched`: (t, CPU s, run-queue wait s), cumulative, from /proc)."""
 
     def __init__(self, pid: int | None, t0: float, every_s: float = 0.5) -> None:
         super().__init__(every_s, "shadowtest-cpu")
@@ -130,10 +131,12 @@ class CpuFollower(_Poller):
         self._psutil = psutil
         self.t0 = t0
         self._proc = psutil.Process(pid) if pid else None
+        self._pid = pid
         if self._proc is not None:
             self._proc.cpu_percent(None)
         psutil.cpu_percent(None)
         self.samples: list[CpuSample] = []
+        self.sched: list[tuple[float, float, float]] = []
 
     def poll(self) -> None:
         target = None
@@ -143,7 +146,14 @@ class CpuFollower(_Poller):
             except self._psutil.Error:
                 self._proc = None
         host = self._psutil.cpu_percent(None)
-        self.samples.append(CpuSample(round(time.monotonic() - self.t0, 3), target, host))
+        now = round(time.monotonic() - self.t0, 3)
+        self.samples.append(CpuSample(now, target, host))
+        if self._proc is not None and self._pid:
+            from harness.checks.truth import read_schedstat
+
+            stat = read_schedstat(self._pid)
+            if stat is not None:
+                self.sched.append((now, *stat))
 
 
 def wait_http(url: str, timeout_s: float) -> None:

@@ -15,14 +15,19 @@ interrupted run still returns a result (marked partial), which the CLI turns int
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from faults.clock import Clock, MonotonicClock
+from faults.proxy.h2tap import LEG_LOG_ENV
 from harness.checks import Verdict, evaluate_all
+from harness.checks.truth import read_leg_log
 from harness.errors import RunError
 from harness.faultrun import FaultSession, check_leftovers
 from harness.live import LiveView, Snapshot
@@ -77,6 +82,7 @@ class Runner:
         self.windows: list[FaultWindow] = []
         self._done_periods: list[Any] = []
         self.t0 = 0.0
+        self._leg_log = ""
 
     def log(self, message: str) -> None:
         t = self.clock.now() - self.t0 if self.t0 else 0.0
@@ -90,7 +96,9 @@ class Runner:
         with _signals_to_exceptions(), contextlib.ExitStack() as stack:
             self.log(f"scenario {self.scenario.name} (seed {self.scenario.seed}, "
                      f"{self.scenario.duration_s:g}s in {len(self.scenario.phases)} phases)")
-            running = open_target(self.scenario, stack, self.options.startup_timeout_s)
+            self._leg_log = _leg_log_path(stack)
+            running = _with_env(LEG_LOG_ENV, self._leg_log,
+                                lambda: open_target(self.scenario, stack, self.options.startup_timeout_s))
             self.log(f"target {running.grpc_address} (pid {running.pid}); traffic to {running.traffic_address}")
             result = self._play(running, stack)
         result.started_wall = started_wall
@@ -256,12 +264,36 @@ class Runner:
                       samples=samples, cpu=followers["cpu"].samples, faults=self.windows,
                       replay_report=traffic.report, metric_names=vars(running.names),
                       partial=interrupted is not None, alert_periods=s.alert_periods)
+        if running.proxy is not None and self._leg_log:
+            tl.outside["proxy_legs"] = read_leg_log(self._leg_log, self.t0)
+        if "cpu" in followers and followers["cpu"].sched:
+            tl.outside["sched"] = list(followers["cpu"].sched)
         verdicts = judge(tl, s)
         notes = list(self.options.notes)
         for name, f in followers.items():
             if f.failures:
                 notes.append(f"{name} follower failed {f.failures} time(s): {f.last_error}")
         return RunResult(s, tl, verdicts, log=self.log_lines, interrupted=interrupted, notes=notes)
+
+
+def _leg_log_path(stack: contextlib.ExitStack) -> str:
+    """A private temp file for the proxy's upstream-leg timings (removed with the run)."""
+    folder = tempfile.mkdtemp(prefix="shadowtest-legs-")
+    stack.callback(shutil.rmtree, folder, True)
+    return os.path.join(folder, "legs.txt")
+
+
+def _with_env(name: str, value: str, start: Callable[[], Running]) -> Running:
+    """Run `start` (which spawns the proxy child) with `name=value` in the environment it inherits."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return start()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def judge(timeline: Timeline, scenario: Scenario) -> list[Verdict]:

@@ -123,6 +123,9 @@ class Timeline:
     partial: bool = False
     min_samples: int = 10
     alert_periods: int = 3
+    # Measured outside the target (harness.checks.truth): proxy upstream legs, the target's scheduler
+    # stats, what a Prometheus server saw. Keys absent: not measured in this run.
+    outside: dict[str, Any] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:

@@ -52,7 +52,7 @@ def test_every_report_is_written_and_says_the_same(tmp_path: Path) -> None:
     failure = cases["alert_fires[fault]"].find("failure")
     assert failure is not None and "ground_truth_s" in (failure.text or "")
     data = json.loads(Path(paths["json"]).read_text())
-    assert data["passed"] is False and data["checks"] == {"total": 2, "failed": 1}
+    assert data["passed"] is False and data["checks"] == {"total": 2, "failed": 1, "skipped": 0}
     assert data["timeline"]["faults"][0]["applied_s"] == 3.1 and len(data["timeline"]["periods"]) == 6
     md = Path(paths["markdown"]).read_text()
     assert "FAILED" in md and "| `alert_fires[fault]` | **FAIL** |" in md and "![timeline](timeline.png)" in md

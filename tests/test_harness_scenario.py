@@ -238,7 +238,7 @@ _SEED = "a whole number between 0 and 9223372036854775807"
     ({"CHECK": "limiter_recovers: {phase: fault, to_pct_of_baseline: 150}"}, 9,
      "expect[0].limiter_recovers.to_pct_of_baseline 150 must be more than 0 and at most 100%"),
     ({"CHECK": "error_rate: {max_pct: 101}"}, 9, "expect[0].error_rate.max_pct 101 must be between 0 and 100%"),
-    ({"CHECK": "no_loss: {tolerance_pct: -1}"}, 9, "expect[0].no_loss.tolerance_pct -1 must be between 0 and 100%"),
+    ({"CHECK": "limiter_obeys: {tolerance_pct: -1}"}, 9, "expect[0].limiter_obeys.tolerance_pct -1 must be between 0 and 100%"),
     ({"CHECK": "slo: {p99_ms: -3}"}, 9, "expect[0].slo.p99_ms -3 must be more than 0 and at most 60000 ms"),
     ({"CHECK": "slo: {settle_s: 25h}"}, 9, "expect[0].slo.settle_s 25h must be between 0s and 24h"),
     ({"CHECK": "restores: {phase: fault, within_s: 0s}"}, 9,

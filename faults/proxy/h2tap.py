@@ -13,16 +13,25 @@ first byte (HPACK is stateful, so it must) and, per new call, asks the call toxi
 
 A request whose HEADERS carry END_STREAM (no body) cannot be delayed (nothing can be held without
 breaking HPACK order); gRPC requests always have a body.
+
+Upstream-leg timing (`SHADOWTEST_LEG_LOG=PATH` in the proxy's environment): for every call the tap
+appends one line `SENT DONE DATA` to PATH: SENT when the request's last frame (END_STREAM) left the
+tap towards the server, DONE when the server's last frame of the call (END_STREAM or RST_STREAM)
+reached the proxy, both CLOCK_MONOTONIC seconds, DATA 1 when the response carried a DATA frame (a
+served call; 0: trailers only, e.g. a refusal). That is the latency the server side of the proxy saw,
+before any downstream toxic: network faults on the client's side do not reach it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from wire.h2 import (
     HEAD,
@@ -41,7 +50,22 @@ from wire.h2 import (
 from wire.headers import CachedDecoder
 from wire.status import status_block
 
-__all__ = ["CallRule", "H2Tap"]
+__all__ = ["CallRule", "H2Tap", "LEG_LOG_ENV"]
+
+LEG_LOG_ENV = "SHADOWTEST_LEG_LOG"
+_leg_files: dict[str, TextIO | None] = {}     # the leg log of this process, opened once
+
+
+def _leg_log() -> TextIO | None:
+    """The leg log (line-buffered append), opened once per process; None when not asked for."""
+    path = os.environ.get(LEG_LOG_ENV, "")
+    if path not in _leg_files:
+        try:
+            _leg_files[path] = open(path, "a", buffering=1) if path else None  # noqa: SIM115 -- process lifetime
+        except OSError as exc:
+            log.warning("cannot write the upstream-leg log %s: %s", path, exc)
+            _leg_files[path] = None
+    return _leg_files[path]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +120,9 @@ class H2Tap:
         self.calls_seen = 0
         self.calls_delayed = 0
         self.calls_failed = 0
+        self._legs = _leg_log()               # upstream-leg timing (module doc), when configured
+        self._sent: dict[int, float] = {}     # stream -> when its request's END_STREAM went up
+        self._answered: set[int] = set()      # streams whose response carried DATA
 
     # --- client -> server -------------------------------------------------------------------
     def feed_up(self, data: bytes) -> None:
@@ -130,10 +157,17 @@ class H2Tap:
     def _on_up_frame(self, ftype: int, flags: int, sid: int, payload: bytes, raw: bytes, out: list[bytes]) -> None:
         if ftype == _HEADERS or ftype == _CONTINUATION:
             out.append(raw)
-            return self._on_header_fragment(ftype, flags, sid, payload, out)
+            self._on_header_fragment(ftype, flags, sid, payload, out)
+            if self._legs is not None and ftype == _HEADERS and flags & _END_STREAM and sid not in self._fates:
+                self._sent[sid] = time.monotonic()
+            return
         fate = self._fates.get(sid) if sid else None
         if fate is None:
             out.append(raw)
+            if self._legs is not None and ftype == _DATA and flags & _END_STREAM:
+                self._sent[sid] = time.monotonic()
+            elif ftype == _RST:
+                self._sent.pop(sid, None)
         elif ftype == _RST and not fate.failed:  # the client gave up on a delayed call: drop what we held
             fate.failed = True
             fate.held.clear()
@@ -226,6 +260,8 @@ class H2Tap:
             return self._fail(sid, fate, None)
         fate.released = True
         if fate.held:
+            if self._legs is not None and any(r[3] == _DATA and r[4] & _END_STREAM for r in fate.held):
+                self._sent[sid] = time.monotonic()
             self._push_up_frames(b"".join(fate.held))
             fate.held.clear()
         del self._fates[sid]
@@ -303,7 +339,24 @@ class H2Tap:
             self._push_down = saved
 
     def _on_down_header(self, hdr: bytes) -> None:
-        hi, lo, ftype, flags, _sid = HEAD.unpack(hdr)
+        hi, lo, ftype, flags, sid = HEAD.unpack(hdr)
         self._d_left = hi << 16 | lo
+        sid &= 0x7FFFFFFF
+        if self._legs is not None and sid in self._sent:
+            self._leg(ftype, flags, sid)
         if ftype == _HEADERS or ftype == _PUSH_PROMISE or ftype == _CONTINUATION:  # header blocks
             self._d_in_block = not flags & _END_HEADERS
+
+    def _leg(self, ftype: int, flags: int, sid: int) -> None:
+        """The server's frame header for a timed call: note a DATA frame, log the call at its end."""
+        if ftype == _DATA:
+            self._answered.add(sid)
+        if (ftype in (_DATA, _HEADERS) and flags & _END_STREAM) or ftype == _RST:
+            sent = self._sent.pop(sid)
+            data = sid in self._answered
+            self._answered.discard(sid)
+            try:
+                if self._legs is not None:
+                    self._legs.write(f"{sent:.6f} {time.monotonic():.6f} {int(data)}\n")
+            except OSError:
+                self._legs = None

@@ -1,18 +1,26 @@
 """Alert and degradation checks: alert_fires, alert_silent, degrades, restores.
 
-The ground truth for `alert_fires` is computed from the client's own per-call results, never from
-the agent's view: the alert must fire no later than K periods after the client-side P99 first
-exceeded the threshold for N consecutive periods.
+The ground truth for `alert_fires` is measured outside the service but where the service can observe
+it: the fault proxy's upstream leg (harness.checks.truth), never the client's latency, which holds
+network faults the service cannot see. The alert must fire no later than K periods after the leg's P99
+first exceeded the threshold for N consecutive periods. Without leg timings (no proxy, or Toxiproxy in
+front) the client's P99 is the truth, as the evidence says. Where the leg breached before the service's
+own P99 did (time calls waited in the kernel while the CPU was throttled), an alert that followed the
+service's own breach in time passes with that difference reported as a finding, with numbers.
 """
 
 from __future__ import annotations
 
-from harness.checks.base import Param, Verdict, phase_window, register, verdict
+from dataclasses import dataclass
+from typing import Any
+
+from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.truth import LEG_TOLERANCE, leg_periods
 from harness.scenario import CheckSpec
-from harness.timeline import PeriodStats, Timeline
+from harness.timeline import Timeline
 
 
-def first_breach(periods: list[PeriodStats], start: float, end: float, threshold_ms: float,
+def first_breach(periods: list[Any], start: float, end: float, threshold_ms: float,
                  consecutive: int) -> tuple[float, list[int]] | None:
     """End time of the first run of `consecutive` periods whose client P99 exceeds the threshold, the
     run starting within [start, end) (it may finish after `end`: queues outlive a fault), and those
@@ -34,6 +42,26 @@ def _p99s(tl: Timeline, start: float, end: float) -> list[float | None]:
     return [p.p99_ms for p in tl.periods if start - 1e-9 <= p.start_s < end]
 
 
+@dataclass(frozen=True)
+class _Own:
+    """One of the service's own periods, on the service's grid (`end_s` = its period event's time)."""
+
+    index: int
+    start_s: float
+    end_s: float
+    p99_ms: float | None
+
+
+def _own_periods(tl: Timeline, min_samples: int) -> list[_Own]:
+    from harness.checks.rule import service_periods
+
+    out = []
+    for p in service_periods(tl):
+        enough = p.count is None or p.count >= min_samples
+        out.append(_Own(p.period, p.t - tl.period_s, p.t, p.p99_ms if enough else None))
+    return out
+
+
 class AlertFires:
     name = "alert_fires"
     params = {"phase": Param("phase", required=True), "alert": Param("str"),
@@ -47,31 +75,79 @@ class AlertFires:
         n = spec.params.get("consecutive", tl.alert_periods)
         threshold = spec.params.get("threshold_ms", tl.threshold_ms)
         start, end = phase_window(tl, spec)
-        truth = first_breach(tl.periods, start, end, threshold, n)
-        evidence = {"threshold_ms": threshold, "consecutive": n, "within_periods": k,
-                    "client_p99_ms": _p99s(tl, start, end)}
+        legs = leg_periods(tl)
+        periods: list[Any]
+        if legs is not None:
+            source, periods = "proxy_leg", legs
+            tolerance = LEG_TOLERANCE
+        else:
+            source, periods = "client", tl.periods
+            tolerance = ("client latency from the intended send time: it includes network faults the "
+                         "service cannot see (no proxy leg timings in this run)")
+        truth = first_breach(periods, start, end, threshold, n)
+        evidence: dict[str, Any] = {
+            "truth": source, "tolerance": tolerance, "threshold_ms": threshold, "consecutive": n,
+            "within_periods": k, f"{source}_p99_ms": [p.p99_ms for p in periods if start - 1e-9 <= p.start_s < end],
+            "client_p99_ms": _p99s(tl, start, end)}
         if truth is None:
-            return verdict(spec, False, f"client P99 never exceeded {threshold:g} ms for {n} consecutive "
-                           "periods in the phase: the fault did not breach, so the alert cannot be judged",
-                           **evidence)
+            return nothing_to_judge(spec, f"{_what(source)} P99 never exceeded {threshold:g} ms for {n} "
+                                    "consecutive periods in the phase: the fault did not breach, so whether "
+                                    "the alert fires cannot be told", **evidence)
         truth_s, run = truth
         deadline = truth_s + k * tl.period_s
-        # Firing by the deadline counts, even if it began earlier and never stopped (an alert that was
-        # already firing is not late; whether it was a false alarm is alert_silent's question).
-        fired = [s for s, e in tl.alert_intervals(alert)
-                 if s <= deadline + 1e-9 and (e is None or e >= truth_s - k * tl.period_s)]
+        intervals = tl.alert_intervals(alert)
         evidence |= {"ground_truth_s": round(truth_s, 3), "breach_periods": run, "deadline_s": round(deadline, 3)}
-        if not fired:
-            later = [s for s, _ in tl.alert_intervals(alert) if s > deadline]
-            evidence["fired_s"] = round(later[0], 3) if later else None
-            when = f"only at {later[0]:.1f}s" if later else "never"
-            return verdict(spec, False, f"{alert} fired {when}; it should have by {deadline:.1f}s "
-                           f"({k} period(s) after client P99 breached for {n} periods at {truth_s:.1f}s)",
-                           **evidence)
-        evidence["fired_s"] = round(fired[0], 3)
-        early = " (already firing before the breach)" if fired[0] < truth_s - n * tl.period_s else ""
-        return verdict(spec, True, f"{alert} fired at {fired[0]:.1f}s, {fired[0] - truth_s:+.1f}s after client "
-                       f"P99 > {threshold:g} ms for {n} periods (deadline {deadline:.1f}s){early}", **evidence)
+        fired = _fired_by(intervals, truth_s, deadline, k * tl.period_s)
+        if fired is not None:
+            evidence["fired_s"] = round(fired, 3)
+            early = " (already firing before the breach)" if fired < truth_s - n * tl.period_s else ""
+            return verdict(spec, True, f"{alert} fired at {fired:.1f}s, {fired - truth_s:+.1f}s after "
+                           f"{_what(source)} P99 > {threshold:g} ms for {n} periods (deadline {deadline:.1f}s)"
+                           f"{early}", **evidence)
+        later = [s for s, _ in intervals if s > deadline]
+        evidence["fired_s"] = round(later[0], 3) if later else None
+        when = f"only at {later[0]:.1f}s" if later else "never"
+        if source == "proxy_leg":
+            # The leg breached first: did the service's own P99 breach later, and the alert follow it?
+            own = first_breach(_own_periods(tl, tl.min_samples), start, end + tl.period_s, threshold, n)
+            if own is not None:
+                own_s, own_run = own
+                own_deadline = own_s + k * tl.period_s
+                late = _fired_by(intervals, own_s, own_deadline, k * tl.period_s)
+                leg_p99 = [p.p99_ms for p in periods if p.index in run]
+                finding = (f"finding: the proxy leg's P99 breached {threshold:g} ms for {n} periods by "
+                           f"{truth_s:.1f}s ({_ms(leg_p99)}), the service's own P99 only by {own_s:.1f}s "
+                           f"({own_s - truth_s:+.1f}s): latency outside the service's view (calls waiting "
+                           "in the kernel before it read them)")
+                evidence |= {"finding": finding, "service_truth_s": round(own_s, 3),
+                             "service_breach_periods": own_run, "view_difference_s": round(own_s - truth_s, 3)}
+                if late is not None:
+                    evidence["fired_s"] = round(late, 3)
+                    return verdict(spec, True, f"{alert} fired at {late:.1f}s, {late - own_s:+.1f}s after the "
+                                   f"service's own P99 breached for {n} periods (deadline {own_deadline:.1f}s); "
+                                   + finding, **evidence)
+                return verdict(spec, False, f"{alert} fired {when}; it should have by {own_deadline:.1f}s "
+                               f"({k} period(s) after even the service's own P99 breached for {n} periods at "
+                               f"{own_s:.1f}s; the proxy leg breached at {truth_s:.1f}s)", **evidence)
+        return verdict(spec, False, f"{alert} fired {when}; it should have by {deadline:.1f}s "
+                       f"({k} period(s) after {_what(source)} P99 breached for {n} periods at {truth_s:.1f}s)",
+                       **evidence)
+
+
+def _fired_by(intervals: list[tuple[float, float | None]], truth_s: float, deadline: float,
+              slack: float) -> float | None:
+    """When the alert was firing by `deadline` (an alert already firing is not late; whether it was a
+    false alarm is alert_silent's question), else None."""
+    fired = [s for s, e in intervals if s <= deadline + 1e-9 and (e is None or e >= truth_s - slack)]
+    return fired[0] if fired else None
+
+
+def _what(source: str) -> str:
+    return {"proxy_leg": "the proxy leg's (server-side)", "client": "client"}.get(source, source)
+
+
+def _ms(values: list[float | None]) -> str:
+    return ", ".join("-" if v is None else f"{v:.1f}" for v in values) + " ms"
 
 
 class AlertSilent:
@@ -108,20 +184,34 @@ class Degrades:
         alert = spec.params.get("alert", "P99High")
         k = spec.params.get("within_periods", 2)
         start, end = phase_window(tl, spec)
-        fired = [max(s, start) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
+        firing = [(max(s, start), e) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
         tiers = tl.tier_series()
-        if not fired:
-            return verdict(spec, False, f"{alert} never fired in the phase, so no degradation to judge",
-                           tiers=tiers)
-        deadline = fired[0] + k * tl.period_s
-        light = [t for t, tier in tiers if tier == "light" and start - tl.period_s <= t <= deadline + 1e-9]
-        evidence = {"alert_fired_s": round(fired[0], 3), "deadline_s": round(deadline, 3), "tiers": tiers}
-        if light or _tier_at(tiers, fired[0]) == "light":
-            when = light[0] if light else fired[0]
-            return verdict(spec, True, f"tier light at {when:.1f}s, alert fired at {fired[0]:.1f}s",
-                           light_s=round(when, 3), **evidence)
+        if not firing:
+            return nothing_to_judge(spec, f"{alert} never fired in the phase, so there is no degradation "
+                                    "to judge", tiers=tiers)
+        fired, resolved = firing[0]
+        deadline = fired + k * tl.period_s
+        held_until = min(end, resolved if resolved is not None else end)
+        evidence: dict[str, Any] = {"alert_fired_s": round(fired, 3), "deadline_s": round(deadline, 3),
+                                    "tiers": tiers}
+        # Only a change at or after the alert fired shows the alert degrading; a light tier that came
+        # earlier (from the queue) says nothing about the alert.
+        light = [t for t, tier in tiers if tier == "light" and fired - 1e-6 <= t <= deadline + 1e-9]
+        before = _tier_at(tiers, fired - 1e-6) == "light"
+        back = [t for t, tier in tiers if tier == "full" and max(fired, light[0] if light else fired) < t < held_until]
+        if back:
+            return verdict(spec, False, f"the tier went back to full at {back[0]:.1f}s while {alert} was still "
+                           f"firing (fired {fired:.1f}s)", full_s=round(back[0], 3), **evidence)
+        if light:
+            return verdict(spec, True, f"tier light at {light[0]:.1f}s, alert fired at {fired:.1f}s and the "
+                           f"tier stayed light while it fired", light_s=round(light[0], 3), **evidence)
+        if before:
+            since = max((t for t, tier in tiers if tier == "light" and t < fired), default=start)
+            return nothing_to_judge(spec, f"the tier was already light (since {since:.1f}s, before {alert} "
+                                    f"fired at {fired:.1f}s) and stayed light while it fired: whether the alert "
+                                    "degrades cannot be told", **evidence)
         return verdict(spec, False, f"tier stayed full until {deadline:.1f}s although {alert} fired at "
-                       f"{fired[0]:.1f}s", **evidence)
+                       f"{fired:.1f}s", **evidence)
 
 
 class Restores:
@@ -134,10 +224,14 @@ class Restores:
         within = spec.params.get("within_s", 10.0)
         start, end = phase_window(tl, spec)
         tiers = tl.tier_series()
-        intervals = tl.alert_intervals(alert)
+        intervals = [(s, e) for s, e in tl.alert_intervals(alert) if s < end]
         resolved = [e for s, e in intervals if e is not None and e <= end]
         still = [s for s, e in intervals if e is None or e > end]
         evidence: dict[str, object] = {"tiers": tiers, "alert_intervals": intervals}
+        light_ever = any(tier == "light" for t, tier in tiers if t < end)
+        if not intervals and not light_ever:
+            return nothing_to_judge(spec, f"{alert} never fired and the tier was never light by {end:.1f}s: "
+                                    "nothing to restore", **evidence)
         if still:
             return verdict(spec, False, f"{alert} was still firing at {end:.1f}s: nothing restored",
                            **evidence)
@@ -146,8 +240,9 @@ class Restores:
         full = [t for t, tier in tiers if tier == "full" and since - tl.period_s <= t <= deadline]
         if _tier_at(tiers, min(deadline, end)) == "full":
             when = full[0] if full else since
-            return verdict(spec, True, f"tier full again at {when:.1f}s (alert resolved at "
-                           f"{resolved[-1] if resolved else since:.1f}s)", **evidence)
+            why = (f"alert resolved at {resolved[-1]:.1f}s" if resolved else
+                   f"{alert} never fired; the tier had gone light")
+            return verdict(spec, True, f"tier full again at {when:.1f}s ({why})", **evidence)
         if deadline > end:
             return verdict(spec, False, f"tier still light when the phase ended at {end:.1f}s, "
                            f"{end - since:.1f}s after the alert resolved at {since:.1f}s (allowed {within:g}s): "

@@ -35,10 +35,21 @@ class Verdict:
     summary: str
     evidence: dict[str, Any] = field(default_factory=dict)
     phase: str | None = None
+    # Nothing to judge (no fault fired, nothing was cut): not a failure, and never shown as a pass.
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        """pass | fail | skipped (a skipped verdict does not fail the run but is no pass either)."""
+        return "skipped" if self.skipped else "pass" if self.passed else "fail"
+
+    @property
+    def mark(self) -> str:
+        return {"pass": "PASS", "fail": "FAIL", "skipped": "SKIP"}[self.status]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "check": self.kind, "passed": self.passed, "summary": self.summary,
-                "phase": self.phase, "evidence": self.evidence}
+        return {"id": self.id, "check": self.kind, "passed": self.passed, "status": self.status,
+                "summary": self.summary, "phase": self.phase, "evidence": self.evidence}
 
 
 class Check(Protocol):
@@ -71,3 +82,9 @@ def verdict(spec: CheckSpec, passed: bool, summary: str, **evidence: Any) -> Ver
     """A verdict for `spec` with its id and phase filled in."""
     return Verdict(id=spec.id, kind=spec.kind, passed=passed, summary=summary, evidence=evidence,
                    phase=spec.params.get("phase"))
+
+
+def nothing_to_judge(spec: CheckSpec, why: str, **evidence: Any) -> Verdict:
+    """A skipped verdict: the run gave the check nothing to judge (`why` says what did not happen)."""
+    return Verdict(id=spec.id, kind=spec.kind, passed=True, summary=f"nothing to judge: {why}",
+                   evidence=evidence, phase=spec.params.get("phase"), skipped=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from harness.checks.base import Param, Verdict, phase_window, register, verdict
+from harness.checks.truth import leg_latency, sched_rates
 from harness.scenario import CheckSpec
-from harness.timeline import Timeline, percentile
+from harness.timeline import FaultWindow, Timeline, percentile
 
 
 class Slo:
@@ -53,8 +56,11 @@ class ErrorRate:
 
 
 class NoLoss:
+    """Exact: every call the client sent is counted by the service, rejections equal; any difference
+    fails (a call lost on the way, or counted twice, is what this check is for)."""
+
     name = "no_loss"
-    params = {"tolerance_pct": Param("number", help="allowed client/agent disagreement (default 1)")}
+    params: dict[str, Param] = {}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         rep = tl.replay_report
@@ -74,22 +80,24 @@ class NoLoss:
         # error there. (A client timeout is still a call the agent answered, or will, so totals compare.)
         sent = scheduled - client["not_sent"]
         seen = sum(server.values())
-        tol = max(1.0, spec.params.get("tolerance_pct", 1.0) / 100 * max(1, sent))
-        evidence |= {"agent": server, "client_sent": sent, "agent_seen": seen,
+        evidence |= {"agent": server, "client_sent": sent, "agent_seen": seen, "difference": seen - sent,
                      "rejected_difference": client["rejected"] - server.get("rejected", 0)}
         streams = sum(1 for c in tl.calls if c.method.endswith("Stream") and c.outcome != "not_sent")
         if streams:
             # The agent counts each stream message, the client each call: only "nothing missing" holds.
             evidence["stream_calls"] = streams
-            if seen + tol < sent:
+            if seen < sent:
                 return verdict(spec, False, f"the agent counted {seen:.0f} requests for {sent} calls sent "
                                f"({streams} streams): calls were lost on the way", **evidence)
             return verdict(spec, True, f"all {scheduled} calls accounted for; the agent counted {seen:.0f} "
                            f"requests (stream messages each) for {sent} calls sent", **evidence)
-        if abs(sent - seen) > tol or abs(client["rejected"] - server.get("rejected", 0)) > tol:
+        if sent != seen or client["rejected"] != server.get("rejected", 0):
+            missing = sent - seen
+            what = (f"{missing:.0f} sent but never counted" if missing > 0 else
+                    f"{-missing:.0f} more counted than sent" if missing < 0 else "totals equal")
             return verdict(spec, False, f"client and agent disagree: client sent {sent} (rejected "
                            f"{client['rejected']}), agent counted {seen:.0f} (rejected "
-                           f"{server.get('rejected', 0):.0f})", **evidence)
+                           f"{server.get('rejected', 0):.0f}): {what}", **evidence)
         return verdict(spec, True, f"all {scheduled} calls accounted for; the agent counted {seen:.0f} of "
                        f"{sent} sent (rejected {server.get('rejected', 0):.0f} = {client['rejected']})", **evidence)
 
@@ -108,14 +116,22 @@ def _server_counts(tl: Timeline) -> dict[str, float] | None:
     return out or None
 
 
-_SIGNALS = "choice:client_latency,server_latency,host_cpu,target_cpu"
+_SIGNALS = "choice:client_latency,server_latency,host_cpu,target_cpu,proxy_added,target_runqueue,client_failures"
+# The signal each fault alone moves, when the check names none (each fault judged on its own):
+#   network latency-like toxics -> proxy_added: client latency minus the proxy's upstream leg (what the
+#       proxy added on the client's side; CPU trouble in the target moves both and cancels out)
+#   other network toxics        -> client_failures: errors + timeouts per call the client sent
+#   cpu:contention              -> target_runqueue: ms per s the target's threads waited for a CPU
+#   cpu:quota                   -> target_cpu: the target's CPU use held at the quota
+#   process:pause               -> target_cpu: no CPU at all while stopped
+_LATENCY_TOXICS = {"latency", "bandwidth", "slicer", "grpc_delay"}
 
 
 class FaultEffective:
     name = "fault_effective"
     params = {"phase": Param("phase", required=True), "baseline": Param("phase"),
-              "signal": Param(_SIGNALS, help="default: client_latency for network faults, else server_latency"),
-              "quantile": Param("choice:p50,p95,p99", help="for latency signals (default p99)"),
+              "signal": Param(_SIGNALS, help="one signal for the whole phase; default: each fault on its own"),
+              "quantile": Param("choice:p50,p95,p99", help="for latency signals (default p99; proxy_added p50)"),
               "min_increase_pct": Param("number", help="default 30"), "min_increase_ms": Param("number")}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
@@ -127,17 +143,83 @@ class FaultEffective:
         if broken:
             return verdict(spec, False, f"fault {broken[0].label} never took effect: {broken[0].error}",
                            faults=[f.label for f in windows])
-        signal = spec.params.get("signal") or ("client_latency" if windows[0].family == "network"
-                                               else "server_latency")
         base = spec.params.get("baseline", tl.phases[0][0])
-        before = _signal(tl, signal, base, spec.params.get("quantile", "p99"))
-        after = _signal(tl, signal, phase, spec.params.get("quantile", "p99"))
+        if spec.params.get("signal"):
+            return self._phase(tl, spec, phase, base, windows)
+        results = [_one_fault(tl, spec, w, base) for w in windows]
+        failed = [r for r in results if not r["ok"]]
+        evidence = {"baseline_phase": base, "faults": results}
+        if failed:
+            f = failed[0]
+            return verdict(spec, False, f"{f['fault']}: {f['summary']}: the fault did not reach the signal it "
+                           f"alone moves" + (f" ({len(failed)} of {len(results)} faults)" if len(results) > 1 else ""),
+                           **evidence)
+        return verdict(spec, True, "; ".join(f"{r['fault']}: {r['summary']}" for r in results), **evidence)
+
+    def _phase(self, tl: Timeline, spec: CheckSpec, phase: str, base: str, windows: list[FaultWindow]) -> Verdict:
+        signal = spec.params["signal"]
+        q = spec.params.get("quantile", "p99")
+        start, end = tl.phase_bounds(phase) or (0.0, 0.0)
+        b0, b1 = tl.phase_bounds(base) or (0.0, 0.0)
+        before = _signal(tl, signal, b0, b1, q)
+        after = _signal(tl, signal, start, end, q)
         evidence = {"signal": signal, "baseline_phase": base, "before": before, "during": after,
                     "faults": [f.label for f in windows]}
         if before is None or after is None:
             return verdict(spec, False, f"no {signal} data to compare ({base}: {before}, {phase}: {after})",
                            **evidence)
         return _judge(spec, signal, before, after, evidence)
+
+
+def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict[str, Any]:
+    """Judge one fault on its own signal between when it took effect and when it was removed."""
+    start = float(w.applied_s or 0.0)
+    end = w.removed_s if w.removed_s is not None else (tl.phase_bounds(w.phase) or (0.0, tl.duration_s))[1]
+    b0, b1 = tl.phase_bounds(base) or (0.0, 0.0)
+    out: dict[str, Any] = {"fault": w.label, "window_s": [round(start, 3), round(end, 3)]}
+    if w.family == "network" and w.kind in _LATENCY_TOXICS:
+        signal, q = "proxy_added", spec.params.get("quantile", "p50")
+    elif w.family == "network":
+        signal, q = "client_failures", "p99"
+    elif w.family == "cpu" and w.kind == "contention":
+        signal, q = "target_runqueue", "p99"
+    elif w.family == "cpu" and w.kind == "quota" or w.family == "process":
+        signal, q = "target_cpu", "p99"
+    else:
+        signal, q = "server_latency", spec.params.get("quantile", "p99")
+    before, during = _signal(tl, signal, b0, b1, q), _signal(tl, signal, start, end, q)
+    out |= {"signal": signal, "before": before, "during": during}
+    if before is None or during is None:
+        return out | {"ok": False, "summary": f"no {signal} data ({base}: {before}, fault: {during})"}
+    if signal == "target_cpu":
+        cap = _quota_pct(w)
+        if w.family == "process":
+            ok = during <= 2.0
+            why = f"target CPU {before:.1f}% -> {during:.1f}% while paused (needed <= 2%)"
+        else:
+            limit = cap * 1.25 + 2.0
+            ok = during <= limit and before > cap
+            why = (f"target CPU {before:.1f}% -> {during:.1f}% under a {cap:g}% quota (needed <= {limit:.1f}%, "
+                   f"and more than {cap:g}% before, or the quota never bound)")
+        return out | {"ok": ok, "summary": why}
+    moved = during - before
+    floor = {"proxy_added": 1.0, "target_runqueue": 5.0, "client_failures": 1.0}.get(signal, 0.0)
+    if "min_increase_ms" in spec.params and signal in ("proxy_added", "server_latency"):
+        need, ok = f"{spec.params['min_increase_ms']:g} ms", moved >= spec.params["min_increase_ms"]
+    else:
+        pct = spec.params.get("min_increase_pct", 30.0)
+        need_abs = max(floor, abs(before) * pct / 100)
+        need, ok = f"+{need_abs:.1f} ({pct:g}%, at least {floor:g})", moved >= need_abs
+    unit = {"proxy_added": " ms", "target_runqueue": " ms/s", "client_failures": "%"}.get(signal, "")
+    return out | {"ok": ok, "moved": round(moved, 3),
+                  "summary": f"{signal} {before:.1f} -> {during:.1f}{unit}, needed {need}"}
+
+
+def _quota_pct(w: FaultWindow) -> float:
+    import re
+
+    m = re.search(r"pct=([0-9.]+)", w.label)
+    return float(m.group(1)) if m else 100.0
 
 
 def _judge(spec: CheckSpec, signal: str, before: float, after: float, evidence: dict) -> Verdict:
@@ -154,18 +236,32 @@ def _judge(spec: CheckSpec, signal: str, before: float, after: float, evidence: 
                    + ("" if ok else ": the fault did not reach the signal it targets"), **evidence)
 
 
-def _signal(tl: Timeline, signal: str, phase: str, quantile: str) -> float | None:
-    start, end = tl.phase_bounds(phase) or (0.0, 0.0)
+def _signal(tl: Timeline, signal: str, start: float, end: float, quantile: str) -> float | None:
     q = {"p50": 0.5, "p95": 0.95, "p99": 0.99}[quantile]
     if signal == "client_latency":
         lat = sorted(c.latency_ms for c in tl.calls_between(start, end)
                      if c.outcome == "ok" and c.latency_ms is not None)
         return round(percentile(lat, q), 3) if lat else None
+    if signal == "proxy_added":
+        client = _signal(tl, "client_latency", start, end, quantile)
+        leg = leg_latency(tl, start, end, q)
+        return None if client is None or leg is None else round(client - leg, 3)
+    if signal == "client_failures":
+        calls = [c for c in tl.calls_between(start, end) if c.outcome != "not_sent"]
+        bad = sum(1 for c in calls if c.outcome in ("error", "timeout"))
+        return round(bad / len(calls) * 100, 3) if calls else None
+    if signal in ("target_runqueue", "target_cpu") and tl.outside.get("sched"):
+        rates = sched_rates(tl, start, end)
+        if rates is None:
+            return None
+        return rates[1] if signal == "target_runqueue" else rates[0]
+    if signal == "target_runqueue":
+        return None
     if signal == "server_latency":
         key = f"{quantile}_ms"
         vals = [float(e.data[key]) for e in tl.events_of("period")
                 if start <= e.t <= end + tl.period_s and e.data.get(key) is not None]
-        return round(sum(vals) / len(vals), 3) if vals else _signal(tl, "client_latency", phase, quantile)
+        return round(sum(vals) / len(vals), 3) if vals else _signal(tl, "client_latency", start, end, quantile)
     attr = "host_pct" if signal == "host_cpu" else "target_pct"
     vals = [getattr(c, attr) for c in tl.cpu if start <= c.t <= end and getattr(c, attr) is not None]
     return round(sum(vals) / len(vals), 2) if vals else None

@@ -14,7 +14,7 @@ def junit_xml(result: RunResult) -> str:
     """The run as JUnit XML (what CI systems show as a test report)."""
     failures = sum(not v.passed for v in result.verdicts)
     suite = ET.Element("testsuite", name=f"shadowtest.{result.scenario.name}", tests=str(len(result.verdicts)),
-                       failures=str(failures), errors="1" if result.interrupted else "0",
+                       failures=str(failures), skipped=str(sum(v.skipped for v in result.verdicts)), errors="1" if result.interrupted else "0",
                        time=f"{result.timeline.duration_s:.3f}")
     props = ET.SubElement(suite, "properties")
     for key, value in (("seed", result.scenario.seed), ("source", result.scenario.source or ""),
@@ -23,7 +23,9 @@ def junit_xml(result: RunResult) -> str:
     for v in result.verdicts:
         case = ET.SubElement(suite, "testcase", classname=f"shadowtest.{result.scenario.name}", name=v.id,
                              time="0")
-        if not v.passed:
+        if v.skipped:
+            ET.SubElement(case, "skipped", message=v.summary)
+        elif not v.passed:
             fail = ET.SubElement(case, "failure", message=v.summary, type=v.kind)
             fail.text = json.dumps(v.evidence, indent=2, default=str)
         else:

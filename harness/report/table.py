@@ -10,12 +10,11 @@ if TYPE_CHECKING:
 
 def print_verdicts(result: RunResult, stream: TextIO, rich: bool) -> None:
     """Print one row per check (PASS/FAIL, id, why) and the overall verdict."""
-    failed = sum(not v.passed for v in result.verdicts)
     head = "PASSED" if result.passed else ("INTERRUPTED (partial)" if result.interrupted else "FAILED")
-    total = f"{len(result.verdicts) - failed}/{len(result.verdicts)} checks passed"
+    total = result.tally()
     if not rich:
         for v in result.verdicts:
-            print(f"{'PASS' if v.passed else 'FAIL'}  {v.id}: {v.summary}", file=stream)
+            print(f"{v.mark}  {v.id}: {v.summary}", file=stream)
         print(f"{result.scenario.name}: {head}, {total}", file=stream)
         return
     from rich.markup import escape
@@ -29,7 +28,8 @@ def print_verdicts(result: RunResult, stream: TextIO, rich: bool) -> None:
     table.add_column("verdict")
     table.add_column("evidence", overflow="fold")
     for v in result.verdicts:
-        table.add_row(escape(v.id), "[green]PASS[/]" if v.passed else "[bold red]FAIL[/]", escape(v.summary))
+        table.add_row(escape(v.id), {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]",
+                                     "skipped": "[yellow]SKIP[/]"}[v.status], escape(v.summary))
     console = make_console(file=stream)
     console.print(table)
     colour = "green" if result.passed else "red"

@@ -33,13 +33,23 @@ class RunResult:
 
     @property
     def passed(self) -> bool:
-        return self.interrupted is None and bool(self.verdicts) and all(v.passed for v in self.verdicts)
+        # Skipped verdicts fail nothing, but a run whose every check had nothing to judge passed nothing.
+        return (self.interrupted is None and bool(self.verdicts) and all(v.passed for v in self.verdicts)
+                and any(not v.skipped for v in self.verdicts))
+
+    def tally(self) -> str:
+        """'7/8 checks passed' (+ ', 1 skipped: nothing to judge' when some had nothing to judge)."""
+        passed = sum(v.passed and not v.skipped for v in self.verdicts)
+        skipped = sum(v.skipped for v in self.verdicts)
+        out = f"{passed}/{len(self.verdicts)} checks passed"
+        return out + (f", {skipped} skipped (nothing to judge)" if skipped else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario.name, "source": self.scenario.source, "seed": self.scenario.seed,
                 "started_wall": self.started_wall, "duration_s": self.timeline.duration_s,
                 "passed": self.passed, "interrupted": self.interrupted, "partial": self.timeline.partial,
-                "checks": {"total": len(self.verdicts), "failed": sum(not v.passed for v in self.verdicts)},
+                "checks": {"total": len(self.verdicts), "failed": sum(not v.passed for v in self.verdicts),
+                           "skipped": sum(v.skipped for v in self.verdicts)},
                 "verdicts": [v.as_dict() for v in self.verdicts], "notes": self.notes, "log": self.log,
                 "timeline": self.timeline.as_dict()}
 
