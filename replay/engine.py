@@ -35,6 +35,8 @@ from replay import report as report_mod
 from replay.clock import Clock, TimerfdClock, real_clock, run_ticks
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
+from replay.senders.headers import HeaderPolicy
+from replay.senders.tls import TlsConfig
 from replay.stats import CallResult, RunStats
 from replay.target import check_target
 
@@ -74,6 +76,10 @@ class ReplayOptions:
     event_loop: "auto", "asyncio" or "uvloop" (for `run()`). auto: uvloop when it is installed and
         the run uses only the lean senders (h2, http1, tcp) without compare; grpcio's asyncio layer
         (the grpc sender, reflection) stays on the standard loop it is tested with.
+    tls: speak TLS to the target (replay.senders.tls.TlsConfig: CA, client certificate, --insecure,
+        server name), every sender alike; None: cleartext.
+    headers: which recorded headers/metadata go out and what is added (replay.senders.headers.HeaderPolicy);
+        None: the default policy (recorded end-to-end headers, no trace context, the replay marker).
     """
 
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
@@ -88,6 +94,8 @@ class ReplayOptions:
     allow_targets: tuple[str, ...] = ()
     compare: Comparer | CompareSpec | None = None
     event_loop: str = "auto"
+    tls: TlsConfig | None = None
+    headers: HeaderPolicy | None = None
 
 
 @dataclass(eq=False)  # identity hashing: live calls sit in a set
@@ -435,7 +443,12 @@ class ReplayRun:
         if name == "auto":
             name = _PROTOCOL_SENDER.get(planned.protocol, planned.protocol)
         if name not in self._senders:
-            self._senders[name] = get_sender(name, self.target, **self.options.sender_options)
+            extra: dict[str, object] = {}  # only when set: a registered factory need not know them
+            if self.options.tls is not None:
+                extra["tls"] = self.options.tls
+            if self.options.headers is not None:
+                extra["headers"] = self.options.headers
+            self._senders[name] = get_sender(name, self.target, **{**self.options.sender_options, **extra})
         return self._senders[name]
 
     # ---- one call ---------------------------------------------------------------------------
@@ -558,6 +571,8 @@ class ReplayOptionFields(TypedDict, total=False):
     allow_targets: tuple[str, ...]
     compare: Comparer | CompareSpec | None
     event_loop: str
+    tls: TlsConfig | None
+    headers: HeaderPolicy | None
 
 
 def replay_to(source: str | Path | Iterable[PlannedCall], target: str, *, speed: float = 1.0,

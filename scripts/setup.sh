@@ -16,6 +16,7 @@ prometheus         promtool rule tests and alerts judged by a real Prometheus (i
 tshark             the export checks that read our pcapng back with Wireshark's dissectors
 tcpdump            the import checks that compare with tcpdump's own capture
 nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
+nginx              the TLS replay tests against a real HTTPS server (tests/test_replay_tls.py)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }

@@ -13,6 +13,72 @@ import click
 
 SENDERS = ("auto", "h2", "grpc", "http1", "tcp")  # replay/senders: the registered ones, and auto
 _PCT = click.FloatRange(0, 100)
+_FILE = click.Path(dir_okay=False)
+
+
+# ---- TLS and header options (issue 16): shared with `traffic` ----------------------------------------
+def tls_options(f: Any) -> Any:
+    """--tls, --ca, --cert, --key, --insecure, --server-name (any of them turns TLS on)."""
+    for opt in reversed([
+        click.option("--tls", "tls", is_flag=True, help="speak TLS to the target (verified with the system CAs or --ca)"),
+        click.option("--ca", type=_FILE, metavar="FILE", help="TLS: trust only the CAs in this PEM file"),
+        click.option("--cert", type=_FILE, metavar="FILE", help="TLS: client certificate (PEM) for mTLS"),
+        click.option("--key", type=_FILE, metavar="FILE", help="TLS: the client certificate's key (default: in --cert)"),
+        click.option("--insecure", is_flag=True, help="TLS without verifying the server's certificate or name"),
+        click.option("--server-name", metavar="NAME", help="TLS: the name sent as SNI and verified (default: the host)"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def build_tls(tls: bool, ca: str | None, cert: str | None, key: str | None, insecure: bool,
+              server_name: str | None, sender: str = "auto") -> Any:
+    """The TlsConfig of the TLS options, None without them; a bad file or combination: click.UsageError (exit 2)."""
+    from replay.senders.tls import TlsConfig, TlsConfigError
+
+    if not (tls or ca or cert or key or insecure or server_name):
+        return None
+    config = TlsConfig(ca=ca, cert=cert, key=key, insecure=insecure, server_name=server_name)
+    try:
+        if server_name is not None and (not server_name or len(server_name) > 253 or any(c.isspace() for c in server_name)):
+            raise TlsConfigError(f"--server-name {server_name!r}: not a host name")
+        if insecure and ca:
+            raise TlsConfigError("--insecure skips verification: --ca would not be used; give one of them")
+        if insecure and sender == "grpc":
+            raise TlsConfigError("--insecure is not possible with --sender grpc (grpcio always verifies); "
+                                 "use --sender h2 or give the CA with --ca")
+        config.check()
+    except TlsConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return config
+
+
+def header_options(f: Any) -> Any:
+    """--set-header, --drop-header, --no-marker, --keep-trace-context."""
+    for opt in reversed([
+        click.option("--set-header", "set_headers", multiple=True, metavar="NAME=VALUE",
+                     help="add or replace this header / gRPC metadata on every call, e.g. shadow credentials "
+                          "(repeatable)"),
+        click.option("--drop-header", "drop_headers", multiple=True, metavar="GLOB",
+                     help="do not replay recorded headers whose name matches (repeatable)"),
+        click.option("--no-marker", is_flag=True, help="do not add the header x-shadowtest-replay: 1"),
+        click.option("--keep-trace-context", is_flag=True,
+                     help="replay traceparent, tracestate, b3, x-b3-*, uber-trace-id (stripped by default)"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def build_headers(set_headers: tuple[str, ...], drop_headers: tuple[str, ...], no_marker: bool,
+                  keep_trace_context: bool) -> Any:
+    """The HeaderPolicy of the header options; a bad value: click.BadParameter (exit 2)."""
+    from replay.senders.headers import HeaderError, HeaderPolicy
+
+    try:
+        return HeaderPolicy.from_options(set_headers, drop_headers, marker=not no_marker,
+                                         keep_trace_context=keep_trace_context)
+    except HeaderError as exc:
+        raise click.BadParameter(str(exc), param_hint="--set-header/--drop-header") from exc
 
 
 def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:
@@ -51,6 +117,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
               help="for --compare: reflection, bytes, FILE.protoset or module names")
 @click.option("--ignore-field", "ignore", multiple=True, help="for --compare: field glob to ignore")
 @click.option("--allow-target", "allow", multiple=True, help="allow this non-loopback host/CIDR")
+@tls_options
+@header_options
 @click.option("--dry-run", is_flag=True, help="print the plan and send nothing")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="write the report as JSON to this file ('-' for stdout)")
@@ -73,7 +141,9 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
             allow: tuple[str, ...], dry_run: bool, json_out: Path | None, max_error_pct: float | None,
             max_rejected_pct: float | None, max_not_sent_pct: float | None, max_p99_ms: float | None,
-            max_lag_p99_us: float | None, min_ok: int | None) -> None:
+            max_lag_p99_us: float | None, min_ok: int | None, tls: bool, ca: str | None, cert: str | None,
+            key: str | None, insecure: bool, server_name: str | None, set_headers: tuple[str, ...],
+            drop_headers: tuple[str, ...], no_marker: bool, keep_trace_context: bool) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
     Exit 0 when the run passed, 1 when it failed, 2 on a usage error. A run fails when a scheduled
@@ -95,6 +165,11 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
       shadowtest replay prod.rec --target shadow.internal:50051 --allow-target shadow.internal --workers 2
       shadowtest replay prod.rec --target 127.0.0.1:50051 --dry-run
       shadowtest replay prod.rec --target 127.0.0.1:50051 --method-map 3:hpack:5,4,3=/pkg.Svc/Method
+      shadowtest replay web.rec --target 127.0.0.1:8443 --tls --ca ca.pem --set-header 'authorization=Bearer shadow'
+
+    TLS (--tls, --ca, --cert/--key, --insecure, --server-name) works with every sender. Every call
+    carries x-shadowtest-replay: 1 (--no-marker) and no trace context (--keep-trace-context); redacted
+    credentials are never replayed: give the replay its own with --set-header.
     """
     from replay.compare import CompareSpec
     from replay.engine import ReplayOptions
@@ -113,7 +188,9 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
                             loop=loop, rate=rate, seed=seed, method_map=mapped)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
-                         allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None)
+                         allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None,
+                         tls=build_tls(tls, ca, cert, key, insecure, server_name, sender),
+                         headers=build_headers(set_headers, drop_headers, no_marker, keep_trace_context))
     try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
         sched.validate()
         check_target(target, allow)

@@ -9,17 +9,13 @@ from typing import Protocol
 
 from replay.errors import SenderError
 from replay.schedule import PlannedCall, PlannedMessage
+from replay.senders.headers import DEFAULT_POLICY, GRPC_OWN, REDACTION_MARKERS, HeaderPolicy
 
 # Outcome names every sender uses; the engine adds not_sent itself.
 OK, REJECTED, ERROR, TIMEOUT, CONNECTION_ERROR = "ok", "rejected", "error", "timeout", "connection_error"
 
-# Never replayed: connection-level (hop-by-hop) headers, pseudo headers, and what gRPC sets itself.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "host",
-    "content-length", "content-type", "user-agent", "grpc-timeout", "grpc-encoding",
-    "grpc-accept-encoding", "accept-encoding", "grpc-status", "grpc-message", "trailer",
-})
-REDACTION_MARKERS = ("[REDACTED", "<REDACTED", "REDACTED")
+# Never taken from a recorded gRPC call: hop-by-hop headers and what gRPC sets itself (senders.headers).
+HOP_BY_HOP = GRPC_OWN
 
 
 @dataclass
@@ -92,14 +88,13 @@ def get_sender(name: str, target: str, **options: object) -> Sender:
     return entry(target, **options)
 
 
-def replayable_metadata(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Recorded metadata minus hop-by-hop, pseudo, binary and redacted entries (keys lower-cased)."""
-    keep = []
-    for key, value in metadata:
-        k = key.lower()
-        if k.startswith(":") or k in HOP_BY_HOP or k.endswith("-bin"):
-            continue
-        if value.upper().startswith(REDACTION_MARKERS):
-            continue
-        keep.append((k, value))
-    return keep
+def replayable_metadata(metadata: list[tuple[str, str]], policy: HeaderPolicy | None = None,
+                        protocol: str = "grpc") -> list[tuple[str, str]]:
+    """The headers a replayed call carries (keys lower-cased): the recorded ones minus pseudo, binary,
+    redacted, hop-by-hop and trace-context entries, with the policy's additions (senders.headers)."""
+    return (policy or DEFAULT_POLICY).apply(metadata, protocol)
+
+
+__all__ = ["CONNECTION_ERROR", "ERROR", "HOP_BY_HOP", "OK", "REDACTION_MARKERS", "REJECTED", "TIMEOUT", "Preparer",
+           "SendOutcome", "Sender", "SenderFactory", "Starter", "available", "get_sender", "register",
+           "replayable_metadata"]

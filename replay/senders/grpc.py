@@ -2,7 +2,9 @@
 
 No descriptors are needed: serializers are identity, so the recorded bytes go out unchanged and the
 response bytes come back for comparison. Each recorded connection gets its own channel with a local
-subchannel pool (grpc would otherwise share one TCP connection between identical channels).
+subchannel pool (grpc would otherwise share one TCP connection between identical channels). With
+`tls` the channels are secure (grpcio's TLS, ALPN h2; the CA, client certificate and name to verify
+from the TlsConfig); a failed handshake is UNAVAILABLE with a one-line "TLS: ..." detail.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from replay.senders.base import (
     SendOutcome,
     replayable_metadata,
 )
+from replay.senders.headers import HeaderPolicy
+from replay.senders.tls import TlsConfig
 
 
 def _raw(data: bytes, compressed: bool) -> bytes:
@@ -50,13 +54,20 @@ class GrpcSender:
     Args:
         target: "host:port".
         share_connection: one channel for all recorded connections (default: one each).
+        tls: a TlsConfig for secure channels (None: insecure channels). headers: the HeaderPolicy.
     """
 
-    def __init__(self, target: str, *, share_connection: bool = False, **_: object) -> None:
+    def __init__(self, target: str, *, share_connection: bool = False, tls: TlsConfig | None = None,
+                 headers: HeaderPolicy | None = None, **_: object) -> None:
         self.target = target
         self.share = share_connection
+        self.policy = headers
+        self.tls = tls
+        self._creds = tls.grpc_credentials() if tls else None
+        self._name = tls.name_for(target.rsplit(":", 1)[0].strip("[]")) if tls else ""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._unary: dict[tuple[int, str], grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._md: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...] | None] = {}
 
     def _channel(self, connection: str) -> grpc.aio.Channel:
         key = "shared" if self.share else connection
@@ -64,8 +75,35 @@ class GrpcSender:
         if ch is None:
             opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.enable_retries", 0),
                     ("grpc.max_receive_message_length", 64 << 20)]
-            ch = self._channels[key] = grpc.aio.insecure_channel(self.target, options=opts)
+            if self.tls is None:
+                ch = grpc.aio.insecure_channel(self.target, options=opts)
+            else:
+                ch = grpc.aio.secure_channel(self.target, self._creds, options=opts + self.tls.grpc_options())
+            self._channels[key] = ch
         return ch
+
+    def _metadata(self, recorded: list[tuple[str, str]]) -> tuple[tuple[str, str], ...] | None:
+        key = tuple(recorded)
+        md = self._md.get(key, ())
+        if md == ():
+            if len(self._md) >= 4096:  # bounded: recordings may carry unique metadata per call
+                self._md.clear()
+            md = self._md[key] = tuple(replayable_metadata(recorded, self.policy)) or None
+        return md
+
+    def _detail(self, detail: str) -> str:
+        """grpcio's TLS failures in the words the other senders use (the original kept after it)."""
+        if self.tls is None:
+            return detail
+        text = " ".join(detail.split())
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text.lower():
+            return f"TLS: certificate verify failed for {self._name} (grpcio: {text})"
+        if "handshake" in text.lower() or "SSL_ERROR" in text:
+            return f"TLS: handshake failure with {self._name} (grpcio: {text})"
+        if text.startswith("failed to connect to all addresses") and "Socket closed" in text:
+            hint = "" if self.tls.cert else "; does it require a client certificate (--cert, --key)?"
+            return f"TLS: {self._name} closed the connection during the handshake{hint} (grpcio: {text})"
+        return detail
 
     def prepare(self, connection: str) -> Awaitable[None]:
         """Create the channel and start connecting now (non-blocking), ahead of the first call;
@@ -77,12 +115,12 @@ class GrpcSender:
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         ch = self._channel(planned.connection)
         method = planned.method or ""
-        md = tuple(replayable_metadata(planned.metadata)) or None
+        md = self._metadata(planned.metadata)
         timeout = timeout_s + planned.last_offset_ns / 1e9
         try:
             responses = await self._invoke(ch, planned.kind, method, requests, md, timeout)
         except grpc.aio.AioRpcError as exc:
-            return outcome_for_code(exc.code(), exc.details() or "")
+            return outcome_for_code(exc.code(), self._detail(exc.details() or ""))
         except StopAsyncIteration:
             return SendOutcome(ERROR, "NO_REQUEST", detail="the recorded call has no request message")
         return SendOutcome(OK, "OK", 0, responses)

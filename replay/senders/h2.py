@@ -7,7 +7,10 @@ and codes map exactly as the grpc sender's do (ok, RESOURCE_EXHAUSTED -> rejecte
 -> timeout, UNAVAILABLE/connection loss -> connection_error, other codes -> error by name). All four
 call kinds are supported; each streamed request message goes out when the engine releases it.
 
-Limits: cleartext (h2c prior knowledge) only, no TLS; no request compression (a compressed recorded
+Cleartext (h2c, prior knowledge) by default; with `tls` over TLS with ALPN h2 (a server that does not
+choose h2 fails every call with a one-line reason, as does a failed handshake: "TLS: ...").
+
+Limits: no request compression (a compressed recorded
 message is sent decompressed, as the grpc sender does); no retries; one FIFO for flow-control-blocked
 data per connection (a stream waiting for its own window holds back later DATA on that connection).
 """
@@ -16,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import ERROR, SendOutcome, replayable_metadata
 from replay.senders.h2conn import MAX_RECEIVE_MESSAGE, REFUSED, WINDOW, H2Connection, Stream
 from replay.senders.h2frames import connection_failed, outcome, request_block
+from replay.senders.headers import HeaderPolicy
+from replay.senders.tls import TlsConfig, describe
 from wire.status import Status
 
 _REFUSED_RETRIES = 3
@@ -90,14 +96,22 @@ class H2Sender:
             the most one call's responses may hold in all (default 64 MiB, as the grpc sender); over
             it the call ends RESOURCE_EXHAUSTED and its stream is reset.
         window: the HTTP/2 receive window advertised for each stream and the connection (16 MiB).
+        tls: a TlsConfig to speak TLS (ALPN h2), None for cleartext. headers: the HeaderPolicy.
     A connection that is lost, refused or told GOAWAY is replaced by a new one for later calls.
     """
 
     def __init__(self, target: str, *, share_connection: bool = False,
-                 max_receive_message_length: int = MAX_RECEIVE_MESSAGE, window: int = WINDOW, **_: object) -> None:
+                 max_receive_message_length: int = MAX_RECEIVE_MESSAGE, window: int = WINDOW,
+                 tls: TlsConfig | None = None, headers: HeaderPolicy | None = None, **_: object) -> None:
         host, port = target.rsplit(":", 1)
         self.max_receive_message_length, self.window = max_receive_message_length, window
         self.target, self.host, self.port = target, host.strip("[]"), int(port)
+        self.policy = headers
+        self.ssl: ssl.SSLContext | None = tls.context(alpn=("h2",)) if tls else None
+        self.server_name = tls.name_for(self.host) if tls else self.host
+        self.authority = f"{tls.server_name}:{self.port}" if tls and tls.server_name else target
+        self.scheme = "https" if tls else "http"
+        self.tls_hint = "; does it require a client certificate (--cert, --key)?" if tls and not tls.cert else ""
         self.share = share_connection
         self._conns: dict[str, H2Connection] = {}
         self._all: set[H2Connection] = set()
@@ -111,6 +125,7 @@ class H2Sender:
             loop = asyncio.get_running_loop()
             conn = self._conns[key] = H2Connection(loop, max_receive_message_length=self.max_receive_message_length,
                                                    window=self.window)
+            conn.server_name, conn.tls_hint = self.server_name, self.tls_hint
             self._all = {c for c in self._all if not c.closed}
             self._all.add(conn)
             task = loop.create_task(self._connect(conn))  # held: the loop keeps only weak references
@@ -120,7 +135,13 @@ class H2Sender:
 
     async def _connect(self, conn: H2Connection) -> None:
         try:
-            await conn.loop.create_connection(lambda: conn, self.host, self.port)
+            if self.ssl is None:
+                await conn.loop.create_connection(lambda: conn, self.host, self.port)
+            else:
+                await conn.loop.create_connection(lambda: conn, self.host, self.port, ssl=self.ssl,
+                                                  server_hostname=self.server_name)
+        except ssl.SSLError as exc:  # an OSError too: say it was TLS, and for which name
+            conn.connect_failed(exc, describe(exc, self.server_name, "h2"))
         except OSError as exc:
             conn.connect_failed(exc)
 
@@ -135,8 +156,8 @@ class H2Sender:
         if block is None:
             if len(self._blocks) >= 4096:  # bounded: recordings may carry unique metadata per call
                 self._blocks.clear()
-            md = tuple(replayable_metadata(planned.metadata))
-            block = self._blocks[key] = request_block(key[0], self.target, md, timeout)
+            md = tuple(replayable_metadata(planned.metadata, self.policy))
+            block = self._blocks[key] = request_block(key[0], self.authority, md, timeout, self.scheme)
         return block
 
     def start(self, planned: PlannedCall, timeout_s: float,

@@ -1,4 +1,5 @@
-"""One cleartext HTTP/2 connection (prior knowledge, as gRPC uses it) as an asyncio Protocol.
+"""One HTTP/2 connection as an asyncio Protocol: cleartext with prior knowledge (h2c, as gRPC uses it) or,
+over a TLS transport, only when the server's ALPN chose h2 (else it fails with a one-line reason).
 
 Only what a gRPC client needs, written for low CPU per call: a unary call is one `transport.write`
 (HEADERS from a cached block + DATA with END_STREAM); the response path splits frames straight out of
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import cast
@@ -140,6 +142,8 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         if not 0 < window <= MAX_WINDOW:
             raise ValueError(f"window {window} outside 1..2^31-1")
         self.loop = loop
+        self.server_name = ""  # the name TLS verified (for error details), set by the sender
+        self.tls_hint = ""  # what a TLS connection closed before SETTINGS may mean, set by the sender
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[bool] = loop.create_future()  # True with the server's SETTINGS, False: failed
         self.error = ""
@@ -174,6 +178,12 @@ class H2Connection(asyncio.Protocol, FrameLoop):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # a stream connection's transport (loop.create_connection): asyncio types the argument as the base
         self.transport = t = cast(asyncio.Transport, transport)
+        tls = t.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() != "h2":  # it would answer our preface as HTTP/1
+            from replay.senders.tls import ALPN_NOT_H2
+            self.fail_all(ALPN_NOT_H2.format(name=self.server_name, got=tls.selected_alpn_protocol() or "none"))
+            t.close()
+            return
         preface = PREFACE + settings({Setting.ENABLE_PUSH: 0, Setting.INITIAL_WINDOW_SIZE: self.window})
         if self.conn_window > DEFAULT_WINDOW:
             preface += window_update(0, self.conn_window - DEFAULT_WINDOW)
@@ -182,10 +192,19 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         # its MAX_CONCURRENT_STREAMS, and streams beyond it would be refused.
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError):  # e.g. the server refused our (missing) client certificate
+            from replay.senders.tls import describe
+            self.fail_all(f"connection lost: {describe(exc, self.server_name)}")
+            return
+        if not self.got_preface and self.transport is not None and self.transport.get_extra_info("ssl_object"):
+            self.fail_all(f"connection lost: TLS: {self.server_name} closed the connection right after the "
+                          f"handshake, before its HTTP/2 SETTINGS{self.tls_hint}")
+            return
         self.fail_all(f"connection lost: {exc or 'closed by the peer'}")
 
-    def connect_failed(self, exc: Exception) -> None:
-        self.error = f"cannot connect: {exc}"
+    def connect_failed(self, exc: Exception, detail: str | None = None) -> None:
+        """The connection could not be made; `detail` (e.g. a TLS failure in words) replaces the default."""
+        self.error = detail or f"cannot connect: {exc}"
         self.fail_all(self.error)
 
     def fail_all(self, detail: str) -> None:

@@ -40,19 +40,20 @@ def connection_failed(detail: str) -> SendOutcome:
     return SendOutcome(CONNECTION_ERROR, "UNAVAILABLE", int(Status.UNAVAILABLE), detail=detail)
 
 
-_HEADS: dict[tuple[str, str, float], bytes] = {}
+_HEADS: dict[tuple[str, str, float, str], bytes] = {}
 
 
-def request_block(method: str, authority: str, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> bytes:
-    """The encoded header block of a gRPC request (reusable on any connection)."""
-    head = _HEADS.get((method, authority, timeout_s))
+def request_block(method: str, authority: str, metadata: tuple[tuple[str, str], ...], timeout_s: float,
+                  scheme: str = "http") -> bytes:
+    """The encoded header block of a gRPC request (reusable on any connection); scheme https over TLS."""
+    head = _HEADS.get((method, authority, timeout_s, scheme))
     if head is None:
         if len(_HEADS) >= 8192:  # bounded: recordings may carry many methods x timeouts
             _HEADS.clear()
-        fields = [(":method", "POST"), (":scheme", "http"), (":path", method), (":authority", authority),
+        fields = [(":method", "POST"), (":scheme", scheme), (":path", method), (":authority", authority),
                   ("content-type", "application/grpc"), ("te", "trailers"), ("user-agent", "shadowtest-h2/1"),
                   ("grpc-timeout", format_timeout(timeout_s))]
-        head = _HEADS[(method, authority, timeout_s)] = b"".join(encode_field(k, v) for k, v in fields)
+        head = _HEADS[(method, authority, timeout_s, scheme)] = b"".join(encode_field(k, v) for k, v in fields)
     if not metadata:
         return head
     return head + b"".join([encode_field_cached(k, v) for k, v in metadata])

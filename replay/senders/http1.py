@@ -1,17 +1,24 @@
 """HTTP/1.1 sender: the recorded request line, headers and body on one keep-alive connection per
-recorded connection. Requests on a connection go one at a time (no pipelining, as clients do).
+recorded connection, cleartext or TLS (HTTPS). Requests on a connection go one at a time (no pipelining,
+as clients do). End-to-end headers (Content-Type, Accept-Encoding, User-Agent, ...) go out as recorded;
+hop-by-hop ones are the sender's own: Host (the target, or --server-name), Content-Length (the body
+sent), no Connection/Keep-Alive/TE/Transfer-Encoding/Upgrade/Proxy-* (senders.headers).
 
 Outcome: 2xx/3xx ok, 429 rejected (the HTTP face of RESOURCE_EXHAUSTED), other statuses error
-with code "HTTP_<status>", refused/reset connections connection_error.
+with code "HTTP_<status>", refused/reset connections connection_error, a failed TLS handshake
+connection_error with code "TLS" and a one-line detail (e.g. "TLS: certificate verify failed for NAME").
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import CONNECTION_ERROR, ERROR, OK, REJECTED, SendOutcome, replayable_metadata
+from replay.senders.headers import HeaderPolicy
+from replay.senders.tls import TlsConfig, describe
 from replay.target import split_target
 
 _MAX_BODY = 64 << 20
@@ -25,11 +32,20 @@ class _Conn:
 
 
 class Http1Sender:
-    """Replays HTTP/1.1 requests to `target` ("host:port")."""
+    """Replays HTTP/1.1 requests to `target` ("host:port").
 
-    def __init__(self, target: str, **_: object) -> None:
+    tls: a TlsConfig for HTTPS (None: cleartext). headers: the HeaderPolicy (default: the marker, no
+    trace context)."""
+
+    def __init__(self, target: str, *, tls: TlsConfig | None = None, headers: HeaderPolicy | None = None,
+                 **_: object) -> None:
         self.target = target
         self.host, self.port = split_target(target)
+        self.policy = headers
+        self.tls = tls
+        self.ssl: ssl.SSLContext | None = tls.context(alpn=("http/1.1",)) if tls else None
+        self.server_name = tls.name_for(self.host) if tls else self.host
+        self.authority = f"{tls.server_name}:{self.port}" if tls and tls.server_name else target
         self._conns: dict[str, _Conn] = {}
 
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
@@ -38,6 +54,9 @@ class Http1Sender:
         async with conn.lock:
             try:
                 return await asyncio.wait_for(self._exchange(conn, planned, body), timeout_s)
+            except ssl.SSLError as exc:  # an OSError too: the handshake (or the TLS session) failed
+                await self._drop(conn)
+                return SendOutcome(CONNECTION_ERROR, "TLS", detail=describe(exc, self.server_name))
             except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
                 await self._drop(conn)
                 return SendOutcome(CONNECTION_ERROR, "CONNECTION", detail=str(exc))
@@ -50,14 +69,18 @@ class Http1Sender:
 
     def _request(self, planned: PlannedCall, body: bytes) -> bytes:
         line = planned.method or "GET /"
-        headers = [(k, v) for k, v in replayable_metadata(planned.metadata)]
-        head = [f"{line} HTTP/1.1", f"Host: {self.target}", f"Content-Length: {len(body)}"]
+        headers = replayable_metadata(planned.metadata, self.policy, "http1")
+        head = [f"{line} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
     async def _exchange(self, conn: _Conn, planned: PlannedCall, body: bytes) -> SendOutcome:
         if conn.writer is None or conn.writer.is_closing():
-            conn.reader, conn.writer = await asyncio.open_connection(self.host, self.port)
+            if self.ssl is None:
+                conn.reader, conn.writer = await asyncio.open_connection(self.host, self.port)
+            else:
+                conn.reader, conn.writer = await asyncio.open_connection(
+                    self.host, self.port, ssl=self.ssl, server_hostname=self.server_name)
         assert conn.reader is not None
         conn.writer.write(self._request(planned, body))
         await conn.writer.drain()
