@@ -387,3 +387,50 @@ def test_h2_sender_fails_when_the_tls_server_chooses_no_alpn(tmp_path: Path, pki
     assert rep.ok == 0 and sum(rep.errors.values()) == n and rep.invariant_ok
     assert any("did not negotiate ALPN h2 (it chose none)" in r for r in rep.error_reasons.values()), rep.error_reasons
     assert b"PRI * HTTP/2.0" not in b"".join(received)
+
+
+@needs_openssl
+def test_tcp_flow_replayed_inside_tls(tmp_path: Path, pki: Pki) -> None:
+    """A raw TCP flow's client bytes go out TLS-wrapped; a wrong name is a one-line TLS error per flow."""
+    import ssl
+
+    from capture.recording import Chunk
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.server_cert, pki.server_key)
+    received: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                raw, _ = listener.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError), ctx.wrap_socket(raw, server_side=True) as conn:
+                conn.settimeout(1)
+                while data := conn.recv(65536):
+                    received.append(data)
+                    conn.sendall(data.upper())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with RecordingWriter(tmp_path / "t.rec") as w:
+        fid = w.add_flow(Flow(("127.0.0.1", 40001), ("127.0.0.1", 7000), protocol="tcp"))
+        for gap, data in [(0, b"hello "), (20, b"tls")]:
+            w.add_chunk(Chunk(fid, "c2s", BASE + gap * MS, data))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        ok = ReplayRun(tmp_path / "t.rec", address, ReplayOptions(tls=TlsConfig(ca=str(pki.ca)))).run()
+        wrong = ReplayRun(tmp_path / "t.rec", address,
+                          ReplayOptions(tls=TlsConfig(ca=str(pki.ca), server_name="wrong.example"))).run()
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+    assert b"".join(received) == b"hello tls"
+    assert ok.ok == 1 and ok.invariant_ok
+    assert wrong.ok == 0 and wrong.errors == {"TLS": 1} and wrong.invariant_ok
+    assert wrong.error_reasons["TLS"].startswith("TLS: certificate verify failed for wrong.example")
