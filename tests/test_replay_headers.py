@@ -92,7 +92,7 @@ def test_http1_replays_end_to_end_headers_and_owns_the_hop_by_hop_ones(tmp_path:
         assert h["accept-encoding"] == "gzip" and h["user-agent"] == "shop-client/2"
         assert h["accept"] == "application/json" and h["x-tenant"] == "prod" and h["x-debug-id"] == "42"
         assert h["host"] == address                        # the target, not the recorded host
-        assert h["content-length"] == str(len(h["_body"])) and h["_body"] == '{"n": %d}' % i
+        assert h["content-length"] == str(len(h["_body"])) and h["_body"] == f'{{"n": {i}}}'
         assert h["x-shadowtest-replay"] == "1"
         for gone in ("cookie", "authorization",            # redacted: never replayed
                      "traceparent", "tracestate", "b3", "x-b3-traceid", "uber-trace-id",  # trace context
