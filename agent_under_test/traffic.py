@@ -82,13 +82,16 @@ async def _wait_until(target_ns: int, stop: threading.Event) -> bool:
 
 
 async def _connect(cfg: TrafficConfig) -> aio.Channel:
-    channel = aio.insecure_channel(cfg.target)
+    tls = cfg.extra.get("tls")  # a replay.senders.tls.TlsConfig (`shadowtest traffic --tls ...`), or None
+    channel = aio.insecure_channel(cfg.target) if tls is None else \
+        aio.secure_channel(cfg.target, tls.grpc_credentials(), options=tls.grpc_options())
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout=cfg.connect_timeout_s)
     except (TimeoutError, asyncio.TimeoutError) as exc:
         await channel.close()
-        raise TrafficError(f"cannot connect to {cfg.target} within {cfg.connect_timeout_s:g} s; is the agent running "
-                           "(`shadowtest agent serve`)?") from exc
+        why = "is the agent running (`shadowtest agent serve`)?" if tls is None else \
+            "over TLS: is it running, and do its certificate and name fit --ca, --server-name, --cert?"
+        raise TrafficError(f"cannot connect to {cfg.target} within {cfg.connect_timeout_s:g} s; {why}") from exc
     return channel
 
 

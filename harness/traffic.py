@@ -96,12 +96,15 @@ class TrafficRun:
         traffic: what to play. profile: (start_s, end_s, load) per phase; the plan is warped to it.
         target: "host:port" (usually the fault proxy). t0_ns: the run's start on CLOCK_MONOTONIC;
         the replayer schedules from it and results are converted to seconds from it.
+        tls: a replay.senders.tls.TlsConfig when the target speaks TLS (through the proxy, which only
+        forwards TCP, the name to verify is the target's: set its server_name). headers: a
+        replay.senders.headers.HeaderPolicy (None: the default, with the replay marker).
 
     Raises RunError (on start) when the replayer cannot be built, e.g. the recording is unreadable.
     """
 
     def __init__(self, traffic: Traffic, profile: list[tuple[float, float, float]], target: str, t0_ns: int,
-                 seed: int, timeout_s: float = 5.0) -> None:
+                 seed: int, timeout_s: float = 5.0, *, tls: Any = None, headers: Any = None) -> None:
         from capture.errors import CaptureError
         from replay.engine import ReplayOptions, ReplayRun
         from replay.errors import ReplayError
@@ -125,7 +128,7 @@ class TrafficRun:
                 schedule = ScheduleOptions(seed=seed)
                 self._recording, plan = None, generator_plan(traffic, base_duration(profile), seed)
             source: Any = warp(plan, profile)
-            options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s)
+            options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s, tls=tls, headers=headers)
             self._run = ReplayRun(source, target, options, on_result=self._on_result)
         except (ReplayError, CaptureError) as exc:
             raise RunError(f"cannot set up the traffic: {exc}") from exc

@@ -434,3 +434,35 @@ def test_tcp_flow_replayed_inside_tls(tmp_path: Path, pki: Pki) -> None:
     assert ok.ok == 1 and ok.invariant_ok
     assert wrong.ok == 0 and wrong.errors == {"TLS": 1} and wrong.invariant_ok
     assert wrong.error_reasons["TLS"].startswith("TLS: certificate verify failed for wrong.example")
+
+
+@needs_openssl
+def test_traffic_command_speaks_tls(pki: Pki) -> None:
+    with TlsGrpcServer(pki) as server:
+        args = ["traffic", "--target", server.address, "--rate", "40", "--duration", "0.5", "--stream-share", "0",
+                "--connect-timeout", "5", "--json", "-"]
+        ok = CliRunner().invoke(cli, [*args, "--tls", "--ca", str(pki.ca)])
+        refused = CliRunner().invoke(cli, [*args, "--insecure"])
+        wrong = CliRunner().invoke(cli, [*args, "--ca", str(pki.ca), "--server-name", "wrong.example",
+                                         "--connect-timeout", "1"])
+    assert ok.exit_code == 0, ok.output
+    assert len(server.metadata) > 0
+    assert refused.exit_code == 2 and "--insecure is not possible" in refused.output
+    assert wrong.exit_code == 1 and "over TLS" in wrong.output and "Traceback" not in wrong.output, wrong.output
+
+
+@needs_openssl
+def test_chaos_traffic_run_speaks_tls(pki: Pki) -> None:
+    """The chaos harness's traffic (harness.traffic.TrafficRun) over TLS with shadow metadata."""
+    from harness.scenario import GeneratorTraffic
+    from harness.traffic import TrafficRun
+
+    with TlsGrpcServer(pki) as server:
+        run = TrafficRun(GeneratorTraffic(rate=40, pattern="constant"), [(0.0, 0.5, 1.0)], server.address,
+                         time.monotonic_ns() + 200 * MS, seed=1, tls=TlsConfig(ca=str(pki.ca), server_name="localhost"),
+                         headers=HeaderPolicy.from_options(("authorization=Bearer shadow",)))
+        run.start()
+        assert run.join(20)
+    outcomes = {c.outcome for c in run.calls}
+    assert run.error is None and len(run.calls) == 20 and outcomes == {"ok"}, run.report.get("error_reasons")
+    assert len(server.metadata) == 20 and all(md["authorization"] == "Bearer shadow" for md in server.metadata)
