@@ -32,6 +32,7 @@ from harness.errors import RunError
 from harness.faultrun import FaultSession, check_leftovers
 from harness.live import LiveView, Snapshot
 from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
+from harness.prom import PrometheusServer
 from harness.report import RunResult
 from harness.scenario import Scenario
 from harness.scenario_load import RUN_PHASE
@@ -83,6 +84,7 @@ class Runner:
         self._done_periods: list[Any] = []
         self.t0 = 0.0
         self._leg_log = ""
+        self._prom: PrometheusServer | None = None
 
     def log(self, message: str) -> None:
         t = self.clock.now() - self.t0 if self.t0 else 0.0
@@ -100,9 +102,33 @@ class Runner:
             running = _with_env(LEG_LOG_ENV, self._leg_log,
                                 lambda: open_target(self.scenario, stack, self.options.startup_timeout_s))
             self.log(f"target {running.grpc_address} (pid {running.pid}); traffic to {running.traffic_address}")
+            self._prom = self._prometheus(running, stack)
             result = self._play(running, stack)
         result.started_wall = started_wall
         return result
+
+    def _prometheus(self, running: Running, stack: contextlib.ExitStack) -> PrometheusServer | None:
+        spec = self.scenario.prometheus
+        if spec is None:
+            return None
+        if not running.metrics_url:
+            raise RunError("the scenario names Prometheus rules but the target has no metrics endpoint to scrape")
+        prom = stack.enter_context(PrometheusServer(spec, running.metrics_url))
+        self.log(f"prometheus {prom.url} (pid {prom.pid}) scraping {running.metrics_url} every "
+                 f"{spec.interval_s:g}s; rules: {', '.join(os.path.basename(r) for r in spec.rules)}")
+        return prom
+
+    def _prometheus_alerts(self) -> dict[str, Any] | None:
+        """What the run's Prometheus fired, read once the run is over (after one more evaluation)."""
+        if self._prom is None:
+            return None
+        self.clock.sleep(self._prom.spec.interval_s + 0.2)
+        wall_at_t0 = time.time() - (self.clock.now() - self.t0)
+        try:
+            return self._prom.firing(wall_at_t0 - 1.0, time.time(), wall_at_t0)
+        except (OSError, ValueError) as exc:
+            self.log(f"cannot read the alerts from Prometheus: {exc}")
+            return None
 
     def _leftovers(self) -> None:
         left = check_leftovers()
@@ -266,6 +292,9 @@ class Runner:
                       partial=interrupted is not None, alert_periods=s.alert_periods)
         if running.proxy is not None and self._leg_log:
             tl.outside["proxy_legs"] = read_leg_log(self._leg_log, self.t0)
+        prom = self._prometheus_alerts()
+        if prom is not None:
+            tl.outside["prometheus"] = prom
         if "cpu" in followers and followers["cpu"].sched:
             tl.outside["sched"] = list(followers["cpu"].sched)
         verdicts = judge(tl, s)

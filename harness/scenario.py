@@ -132,6 +132,14 @@ class CheckSpec:
 
 
 @dataclass(frozen=True)
+class PrometheusSpec:
+    """`prometheus:` in a scenario: rule files (absolute) a real Prometheus evaluates during the run."""
+
+    rules: tuple[str, ...]
+    interval_s: float = 1.0          # scrape and rule evaluation
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     target: Target
@@ -143,6 +151,7 @@ class Scenario:
     proxy: bool = True               # route traffic through the fault proxy
     source: str | None = None        # the file it came from
     faults: tuple[FaultSpec, ...] = ()   # held for the whole run (e.g. a small CPU quota: the container)
+    prometheus: PrometheusSpec | None = None   # judge alerts as a real Prometheus evaluates the rules
 
     @property
     def duration_s(self) -> float:

@@ -16,7 +16,7 @@ from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
 from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
-from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds
+from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds, fault_problem
 from harness.scenario import (
     AgentTarget,
     CheckSpec,
@@ -25,6 +25,7 @@ from harness.scenario import (
     GeneratorTraffic,
     MetricNames,
     Phase,
+    PrometheusSpec,
     RecordingTraffic,
     Scenario,
 )
@@ -43,7 +44,7 @@ AGENT_OPTIONS: dict[str, Param] = {
     "max_message_bytes": Param("int"), "alerts": Param("bool"), "jit": Param("bool"),
     "min_samples": Param("int"), "rejected_ratio_threshold": Param("number"),
 }
-_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults"}
+_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults", "prometheus"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry
 
 # ---- ranges: every number a scenario gives is checked against one of these -------------------------
@@ -281,6 +282,9 @@ def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
     if "size_variation" in params and params["size_variation"] >= params["average_size"]:
         entries["size_variation"].fail(f"{what}.size_variation {entries['size_variation'].text} must be less "
                                        f"than average_size {params['average_size']} (Toxiproxy's slicer)")
+    problem = fault_problem(kind, params)
+    if problem is not None:
+        entries[problem[0]].fail(f"{what}.{problem[0]}{problem[1]}")
     return FaultSpec(family, kind, params, after_s=timing.get("after", 0.0), for_s=timing.get("for"),
                      line=node.line)
 
@@ -362,7 +366,14 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
         proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,
         faults=tuple(_fault(f, f"faults[{j}]", run_s, "the run")
                      for j, f in enumerate(entries["faults"].sequence("faults")))
-        if "faults" in entries and entries["faults"].value() else ())
+        if "faults" in entries and entries["faults"].value() else (),
+        prometheus=_prometheus(entries["prometheus"], base) if "prometheus" in entries else None)
+
+
+def _prometheus(node: Node, base: Path | None) -> PrometheusSpec:
+    from harness.prom import parse_prometheus  # the rule files are read where the scenario lives
+
+    return parse_prometheus(node, base or Path("."))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -62,9 +62,29 @@ def _own_periods(tl: Timeline, min_samples: int) -> list[_Own]:
     return out
 
 
+_SOURCE = Param("choice:service,prometheus", help="whose alert: the service's own (default) or ALERTS{alertname} "
+                                                  "from the run's Prometheus (the scenario's `prometheus:` rules)")
+
+
+def alert_intervals(tl: Timeline, alert: str, source: str) -> list[tuple[float, float | None]] | None:
+    """Firing intervals of `alert` as the service reports it, or as the run's Prometheus evaluated the
+    scenario's rules (None: no Prometheus in this run)."""
+    if source != "prometheus":
+        return tl.alert_intervals(alert)
+    prom = tl.outside.get("prometheus")
+    if prom is None:
+        return None
+    return [(float(s), None if e is None else float(e)) for s, e in prom["alerts"].get(alert, [])]
+
+
+def _no_prometheus(spec: CheckSpec) -> Verdict:
+    return verdict(spec, False, "source: prometheus, but no Prometheus ran: add `prometheus: {rules: [FILE]}` "
+                   "to the scenario (docs/harness.md, Alerts as deployed)")
+
+
 class AlertFires:
     name = "alert_fires"
-    params = {"phase": Param("phase", required=True), "alert": Param("str"),
+    params = {"phase": Param("phase", required=True), "alert": Param("str"), "source": _SOURCE,
               "within_periods": Param("int", help="K: periods allowed after the ground truth (default 1)"),
               "consecutive": Param("int", help="N: breaching periods that make the truth (default alert_periods)"),
               "threshold_ms": Param("number")}
@@ -95,7 +115,14 @@ class AlertFires:
                                     "the alert fires cannot be told", **evidence)
         truth_s, run = truth
         deadline = truth_s + k * tl.period_s
-        intervals = tl.alert_intervals(alert)
+        source_of_alert = spec.params.get("source", "service")
+        found = alert_intervals(tl, alert, source_of_alert)
+        if found is None:
+            return _no_prometheus(spec)
+        intervals = found
+        evidence["alert_source"] = source_of_alert
+        if source_of_alert == "prometheus":
+            alert = f'ALERTS{{alertname="{alert}"}}'
         evidence |= {"ground_truth_s": round(truth_s, 3), "breach_periods": run, "deadline_s": round(deadline, 3)}
         fired = _fired_by(intervals, truth_s, deadline, k * tl.period_s)
         if fired is not None:
@@ -152,14 +179,20 @@ def _ms(values: list[float | None]) -> str:
 
 class AlertSilent:
     name = "alert_silent"
-    params = {"phase": Param("phase"), "alert": Param("str")}
+    params = {"phase": Param("phase"), "alert": Param("str"), "source": _SOURCE}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         alert = spec.params.get("alert", "P99High")
         start, end = phase_window(tl, spec)
-        hits = [(s, e) for s, e in tl.alert_intervals(alert) if s < end and (e is None or e > start)]
+        source = spec.params.get("source", "service")
+        found = alert_intervals(tl, alert, source)
+        if found is None:
+            return _no_prometheus(spec)
+        if source == "prometheus":
+            alert = f'ALERTS{{alertname="{alert}"}}'
+        hits = [(s, e) for s, e in found if s < end and (e is None or e > start)]
         p99s = [p for p in _p99s(tl, start, end) if p is not None]
-        evidence = {"firing": hits, "max_client_p99_ms": max(p99s) if p99s else None}
+        evidence = {"firing": hits, "max_client_p99_ms": max(p99s) if p99s else None, "alert_source": source}
         if hits:
             return verdict(spec, False, f"{alert} fired at {hits[0][0]:.1f}s: a false alarm in "
                            f"{start:.1f}-{end:.1f}s", **evidence)
