@@ -37,6 +37,7 @@ class RecordOptions:
     overwrite: bool = False
     ring_pages: int = 8192             # eBPF ring buffer size in pages (32 MiB: absorbs bursts)
     decode: str = "live"               # live | at-stop | later: decode calls while recording, at stop, or by --finish
+    tls: str = "auto"                  # auto | on | off: TLS plaintext from uprobes on the system libssl (eBPF)
 
 
 class Backend(Protocol):

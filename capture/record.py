@@ -52,6 +52,10 @@ class Recorder:
         self.options = options
         self.clock = clock or MonotonicClock()
         self.backend = backends.create(options)
+        if options.backend == "ebpf":   # TLS plaintext beside it, joined to its flows (capture/ebpf/tls.py)
+            from capture.ebpf.tls import TlsBackend
+
+            self.backend = TlsBackend(self.backend, options)
         self.redactor = build_redactor(options.default_redaction, options.redact)
         self.sink: FlowSink | None = None
         self.result: dict[str, object] | None = None

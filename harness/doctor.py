@@ -88,6 +88,29 @@ def _tracepoint() -> Check:
     return Check("eBPF tracepoint program", True, "syscalls:sys_enter_getpid attached, ring buffer ok")
 
 
+def tls_capture_check() -> Check:
+    """TLS plaintext capture: the system libssl found, and a uprobe on it attached and fired (this
+    process's own ssl module runs a handshake step through it)."""
+    name = "TLS capture (uprobes on libssl)"
+    fix = ("needs root, bcc and uprobes (CONFIG_UPROBE_EVENTS) and the system libssl.so.3 (apt-get install "
+           "libssl3); without it TLS flows are recorded as ciphertext and listed as encrypted")
+    try:
+        from capture.ebpf.tls import find_libssl, libssl_version, probe_uprobe
+
+        libssl = find_libssl()
+        if libssl is None:
+            return Check(name, False, "no libssl.so.3 found (ldconfig -p)", fix)
+        if os.geteuid() != 0:
+            return Check(name, False, f"{libssl} found; uprobes need root", fix)
+        hits = probe_uprobe(libssl)
+    except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+        return Check(name, False, f"uprobe does not attach: {str(exc).splitlines()[0][:120]}", fix)
+    if hits < 1:
+        return Check(name, False, f"{libssl}: uprobe on SSL_do_handshake attached but did not fire", fix)
+    return Check(name, True, f"{libssl} ({libssl_version(libssl)}): uprobe on SSL_do_handshake attached "
+                             f"and fired; record captures TLS plaintext (--tls off to disable)")
+
+
 def _tool(name: str, what: str, fix: str) -> Callable[[], Check]:
     def probe() -> Check:
         path = shutil.which(name)
@@ -120,7 +143,7 @@ def _cuda() -> Check:
 
 
 PROBES: list[Callable[[], Check]] = [
-    _root, _python_core, _loopback, _bcc, _kernel_headers, _tracepoint,
+    _root, _python_core, _loopback, _bcc, _kernel_headers, _tracepoint, tls_capture_check,
     _tool("stress-ng", "CPU contention falls back to built-in workers", "apt-get install stress-ng"),
     _tool("toxiproxy-server", "the embedded Toxiproxy-compatible proxy is used",
           "optional: install Shopify's toxiproxy-server to drive the real one"),
@@ -138,9 +161,11 @@ def capture_backends(checks: list[Check]) -> dict[str, str]:
     """Which capture backends will work here, and why (shown below the table)."""
     by = {c.name: c for c in checks}
     ebpf = by["eBPF tracepoint program"]
+    tls = by.get("TLS capture (uprobes on libssl)")
     root = by["root"].ok
     return {
-        "ebpf": "works" if ebpf.ok else f"unavailable: {ebpf.detail}",
+        "ebpf": ("works" + ("" if tls is None else ", with TLS plaintext" if tls.ok else ", TLS as ciphertext only")
+                 if ebpf.ok else f"unavailable: {ebpf.detail}"),
         "pcap": "works (raw socket as root)" if root else "unavailable: needs root or CAP_NET_RAW",
         "proxy": "works (unprivileged: records through a local TCP proxy in the request path)",
     }

@@ -56,14 +56,17 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
               help="at stop, name the methods of calls on joined connections from this source too "
                    "(FILE.protoset, module names or reflection=HOST:PORT); the recorded server's own "
                    "reflection is tried first")
+@click.option("--tls", "tls", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="TLS plaintext from uprobes on the system libssl (eBPF): auto = on where it works, else "
+                   "recorded without it and the reason printed; on = fail if it cannot work; off")
 @click.option("--print-bpf", is_flag=True, help="print the generated eBPF program and exit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
-            decode: str, finish: bool, descriptors: str | None, print_bpf: bool, output: str | None, force: bool,
-            as_json: bool) -> None:
+            decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, output: str | None,
+            force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
     Stops cleanly on Ctrl-C / SIGTERM or after --duration, then prints flows, calls, bytes and loss.
@@ -81,12 +84,13 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --finish -o prod.rec          (later, on any machine)
       shadowtest record --port 50051 --descriptors api.protoset -o prod.rec
       shadowtest record --port 50051 --print-bpf
+      shadowtest record --port 8443 --tls off -o https.rec   (TLS flows as ciphertext only)
     """
     from capture.backends import RecordOptions
 
     opts = RecordOptions(output=output or "", backend=backend, port=port, pid=pid, cgroup=cgroup, side=side,
                          max_bytes=max_bytes, interface=interface, listen_port=listen_port, redact=list(redact),
-                         default_redaction=not no_default_redaction, overwrite=force, decode=decode)
+                         default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls)
     if finish:
         from capture.record import finish_recording
 
@@ -116,6 +120,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         calls = "calls not decoded yet" if "finish" in result else f"{result['calls']} calls"
         click.echo(f"recorded {calls} on {result['flows']} flows, {result['bytes']:,} bytes, "
                    f"lost {result['lost_events']}, truncated {result['truncated_events']} -> {output}")
+        _print_tls(result)
         if "finish" in result:   # --decode later: the user must know the file is not replayable yet
             click.echo(f"to decode its calls, run `{result['finish']}` on any machine (no root or bcc needed)")
         _print_methods(result, output, as_json)
@@ -129,6 +134,9 @@ def _run(opts: RecordOptions, duration: float | None, quiet: bool) -> dict[str, 
     rec = Recorder(opts)
     try:
         rec.start()
+        tls = _tls_status(rec)
+        if tls.get("capture") == "off" and tls.get("reason") != "--tls off" and not quiet:
+            click.echo(f"TLS capture is off: {tls.get('reason')} (TLS flows are recorded as ciphertext)", err=True)
         proxy_addr = getattr(rec.backend, "address", None)
         if proxy_addr and not quiet:
             click.echo(f"proxy listening on {proxy_addr[0]}:{proxy_addr[1]}: point clients there", err=True)
@@ -137,7 +145,32 @@ def _run(opts: RecordOptions, duration: float | None, quiet: bool) -> dict[str, 
         for s, h in previous.items():
             signal.signal(s, h)
         result = rec.stop()
+    if tls := _tls_status(rec):
+        result["tls"] = tls
     return result
+
+
+def _tls_status(rec: Recorder) -> dict[str, object]:
+    """TLS capture on or off (and why), and after stop its counters (capture/ebpf/tls.py)."""
+    status = getattr(rec.backend, "status", None)
+    if not isinstance(status, dict):
+        return {}
+    flows = getattr(rec.backend, "flow_report", None)
+    return dict(status) | ({"flows": flows} if flows else {})
+
+
+def _print_tls(result: dict[str, object]) -> None:
+    tls = result.get("tls")
+    if not isinstance(tls, dict):
+        return
+    if tls.get("capture") == "on":
+        click.echo(f"TLS: {tls.get('plaintext_flows', 0)} flows as plaintext, "
+                   f"{tls.get('encrypted_flows', 0)} encrypted")
+    else:
+        click.echo(f"TLS capture was off ({tls.get('reason')}): {tls.get('encrypted_flows', 0)} TLS flows "
+                   "recorded as ciphertext")
+    for flow_id, _state, reason, _n in [r for r in tls.get("flows") or [] if r[1] == "encrypted"][:10]:
+        click.echo(f"  flow {flow_id}: {reason}")
 
 
 def _wait(rec: Recorder, stop: threading.Event, duration: float | None, quiet: bool) -> None:

@@ -1,0 +1,310 @@
+"""TLS plaintext capture (uprobes on the system libssl) against a real nginx with HTTPS (root + bcc).
+
+nginx (Debian's, linked to libssl.so.3) serves HTTPS with a certificate made here, keep-alive on; curl
+(several URLs on one connection) and Python's http.client over ssl are the clients, each with an
+Authorization header. The recording must hold the HTTP/1 calls nginx logged (method, path, status),
+the token nowhere in the file, and no ciphertext stored for those flows. `--tls off` records the
+same traffic as ciphertext only, each flow listed as encrypted with the reason; a TLS server that
+does not use the system libssl (Node.js links its own OpenSSL) is listed with that reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capture.backends import RecordOptions
+from capture.ebpf.tls import find_libssl
+from capture.record import Recorder
+from capture.recording import Call, Recording
+
+pytestmark = [pytest.mark.root, pytest.mark.ebpf,
+              pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
+                                 reason="needs nginx and curl (apt-get install nginx curl; scripts/setup.sh does)"),
+              pytest.mark.skipif(find_libssl() is None, reason="no system libssl.so.3")]
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN_CURL = "curl-secret-7f3a9c1e5b"
+TOKEN_PY = "python-secret-2d8e4b6a0c"
+
+CONF = """
+daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 64; }}
+http {{
+    log_format calls '$request_method $request_uri $status';
+    access_log {d}/access.log calls;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_timeout 30s;
+    default_type text/plain;
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {d}/cert.pem;
+        ssl_certificate_key {d}/key.pem;
+        location / {{ return 200 "hello $uri\\n"; }}
+        location /missing {{ return 404; }}
+        location = /items {{ return 201 "created\\n"; }}
+    }}
+}}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cert(d: Path) -> Path:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    return d / "cert.pem"
+
+
+class Nginx:
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+        self.port = _free_port()
+        self.cert = _cert(d)
+        (d / "nginx.conf").write_text(CONF.format(d=d, port=self.port))
+        self.proc = subprocess.Popen(["nginx", "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        err = self.proc.stderr.read() if self.proc.poll() is not None and self.proc.stderr else b""
+        self.stop()
+        raise RuntimeError(f"nginx did not listen within 10 s: {err!r}")
+
+    def log_lines(self) -> list[tuple[str, int]]:
+        """(method + path, status) of every request nginx logged."""
+        out = []
+        for line in (self.dir / "access.log").read_text().splitlines():
+            method, path, status = line.split()
+            out.append((f"{method} {path}", int(status)))
+        return out
+
+    def clear_log(self) -> None:
+        (self.dir / "access.log").write_text("")
+        self.proc.send_signal(signal.SIGUSR1)   # reopen the log file
+        time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGQUIT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
+    n = Nginx(tmp_path_factory.mktemp("nginx-tls"))
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+def _curl(n: Nginx) -> None:
+    """Three requests on one keep-alive connection (curl reuses it for URLs of one host)."""
+    base = f"https://127.0.0.1:{n.port}"
+    subprocess.run(["curl", "-sS", "--fail-with-body", "--cacert", str(n.cert), "-H", f"Authorization: Bearer {TOKEN_CURL}",
+                    "-o", "/dev/null", "-o", "/dev/null", "-o", "/dev/null",
+                    f"{base}/curl/one", f"{base}/curl/two?x=1", f"{base}/curl/three"],
+                   check=True, capture_output=True, timeout=30)
+
+
+def _python_client(n: Nginx) -> list[int]:
+    """http.client over ssl (SSL_read_ex / SSL_write_ex): GET, POST with a JSON body, a 404."""
+    ctx = ssl.create_default_context(cafile=str(n.cert))
+    conn = http.client.HTTPSConnection("127.0.0.1", n.port, context=ctx, timeout=10)
+    auth = {"Authorization": f"Bearer {TOKEN_PY}"}
+    statuses = []
+    try:
+        for method, path, body in (("GET", "/py/first", None), ("POST", "/items", b'{"name": "widget"}'),
+                                   ("GET", "/missing", None), ("GET", "/py/last", None)):
+            headers = dict(auth, **({"Content-Type": "application/json"} if body else {}))
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            statuses.append(resp.status)
+    finally:
+        conn.close()
+    return statuses
+
+
+def _record(out: Path, port: int, traffic: list, **options: object) -> dict[str, object]:
+    rec = Recorder(RecordOptions(output=str(out), port=port, **options)).start()  # type: ignore[arg-type]
+    try:
+        for fn in traffic:
+            fn()
+        time.sleep(0.3)    # the last syscalls reach the ring buffers
+    finally:
+        stats = rec.stop()
+    return stats
+
+
+def _calls(path: Path) -> list[Call]:
+    with Recording(path) as rec:
+        return sorted(rec.calls(), key=lambda c: c.request_ts_ns)
+
+
+def _file_bytes(path: Path) -> bytes:
+    """The recording and any SQLite side file beside it."""
+    return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+
+
+@pytest.fixture(scope="module")
+def recorded(nginx: Nginx, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    nginx.clear_log()
+    out = tmp_path_factory.mktemp("tls-rec") / "https.rec"
+    statuses: list[int] = []
+    stats = _record(out, nginx.port, [lambda: _curl(nginx), lambda: statuses.extend(_python_client(nginx))])
+    return {"out": out, "stats": stats, "log": nginx.log_lines(), "py_statuses": statuses}
+
+
+def test_https_calls_are_recorded_as_http1_equal_to_nginx_access_log(recorded: dict) -> None:
+    calls = _calls(recorded["out"])
+    got = collections.Counter((c.method, c.status) for c in calls)
+    assert recorded["py_statuses"] == [200, 201, 404, 200]
+    assert len(recorded["log"]) == 7
+    assert got == collections.Counter(recorded["log"])
+    assert {c.protocol for c in calls} == {"http1"}
+    post = next(c for c in calls if c.method == "POST /items")
+    assert [m.data for m in post.requests] == [b'{"name": "widget"}']
+    assert ("content-type", "application/json") in [(k.lower(), v) for k, v in post.request_metadata]
+    get = next(c for c in calls if c.method == "GET /curl/one")
+    assert [m.data for m in get.responses] == [b"hello /curl/one\n"]
+
+
+def test_keep_alive_connections_are_one_flow_each_and_no_ciphertext_is_stored(recorded: dict) -> None:
+    with Recording(recorded["out"]) as rec:
+        flows = list(rec.flows())
+        calls_per_flow = collections.Counter(c.flow_id for c in rec.calls(with_messages=False))
+        first = [rec.first_bytes(f.id, "c2s", 8) for f in flows if f.id is not None]
+        meta = rec.meta
+    # curl's three requests share a connection, Python's four another
+    assert sorted(calls_per_flow.values()) == [3, 4]
+    assert {f.protocol for f in flows} == {"http1"}
+    assert all(b[:1] != b"\x16" for b in first), first       # no TLS record: plaintext only
+    assert all(b.split(b" ")[0] in (b"GET", b"POST") for b in first)
+    tls = meta["tls"]
+    assert tls["capture"] == "on" and tls["plaintext_flows"] == 2 and tls["encrypted_flows"] == 0
+    assert tls["ciphertext_bytes_not_stored"] > 0
+    assert sorted(r[1] for r in meta["tls_flows"]) == ["plaintext", "plaintext"]
+    assert recorded["stats"]["lost_events"] == 0
+
+
+def test_credentials_are_masked_and_the_tokens_appear_nowhere_in_the_file(recorded: dict) -> None:
+    raw = _file_bytes(recorded["out"])
+    for token in (TOKEN_CURL, TOKEN_PY):
+        assert token.encode() not in raw
+    calls = _calls(recorded["out"])
+    auth = [v for c in calls for k, v in c.request_metadata if k.lower() == "authorization"]
+    assert len(auth) == 7 and all(TOKEN_CURL not in v and TOKEN_PY not in v for v in auth)
+
+
+def test_client_side_recording_of_python_client_uses_ssl_read_ex_write_ex(nginx: Nginx, tmp_path: Path) -> None:
+    out = tmp_path / "client.rec"
+    statuses: list[int] = []
+    _record(out, nginx.port, [lambda: statuses.extend(_python_client(nginx))], side="client", pid=os.getpid())
+    calls = _calls(out)
+    assert [(c.method, c.status) for c in calls] == [("GET /py/first", 200), ("POST /items", 201),
+                                                     ("GET /missing", 404), ("GET /py/last", 200)]
+    assert TOKEN_PY.encode() not in _file_bytes(out)
+
+
+def test_tls_off_records_no_plaintext_and_says_why_per_flow(nginx: Nginx, tmp_path: Path) -> None:
+    out = tmp_path / "off.rec"
+    rec = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "off",
+                            "--duration", "30", "--json", "-o", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)      # the program is loaded just after the file is created
+        _curl(nginx)
+        time.sleep(0.5)
+    finally:
+        rec.send_signal(signal.SIGINT)
+        stdout, stderr = rec.communicate(timeout=30)
+    assert rec.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert result["calls"] == 0 and result["flows"] == 1
+    assert result["tls"]["capture"] == "off"
+    with Recording(out) as r:
+        flows = list(r.flows())
+        assert [f.protocol for f in flows] == ["tcp"]
+        assert r.first_bytes(flows[0].id or 0, "c2s", 1) == b"\x16"     # the ClientHello: ciphertext
+        assert r.meta["tls_flows"] == [[flows[0].id, "encrypted", "encrypted: TLS capture is off (--tls off)", 0]]
+    assert TOKEN_CURL.encode() not in _file_bytes(out)
+
+
+def test_tls_of_a_process_without_the_system_libssl_is_reported_with_the_reason(nginx: Nginx, tmp_path: Path) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs node (its TLS is its own statically linked OpenSSL)")
+    port = _free_port()
+    script = ("const fs=require('fs');require('https').createServer({key:fs.readFileSync(process.argv[1]),"
+              "cert:fs.readFileSync(process.argv[2])},(q,s)=>s.end('hi')).listen(+process.argv[3],'127.0.0.1',"
+              "()=>console.log('ready'))")
+    proc = subprocess.Popen([node, "-e", script, str(nginx.dir / "key.pem"), str(nginx.cert), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        out = tmp_path / "node.rec"
+
+        def get() -> None:
+            ctx = ssl.create_default_context(cafile=str(nginx.cert))
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+            conn.request("GET", "/x", headers={"Authorization": "Bearer node-token"})
+            assert conn.getresponse().read() == b"hi"
+            conn.close()
+
+        _record(out, port, [get])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    with Recording(out) as r:
+        rows = r.meta["tls_flows"]
+        assert r.meta["tls"]["capture"] == "on"
+    assert len(rows) == 1 and rows[0][1] == "encrypted"
+    assert rows[0][2].startswith("encrypted: process does not use the system libssl")
+
+
+def test_doctor_reports_tls_capture() -> None:
+    from harness import doctor
+
+    check = doctor.tls_capture_check()
+    assert check.ok, check.detail
+    assert (find_libssl() or "no libssl") in check.detail and "uprobe" in check.detail
