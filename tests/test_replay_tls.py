@@ -466,3 +466,15 @@ def test_chaos_traffic_run_speaks_tls(pki: Pki) -> None:
     outcomes = {c.outcome for c in run.calls}
     assert run.error is None and len(run.calls) == 20 and outcomes == {"ok"}, run.report.get("error_reasons")
     assert len(server.metadata) == 20 and all(md["authorization"] == "Bearer shadow" for md in server.metadata)
+
+
+@needs_nginx
+@needs_openssl
+def test_tls_and_header_rules_reach_every_worker(tmp_path: Path, nginx: Nginx, pki: Pki) -> None:
+    _http_recording(tmp_path / "web.rec", n=4)
+    code, out = _replay([str(tmp_path / "web.rec"), "--target", nginx.address, "--ca", str(pki.ca), "--workers", "2",
+                         "--set-header", "authorization=Bearer shadow", "--speed", "10"])
+    assert code == 0, out
+    lines = nginx.lines()
+    assert sorted(line[1] for line in lines) == [f"/orders/{i}" for i in range(4)]
+    assert all(line[3] == "Bearer shadow" and line[7] == "1" and line[5] == "-" for line in lines)
