@@ -42,7 +42,7 @@ def clear_leftovers() -> list[str]:
 
 class NetworkProxy:
     """A Toxiproxy in front of `upstream` with a proxy listening on 127.0.0.1:0: a toxiproxy-server on
-    PATH when there is one, else ours in a child process (never in the harness's own process, where
+    PATH when there is one (and no call-level gRPC toxic is wanted), else ours in a child process (never in the harness's own process, where
     it would compete with the replayer for the GIL and show up as send lag). The child dies with the
     harness, taking its toxics with it. `toxic(dict)` holds one toxic while entered and yields its
     name and when the API confirmed it (time.monotonic()).
@@ -50,8 +50,9 @@ class NetworkProxy:
     Raises RunError when the proxy cannot start.
     """
 
-    def __init__(self, upstream: str, name: str, seed: int) -> None:
+    def __init__(self, upstream: str, name: str, seed: int, call_toxics: bool = False) -> None:
         self.upstream, self.name, self.seed = upstream, name, seed
+        self.call_toxics = call_toxics     # grpc_delay/grpc_error wanted: only our proxy has them
         self.listen = ""
         self.kind = ""
         self._count = 0
@@ -67,7 +68,7 @@ class NetworkProxy:
 
         try:
             url = None
-            if not shutil.which("toxiproxy-server"):
+            if self.call_toxics or not shutil.which("toxiproxy-server"):
                 self._child = spawn_proxy_server(seed=self.seed)
                 url = self._child.url
             self._net = NetworkFaults(url=url, seed=self.seed).start()

@@ -17,6 +17,7 @@ from typing import Any
 from harness.errors import RunError
 from harness.faultapi import APPLIERS, Applier, FaultContext, register
 from harness.faultimpl import NetworkProxy, check_leftovers, clear_leftovers  # also registers cpu/process
+from harness.faultspecs import GRPC_STATUS
 from harness.scenario import FaultSpec
 
 
@@ -68,14 +69,24 @@ _TOXIC_ATTRS = {"latency": {"latency_ms": "latency", "jitter_ms": "jitter"},
                 "timeout": {"timeout_ms": "timeout"}, "reset_peer": {"timeout_ms": "timeout"},
                 "slicer": {"average_size": "average_size", "size_variation": "size_variation",
                            "delay_us": "delay"},
-                "limit_data": {"bytes": "bytes"}}
+                "limit_data": {"bytes": "bytes"},
+                # call-level toxics of shadowtest's proxy (docs/faults.md): per call, not per connection
+                "grpc_delay": {"delay_ms": "delay", "jitter_ms": "jitter", "share": "share", "method": "method"},
+                "grpc_error": {"status": "status", "message": "message", "share": "share", "method": "method"}}
+_CALL_TOXICS = {"grpc_delay", "grpc_error"}
+_AS_GIVEN = {"share": float, "method": str, "message": str}
 
 
 def toxic_of(spec: FaultSpec) -> dict[str, Any]:
     """The Toxiproxy toxic (type, stream, toxicity, attributes) for a network fault spec."""
-    attrs = {api: int(spec.params[ours]) for ours, api in _TOXIC_ATTRS[spec.kind].items() if ours in spec.params}
-    return {"type": spec.kind, "stream": spec.params.get("stream", "downstream"),
-            "toxicity": float(spec.params.get("toxicity", 1.0)), "attributes": attrs}
+    params = dict(spec.params)
+    if "share_pct" in params:
+        params["share"] = params.pop("share_pct") / 100.0
+    attrs = {api: _AS_GIVEN.get(ours, int)(params[ours]) for ours, api in _TOXIC_ATTRS[spec.kind].items()
+             if ours in params}
+    # A call toxic acts on the client's calls whatever its stream; "upstream" names where it acts.
+    stream = "upstream" if spec.kind in _CALL_TOXICS else params.get("stream", "downstream")
+    return {"type": spec.kind, "stream": stream, "toxicity": float(params.get("toxicity", 1.0)), "attributes": attrs}
 
 
 @register("network", *_TOXIC_ATTRS)
@@ -85,9 +96,24 @@ def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     if proxy is None:
         raise RunError("a network fault needs the proxy: remove `proxy: false` from the scenario")
     toxic = toxic_of(spec)
+    if spec.kind in _CALL_TOXICS and proxy.kind == "toxiproxy-server":
+        raise RunError(f"network: {spec.kind} is a call-level toxic of shadowtest's own proxy; toxiproxy-server "
+                       "(found on PATH) has no such toxic: take it off PATH for this scenario")
     with proxy.toxic(toxic) as (name, applied_at):
         ctx.applied_at = applied_at
-        yield f"toxic {name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}"
+        yield f"toxic {name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}{_call_note(toxic)}"
+
+
+def _call_note(toxic: dict[str, Any]) -> str:
+    """What a call toxic does, in words (the report's fault table shows it)."""
+    a = toxic["attributes"]
+    if toxic["type"] not in _CALL_TOXICS:
+        return ""
+    who = f"{a.get('share', 1.0) * 100:g}% of {a.get('method') or 'all'} calls"
+    if toxic["type"] == "grpc_error":
+        code = int(a.get("status", 14))
+        return f" ({who} fail with {code} {GRPC_STATUS.get(code, '')})"
+    return f" ({who} held {a.get('delay', 0)} ms +/- {a.get('jitter', 0)} ms)"
 
 
 __all__ = ["APPLIERS", "Applier", "FaultContext", "FaultSession", "NetworkProxy", "check_leftovers",

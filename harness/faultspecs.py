@@ -8,6 +8,8 @@ them), the CPU fault's own for contention and quota.
 from __future__ import annotations
 
 import os
+import re
+from typing import Any
 
 from harness.checks.base import Param
 from harness.durations import MAX_DURATION_S
@@ -15,6 +17,9 @@ from harness.yamlnodes import Bound
 
 _STREAM = Param("choice:upstream,downstream", help="direction the toxic acts on (default downstream)")
 _TOXICITY = Param("number", help="share of connections affected, 0..1 (default 1)")
+_SHARE = Param("number", help="share of the calls affected, 0..1 (default 1)")
+_SHARE_PCT = Param("number", help="the same share in percent, 0..100 (give share or share_pct)")
+_METHOD = Param("str", help="only calls of this method: /pkg.Service/Method, pkg.Service/Method or Method")
 
 FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
     "network": {
@@ -28,6 +33,12 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
         "slicer": {"average_size": Param("int", required=True), "size_variation": Param("int"),
                    "delay_us": Param("int"), "stream": _STREAM},
         "limit_data": {"bytes": Param("int", required=True), "stream": _STREAM},
+        # Call-level (HTTP/2, gRPC): one draw per call, so a single shared connection is hit in part.
+        "grpc_delay": {"delay_ms": Param("int", required=True, help="how long the chosen calls' requests are held"),
+                       "jitter_ms": Param("int"), "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
+        "grpc_error": {"status": Param("int", help="gRPC status code 1..16 (default 14, UNAVAILABLE)"),
+                       "message": Param("str", help="grpc-message the client gets"),
+                       "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
     },
     "cpu": {
         "contention": {"workers": Param("int", help="competing busy workers (default: one per CPU)"),
@@ -55,7 +66,18 @@ _BOUNDS: dict[str, Bound] = {
     "load_pct": Bound(1, 100, "%", whole=True),
     "pct": Bound(1, 100, "% of one core"),
     "duration": Bound(0, MAX_DURATION_S, above=True, duration=True),
+    "share": Bound(0, 1, note="(the share of calls affected)"),
+    "share_pct": Bound(0, 100, "%", note="of the calls"),
+    "status": Bound(1, 16, whole=True, note="(a gRPC status code: 4 DEADLINE_EXCEEDED, 8 RESOURCE_EXHAUSTED, "
+                                            "13 INTERNAL, 14 UNAVAILABLE, ...)"),
 }
+
+GRPC_STATUS = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+               6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
+               10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
+               15: "DATA_LOSS", 16: "UNAUTHENTICATED"}
+MAX_MESSAGE = 200                # grpc-message: one line a person reads
+_METHOD_RE = re.compile(r"/?[A-Za-z_][A-Za-z0-9_.]{0,199}(/[A-Za-z_][A-Za-z0-9_]{0,99})?")
 
 
 def cpu_count() -> int:
@@ -72,3 +94,18 @@ def fault_bounds() -> dict[str, Bound]:
     workers = Bound(1, WORKERS_PER_CPU * n, whole=True,
                     note=f"({WORKERS_PER_CPU} per CPU; this machine has {n})")
     return _BOUNDS | {"workers": workers}
+
+
+def fault_problem(kind: str, params: dict[str, Any]) -> tuple[str, str] | None:
+    """A rule between a fault's parameters that their ranges cannot say: (parameter, what is wrong,
+    to follow 'WHERE.PARAMETER'), or None when they are fine."""
+    if "share" in params and "share_pct" in params:
+        return "share_pct", ": give share (0..1) or share_pct (0..100), not both"
+    method = params.get("method")
+    if method is not None and not _METHOD_RE.fullmatch(method):
+        return "method", (f" {method!r} must be a gRPC method: /pkg.Service/Method, pkg.Service/Method or "
+                          "Method (letters, digits, _ and .)")
+    message = params.get("message")
+    if message is not None and (len(message) > MAX_MESSAGE or not message.isascii() or not message.isprintable()):
+        return "message", f" must be printable ASCII of at most {MAX_MESSAGE} characters"
+    return None

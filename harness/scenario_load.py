@@ -16,7 +16,7 @@ from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
 from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
-from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds
+from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds, fault_problem
 from harness.scenario import (
     AgentTarget,
     CheckSpec,
@@ -282,6 +282,9 @@ def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
     if "size_variation" in params and params["size_variation"] >= params["average_size"]:
         entries["size_variation"].fail(f"{what}.size_variation {entries['size_variation'].text} must be less "
                                        f"than average_size {params['average_size']} (Toxiproxy's slicer)")
+    problem = fault_problem(kind, params)
+    if problem is not None:
+        entries[problem[0]].fail(f"{what}.{problem[0]}{problem[1]}")
     return FaultSpec(family, kind, params, after_s=timing.get("after", 0.0), for_s=timing.get("for"),
                      line=node.line)
 
