@@ -157,6 +157,9 @@ def test_a_real_run_fails_the_share_asked_for_with_that_status_only_on_that_meth
     assert "30% of Decide calls" in shown["grpc_error"]["detail"]
     md = Path(paths["markdown"]).read_text()
     assert "network:grpc_error" in md and "network:grpc_delay" in md and "held 300 ms" in md
+    import xml.etree.ElementTree as ET
+    props = [p.get("value", "") for p in ET.parse(paths["junit"]).getroot().iter("property") if p.get("name") == "fault"]
+    assert len(props) == 2 and "network:grpc_error" in props[0] and "13 INTERNAL" in props[0] and "removed" in props[0]
     assert not list((tmp_path / "state").glob("holder-*.json"))       # nothing left recorded
 
 

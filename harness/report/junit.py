@@ -20,6 +20,10 @@ def junit_xml(result: RunResult) -> str:
     for key, value in (("seed", result.scenario.seed), ("source", result.scenario.source or ""),
                        ("partial", result.timeline.partial)):
         ET.SubElement(props, "property", name=key, value=str(value))
+    for f in result.timeline.faults:   # every fault window, as the Markdown table shows it
+        when = " ".join(f"{k} {'-' if t is None else f'{t:.2f}s'}" for k, t in
+                        (("asked", f.requested_s), ("took effect", f.applied_s), ("removed", f.removed_s)))
+        ET.SubElement(props, "property", name="fault", value=f"{f.label} [{f.phase}] {when}: {f.error or f.detail}")
     for v in result.verdicts:
         case = ET.SubElement(suite, "testcase", classname=f"shadowtest.{result.scenario.name}", name=v.id,
                              time="0")
