@@ -69,6 +69,7 @@ class RunOptions:
     # A crashed run's faults are undone on the next start (logged); False refuses to start instead.
     clear_leftovers: bool = True
     notes: list[str] = field(default_factory=list)
+    agent_class: type[Any] | None = None    # an AgentProcess subclass to start instead (tests' broken agents)
 
 
 class Runner:
@@ -100,7 +101,8 @@ class Runner:
                      f"{self.scenario.duration_s:g}s in {len(self.scenario.phases)} phases)")
             self._leg_log = _leg_log_path(stack)
             running = _with_env(LEG_LOG_ENV, self._leg_log,
-                                lambda: open_target(self.scenario, stack, self.options.startup_timeout_s))
+                                lambda: open_target(self.scenario, stack, self.options.startup_timeout_s,
+                                                    self.options.agent_class))
             self.log(f"target {running.grpc_address} (pid {running.pid}); traffic to {running.traffic_address}")
             self._prom = self._prometheus(running, stack)
             result = self._play(running, stack)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 from harness.errors import RunError
 from harness.scenario import AgentTarget, ExternalTarget, MetricNames, Scenario
@@ -30,34 +31,36 @@ class Running:
     log_tail: object | None = None     # callable returning the agent's last log lines
 
 
-def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout_s: float = 120.0) -> Running:
+def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout_s: float = 120.0,
+                agent_class: type[Any] | None = None) -> Running:
     """Start the agent (or use the external service) and, unless `proxy: false`, a proxy in front.
 
     Raises RunError when the agent cannot start or the proxy cannot be created.
     """
     target = scenario.target
     if isinstance(target, AgentTarget):
-        running = _start_agent(target, stack, startup_timeout_s)
+        running = _start_agent(target, stack, startup_timeout_s, agent_class)
     else:
         running = _external(target)
     if scenario.proxy:
         from harness.faultrun import NetworkProxy
 
-        calls = any(f.kind.startswith("grpc_") for p in scenario.phases for f in p.faults + scenario.faults)
         proxy = stack.enter_context(NetworkProxy(running.grpc_address, name=f"st-{scenario.name}"[:40],
-                                                 seed=scenario.seed, call_toxics=calls))
+                                                 seed=scenario.seed))
         running.proxy = proxy
         running.traffic_address = proxy.listen
     return running
 
 
-def _start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float) -> Running:
+def _start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float,
+                 agent_class: type[Any] | None = None) -> Running:
     from agent_under_test.errors import AgentError
     from agent_under_test.launch import AgentProcess
 
     options = {"device": "cpu", **target.options}
     try:
-        agent = stack.enter_context(AgentProcess(startup_timeout_s=startup_timeout_s, **options))
+        # agent_class: an AgentProcess subclass (the tests' deliberately broken agents), else the agent itself.
+        agent = stack.enter_context((agent_class or AgentProcess)(startup_timeout_s=startup_timeout_s, **options))
     except AgentError as exc:
         raise RunError(f"the agent did not start: {exc}") from exc
     base = agent.metrics_url

@@ -31,7 +31,7 @@ QUOTA = """\
 name: quota-short
 seed: 11
 target: {agent: {limiter: %(limiter)s, alerts: %(alerts)s, p99_threshold_ms: 50, alert_periods: 2, resolve_periods: 2,
-                 period_s: 0.5, initial_rate: 300, max_rate: 400, min_samples: 5}}
+                 period_s: 0.5, initial_rate: 120, max_rate: 120, min_samples: 5}}
 traffic: {generator: {rate: 100}}
 phases:
   - {name: warmup, duration: 2.5s}
@@ -94,12 +94,13 @@ def test_broken_agent_fails_exactly_the_protection_checks(tmp_path: Path) -> Non
     # Limiter off and the alert disabled (--no-alerts): the fault still bites, nothing is lost, but
     # the alert, the limiter and the degradation that should follow it never come.
     result, paths = _run(QUOTA % {"limiter": "off", "alerts": "false"}, tmp_path)
-    assert _verdicts(result) == {"alert_silent[baseline]": True, "fault_effective[fault]": True,
-                                 "alert_fires[fault]": False, "limiter_reduces[fault]": False,
-                                 "degrades[fault]": False, "no_loss": True}, \
+    # (With no alert, degrades has nothing to judge: skipped, never a pass.)
+    assert {v.id: v.status for v in result.verdicts} == {
+        "alert_silent[baseline]": "pass", "fault_effective[fault]": "pass", "alert_fires[fault]": "fail",
+        "limiter_reduces[fault]": "fail", "degrades[fault]": "skipped", "no_loss": "pass"}, \
         {v.id: v.summary for v in result.verdicts}
     junit = Path(paths["junit"]).read_text()
-    assert junit.count("<failure") == 3 and 'name="alert_fires[fault]"' in junit
+    assert junit.count("<failure") == 2 and 'name="alert_fires[fault]"' in junit and junit.count("<skipped") == 1
 
 
 INTERRUPT = """\
