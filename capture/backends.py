@@ -28,7 +28,7 @@ class RecordOptions:
     pid: int | None = None
     cgroup: str | None = None
     side: str = "server"               # server | client: which end's syscalls (eBPF)
-    max_bytes: int = 16384             # payload bytes kept per syscall (eBPF)
+    max_bytes: int = 8 << 20           # payload bytes kept per syscall (eBPF): a 4 MiB message and its framing
     interface: str = "lo"              # pcap
     listen_port: int = 0               # proxy: where clients connect (0 = any free port)
     upstream_host: str = "127.0.0.1"   # proxy: where the service is

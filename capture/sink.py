@@ -23,6 +23,12 @@ wherever convenient (see capture/deferred.py).
 MSG_TRUNC on TCP; the eBPF backend sees the flag). A gap for the decoders, never bytes, and counted:
 meta `discarded_bytes` (total) and `discarded_by_flow` ([flow, direction, bytes, reads]), written at
 close and by the next tick, which `inspect` lists as problems.
+
+`not_captured(key, dir, ts, nbytes, how)`: the application sent (or received) `nbytes` by a path whose
+bytes the backend cannot read (sendfile or splice on the socket; the eBPF backend sees the syscall). A
+gap of known length, so the HTTP/1 decoder steps over the body it belonged to and the call says
+"body not captured: response, not captured: sendfile, N bytes" (its head and status are kept), and
+counted: meta `not_captured_bytes` and `not_captured_by_flow` ([flow, direction, how, bytes, syscalls]).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class SinkStats:
     gaps: int = 0
     discarded_bytes: int = 0         # dropped unread by the application (MSG_TRUNC): gaps, not captured
     discarded_reads: int = 0
+    not_captured_bytes: int = 0      # moved by sendfile/splice: length and time known, bytes not readable
+    not_captured_syscalls: int = 0
     methods: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -90,9 +98,10 @@ class FlowSink:
         self._live = decode == "live"
         self._decode = decode
         # at-stop: (flow, direction, chunks before it, bytes missing or None)
-        self._gaps: list[tuple[int, str, int, int | None]] = []
+        self._gaps: list[tuple[int, str, int, int | None, str | None]] = []
         self._discarded: dict[tuple[int, str], list[int]] = {}   # (flow, direction) -> [bytes, reads]
         self._discarded_unsaved = False
+        self._not_captured: dict[tuple[int, str, str], list[int]] = {}   # (flow, dir, how) -> [bytes, syscalls]
         if not self._live:
             writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
 
@@ -176,12 +185,33 @@ class FlowSink:
             self._discarded_unsaved = True
             self._gap_locked(st, direction, nbytes)
 
+    def not_captured(self, key: Hashable, direction: Direction, ts_ns: int, nbytes: int, how: str) -> None:
+        """`nbytes` of this direction went by a path the backend cannot read (`how`: "sendfile",
+        "splice"): a gap of known length at `ts_ns`, counted per flow (module docstring)."""
+        with self._lock:
+            st = self._flows.get(key)
+            if st is None or nbytes <= 0:
+                return
+            self.stats.not_captured_bytes += nbytes
+            self.stats.not_captured_syscalls += 1
+            per = self._not_captured.setdefault((st.flow_id, direction, how), [0, 0])
+            per[0] += nbytes
+            per[1] += 1
+            self._discarded_unsaved = True
+            self._gap_locked(st, direction, nbytes, how)
+            if self._live and st.decoder.inner is not None:
+                # a body stepped over completes its message now, not at the connection's next bytes
+                self._store_calls(st, st.decoder.feed(direction, ts_ns, b""))
+
     def _discarded_meta(self) -> dict[str, object]:
         self._discarded_unsaved = False
         return {"discarded_bytes": self.stats.discarded_bytes,
-                "discarded_by_flow": [[f, d, n, reads] for (f, d), (n, reads) in sorted(self._discarded.items())]}
+                "discarded_by_flow": [[f, d, n, reads] for (f, d), (n, reads) in sorted(self._discarded.items())],
+                "not_captured_bytes": self.stats.not_captured_bytes,
+                "not_captured_by_flow": [[f, d, how, n, calls]
+                                         for (f, d, how), (n, calls) in sorted(self._not_captured.items())]}
 
-    def _gap_locked(self, st: _FlowState, direction: Direction, nbytes: int | None) -> None:
+    def _gap_locked(self, st: _FlowState, direction: Direction, nbytes: int | None, how: str | None = None) -> None:
         self.stats.gaps += 1
         masker = st.maskers.pop(direction, None)
         if masker is not None:
@@ -189,9 +219,9 @@ class FlowSink:
                 self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
                 st.stored[direction] += 1
             st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
-        st.decoder.gap(direction, nbytes)
+        st.decoder.gap(direction, nbytes, how)
         if not self._live:
-            self._gaps.append((st.flow_id, direction, st.stored[direction], nbytes))
+            self._gaps.append((st.flow_id, direction, st.stored[direction], nbytes, how))
             self.writer.set_meta({"undecoded_gaps": self._gaps})
 
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
@@ -218,19 +248,27 @@ class FlowSink:
         self.writer.flush()
         self.writer.clear_calls()     # none while recording; some if an earlier decode was killed
         # (flow, direction, chunks before it) -> bytes missing there (None: unknown; files before the
-        # length was kept have 3 fields); consecutive gaps at one place add up
+        # length was kept have 3 fields, before the cause was kept 4); consecutive gaps at one place add up
         gaps: dict[tuple[int, str, int], int | None] = {}
+        hows: dict[tuple[int, str, int], str] = {}
         for g in self.writer.meta_value("undecoded_gaps", []):
             where, n = (g[0], g[1], g[2]), (g[3] if len(g) > 3 else None)
             prev = gaps.get(where, 0)
             gaps[where] = None if n is None or prev is None else prev + n
+            if len(g) > 4 and g[4]:
+                hows[where] = str(g[4])
         for flow_id, joined, closed_ns in self.writer.flow_rows():
             st = _FlowState(flow_id, joined)
             for direction, ts_ns, data in self.writer.chunks_of(flow_id):
                 if (flow_id, direction, st.stored[direction]) in gaps:
-                    st.decoder.gap(direction, gaps[(flow_id, direction, st.stored[direction])])
+                    where = (flow_id, direction, st.stored[direction])
+                    st.decoder.gap(direction, gaps[where], hows.get(where))
                 st.stored[direction] += 1
                 self._store_calls(st, st.decoder.feed(direction, ts_ns, data))
+            for direction in ("c2s", "s2c"):     # a gap after a direction's last chunk (a sendfile body)
+                where = (flow_id, direction, st.stored[direction])
+                if where in gaps:
+                    st.decoder.gap(direction, gaps[where], hows.get(where))
             self._store_calls(st, st.decoder.finish(closed_ns))
             self.stats.truncated_messages += st.decoder.truncated_messages
         self.writer.set_meta({"calls_decoded": True, "truncated_messages": self.stats.truncated_messages})

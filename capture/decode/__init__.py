@@ -115,15 +115,16 @@ class FlowDecoder:
         """Messages too large to keep as messages (their bytes stay in the chunks)."""
         return int(getattr(self.inner, "truncated_messages", 0))
 
-    def gap(self, direction: Direction, nbytes: int | None = None) -> None:
+    def gap(self, direction: Direction, nbytes: int | None = None, how: str | None = None) -> None:
         """`nbytes` (None: unknown) are missing before the next ones: resynchronise (or wait to detect
-        afresh). Only HTTP/1 uses the length (to step over a gap inside a body of known size)."""
+        afresh). Only HTTP/1 uses the length (to step over a gap inside a body of known size) and
+        `how` (why the bytes are not there, e.g. "sendfile": said on the call)."""
         if self.inner is None:
             self._held = [h for h in self._held if h[0] != direction]
             self._first[direction].clear()
             self.joined = True
         elif isinstance(self.inner, Http1Decoder):
-            self.inner.gap(direction, nbytes)
+            self.inner.gap(direction, nbytes, how)
         elif hasattr(self.inner, "gap"):
             self.inner.gap(direction)
 

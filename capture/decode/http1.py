@@ -165,6 +165,7 @@ class Http1Decoder:
         self.req = _Parser(False)
         self.resp = _Parser(True)
         self.pending: deque[Call] = deque()
+        self.how: dict[Direction, str] = {}   # why the body being stepped over is missing (e.g. sendfile)
 
     def feed(self, direction: Direction, ts_ns: int, data: bytes) -> list[Call]:
         parser = self.req if direction == "c2s" else self.resp
@@ -182,7 +183,7 @@ class Http1Decoder:
             if body:
                 call.requests.append(Message("c2s", 0, ts_ns, body))
             if missing:
-                call.status_message = _body_missing("request", missing)
+                call.status_message = _body_missing("request", missing, self.how.pop("c2s", None))
             self.pending.append(call)
         done: list[Call] = []
         if self.resp.broken:             # nothing after the server-side gap can be paired
@@ -205,7 +206,7 @@ class Http1Decoder:
             if call.status_message is None:      # else: the request's body was not captured (kept)
                 call.status_message = parts[2] if len(parts) > 2 else None
                 if missing:
-                    call.status_message = _body_missing("response", missing)
+                    call.status_message = _body_missing("response", missing, self.how.pop("s2c", None))
             call.status = status
             call.response_metadata, call.response_ts_ns, call.end_ts_ns = headers, first, ts_ns
             if body:
@@ -220,13 +221,15 @@ class Http1Decoder:
         return len(head) > 1 and head[1].isdigit() and (int(head[1]) in _BODYLESS_STATUS
                                                         or 100 <= int(head[1]) < 200)
 
-    def gap(self, direction: Direction, nbytes: int | None = None) -> None:
+    def gap(self, direction: Direction, nbytes: int | None = None, how: str | None = None) -> None:
         """`nbytes` (None: unknown) went missing: step over them inside a body of known length, else
         stop decoding that direction (module docstring)."""
         parser = self.req if direction == "c2s" else self.resp
         head_only = (direction == "s2c" and bool(self.pending) and self.pending[0].method is not None
                      and self.pending[0].method.startswith("HEAD "))
         if parser.step_over(nbytes, head_only=head_only or (direction == "s2c" and self._bodyless())):
+            if how:
+                self.how[direction] = how
             return
         if direction == "c2s" and not parser.broken and parser.holed is None:
             end = parser.buf.find(b"\r\n\r\n")
@@ -254,6 +257,8 @@ class Http1Decoder:
         return done
 
 
-def _body_missing(side: str, nbytes: int | None) -> str:
+def _body_missing(side: str, nbytes: int | None, how: str | None = None) -> str:
+    if how and nbytes is not None:       # sent where the recorder cannot read it (sendfile, splice)
+        return f"{BODY_NOT_CAPTURED}: {side}, not captured: {how}, {nbytes} bytes"
     n = "an unknown number of" if nbytes is None else str(nbytes)
     return f"{BODY_NOT_CAPTURED}: {side}, {n} bytes missing in a gap"

@@ -39,12 +39,15 @@ from capture.sink import FlowSink
 
 BPF_SOURCE = Path(__file__).with_name("recorder.bpf.c")
 CHUNK_MIN, CHUNK_MAX = 4096, 65536
-MAX_IOV = 128
-BIG_IOV = 4        # iovecs that may fill several records each (see copy_out in the .bpf.c)
-MAX_BYTES_LIMIT = 262144
+MAX_IOV = 128      # iovecs of a syscall of at most one record (copy_small in the .bpf.c)
+BIG_IOVS = 512     # iovecs of a larger one (copy_big; grpc passes at most 260, IOV_MAX is 1024)
+MAX_BYTES_LIMIT = 64 << 20   # per syscall; the ring must hold a few such syscalls between drains
 POLL_S = 0.1              # ring drain period (see _poll)
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
 EV_DATA, EV_OPEN, EV_CLOSE, EV_LISTENER = 1, 2, 3, 4
+# ev_hdr.discarded: a DATA record without payload, and why (NC_* in the .bpf.c)
+NC_TRUNC, NC_SENDFILE, NC_SPLICE = 1, 2, 3
+NOT_CAPTURED_HOW = {NC_SENDFILE: "sendfile", NC_SPLICE: "splice"}
 UNKNOWN_END = ("0.0.0.0", 0)
 
 
@@ -53,6 +56,7 @@ class _Bcc(Protocol):
 
     def __getitem__(self, name: bytes) -> Any: ...
     def ring_buffer_consume(self) -> None: ...
+    def ring_buffer_poll(self, timeout: int = -1) -> None: ...
     def cleanup(self) -> None: ...
 
 
@@ -123,6 +127,13 @@ def chunk_size(max_bytes: int) -> int:
     return size
 
 
+def ring_pages(options: RecordOptions) -> int:
+    """Ring buffer pages: as asked, and at least three of the largest syscalls (plus headers)."""
+    need = 3 * (options.max_bytes + options.max_bytes // 8) // 4096
+    pages = max(options.ring_pages, need)
+    return 1 << (pages - 1).bit_length()     # a power of two, as the kernel requires
+
+
 def _possible_cpus() -> int:
     try:
         text = Path("/sys/devices/system/cpu/possible").read_text().strip()
@@ -138,7 +149,8 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = 
     defines = {
         "FILTER_PORT": options.port or 0, "FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL",
         "FILTER_TGID_MAP": int(tgid_map), "SIDE_SERVER": int(options.side == "server"),
-        "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "BIG_IOV": BIG_IOV, "RINGBUF_PAGES": options.ring_pages,
+        "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "BIG_IOVS": BIG_IOVS,
+        "RINGBUF_PAGES": ring_pages(options),
         "SCRATCH_CPUS": _possible_cpus(),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -167,7 +179,7 @@ class EbpfBackend:
         if options.side not in ("server", "client"):
             raise CaptureError(f"--side must be server or client, not {options.side!r}")
         if not 0 < options.max_bytes <= MAX_BYTES_LIMIT:
-            # Beyond this the verifier's work (records per syscall x iovecs) outgrows its limit.
+            # Beyond this a few syscalls would fill the ring between two drains.
             raise CaptureError(f"--max-bytes {options.max_bytes}: choose 1 to {MAX_BYTES_LIMIT} bytes per syscall")
         self.options = options
         self.cgroup_id, self.tgid_map, self.tgids = cgroup_filter(options.cgroup)
@@ -194,7 +206,8 @@ class EbpfBackend:
                         "joined_late": 0, "missed": 0}
 
     def describe(self) -> dict[str, object]:
-        return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "ring_pages": self.options.ring_pages,
+        return {"chunk": chunk_size(self.options.max_bytes), "max_iov": MAX_IOV, "big_iovs": BIG_IOVS,
+                "max_bytes": self._max_bytes, "ring_pages": ring_pages(self.options),
                 "cgroup_id": self.cgroup_id, "cgroup_v1_tgids": self.tgid_map}
 
     def _load(self) -> _Bcc:
@@ -280,10 +293,14 @@ class EbpfBackend:
         without wake-ups, so this timer is the only one: ten wake-ups a second, however busy (a
         thread wake-up costs ~90 us of CPU on this VM; at 100 a second the idle recorder used
         1.3 % of a core). The 32 MiB ring holds far more than POLL_S of traffic (~0.4 MiB at
-        3,000 calls/s)."""
+        3,000 calls/s). A syscall larger than one record wakes this thread early with its last
+        record (megabytes can arrive faster than the timer drains them); the poll then returns at
+        once and the drain follows."""
         b = self.bpf
         assert b is not None
-        while not self._stop.wait(POLL_S):
+        timeout_ms = int(POLL_S * 1000)
+        while not self._stop.is_set():
+            b.ring_buffer_poll(timeout_ms)   # returns early only for a large syscall's wake-up
             b.ring_buffer_consume()
             if self._queue:
                 self._ready.set()
@@ -330,7 +347,11 @@ class EbpfBackend:
                 assert self.sink is not None
                 self.sink.data(key, direction, ts_ns, payload)   # a whole syscall in one record: the usual case
             elif length == 0 and raw[_DISCARDED_AT]:
-                self._discarded(key, direction, total)
+                how = raw[_DISCARDED_AT]
+                if how == NC_TRUNC:
+                    self._discarded(key, direction, total)
+                else:
+                    self._not_captured(key, direction, ts_ns, total, NOT_CAPTURED_HOW.get(how, "zero-copy"))
             else:
                 self._data(key, direction, ts_ns, offset, total, payload)
         elif etype == EV_OPEN:
@@ -487,6 +508,13 @@ class EbpfBackend:
         self._flush_pending((key, direction), force=True)
         assert self.sink is not None
         self.sink.discarded(key, direction, nbytes)
+
+    def _not_captured(self, key: tuple[int, ...], direction: Direction, ts_ns: int, nbytes: int, how: str) -> None:
+        """sendfile/splice moved `nbytes` the program cannot read: their length and time, after
+        whatever syscall of this direction is still being reassembled."""
+        self._flush_pending((key, direction), force=True)
+        assert self.sink is not None
+        self.sink.not_captured(key, direction, ts_ns, nbytes, how)
 
     def _flush_pending(self, pkey: tuple | None = None, force: bool = False) -> None:
         """Hand finished syscalls to the sink. A syscall whose records are still arriving waits

@@ -13,6 +13,20 @@
  * for a syscall of at most CHUNK bytes, however many iovecs it used). Records are written
  * without waking user space (BPF_RB_NO_WAKEUP): the loader drains the ring on a timer.
  *
+ * Large syscalls (more than CHUNK bytes, up to MAX_BYTES, e.g. a 4 MiB gRPC message in one
+ * sendmsg): one bounded loop whose step takes the next iovec when needed and copies the next
+ * piece into the record being filled, sending it when it holds CHUNK bytes (copy_big). Its state
+ * lives in a map, so the verifier walks each step once: linear in BIG_IOVS + MAX_BYTES / CHUNK.
+ * (bpf_loop would be cheaper to verify, but bcc 0.26 cannot relocate its callback.) The last
+ * record of such a syscall wakes the poller (BPF_RB_FORCE_WAKEUP): megabytes may arrive faster
+ * than the timer drains them.
+ *
+ * Zero-copy sends (sendfile64, splice; tee/vmsplice work on pipes only and copy_file_range on
+ * regular files only, so none of them moves socket bytes): the bytes never pass through a buffer
+ * the program could read. A header-only DATA record with `discarded` = NC_SENDFILE or NC_SPLICE
+ * and `total` = the bytes moved tells user space, which records them as not captured, with their
+ * length and time, so a decoder steps over them (an HTTP/1 body sent by sendfile after its head).
+ *
  *   accept4/connect --(port, pid, cgroup filter)--> socks[(tgid,fd)] --> OPEN event
  *   read/write/readv/writev/sendto/recvfrom/sendmsg/recvmsg on socks --> DATA events
  *   close on socks --> CLOSE event;  ring buffer full --> lost[cpu]++
@@ -40,7 +54,7 @@
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
  *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
- *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOV, RINGBUF_PAGES, SCRATCH_CPUS.
+ *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOVS, RINGBUF_PAGES, SCRATCH_CPUS.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -56,6 +70,14 @@
 #define K_RECVMSG 5
 #define K_SENDMSG 6
 #define K_DISCARD 7           /* recv with MSG_TRUNC (not MSG_PEEK): ret bytes dropped, none copied */
+#define K_SENDFILE 8          /* sendfile64 to the socket: ret bytes sent from a file, none readable */
+#define K_SPLICE_OUT 9        /* splice from a pipe to the socket */
+#define K_SPLICE_IN 10        /* splice from the socket to a pipe */
+
+/* ev_hdr.discarded: why a DATA record carries no payload for `total` bytes */
+#define NC_TRUNC 1            /* recv with MSG_TRUNC: dropped unread */
+#define NC_SENDFILE 2         /* sent by sendfile */
+#define NC_SPLICE 3           /* moved by splice */
 
 /* recv flags, as in <linux/socket.h> (own names: that header may come in through bcc's) */
 #define RECV_PEEK 0x2         /* MSG_PEEK */
@@ -84,7 +106,7 @@ struct ev_hdr {               /* every ring-buffer record starts with this */
     u8 type;
     u8 is_write;              /* DATA: 1 write-family, 0 read-family */
     u8 truncated;             /* DATA: the syscall moved more than MAX_BYTES */
-    u8 discarded;             /* DATA: no payload; `total` bytes were dropped unread (K_DISCARD) */
+    u8 discarded;             /* DATA: no payload for `total` bytes: NC_TRUNC, NC_SENDFILE, NC_SPLICE */
     struct sock_info si;      /* OPEN */
     char comm[16];
 };
@@ -493,20 +515,11 @@ static __always_inline u32 flush(struct ev_buf *b, u32 fill, u32 offset) {
     return offset + fill;
 }
 
-/* Copy `n` bytes at user address `base` into records of at most CHUNK bytes each. */
-static __always_inline u32 copy_buf(struct ev_buf *b, u64 base, u32 n, u32 offset) {
-    for (int j = 0; j < MAX_BYTES / CHUNK; j++) {
-        if (n == 0)
-            break;
-        u32 take = n > CHUNK ? CHUNK : n;
-        /* take is already <= CHUNK; this form lets the verifier see 1 <= size <= CHUNK too */
-        u32 size = ((take - 1) & (CHUNK - 1)) + 1;
-        bpf_probe_read_user(b->data, size, (void *)base);
-        offset = flush(b, size, offset);
-        base += size;
-        n -= size;
-    }
-    return offset;
+/* A syscall of at most CHUNK bytes from one buffer: one record. */
+static __always_inline void copy_one(struct ev_buf *b, u64 base, u32 n) {
+    u32 size = ((n - 1) & (CHUNK - 1)) + 1;     /* == n: 1 <= n <= CHUNK */
+    bpf_probe_read_user(b->data, size, (void *)base);
+    flush(b, size, 0);
 }
 
 /* A syscall that moved at most CHUNK bytes, from up to MAX_IOV iovecs, as ONE record: gRPC writes
@@ -534,42 +547,89 @@ static __always_inline u32 copy_small(struct ev_buf *b, u64 iov, u64 iovcnt, u32
     return remaining;
 }
 
-/* Copy `remaining` bytes from up to MAX_IOV iovecs (or one buffer). Every branch either goes on
- * or leaves the loop, so the verifier's work grows linearly with MAX_IOV, not exponentially.
- * Returns the bytes that could not be copied (more iovecs than MAX_IOV). */
-static __always_inline u32 copy_out(struct ev_buf *b, struct active_io *a, u64 iov, u64 iovcnt,
-                                    u32 remaining) {
-    if (!iov) {
-        copy_buf(b, a->ptr, remaining, 0);
+/* A large syscall (more than CHUNK bytes): the state of its copy loop, kept in a map (bigs), not
+ * in registers. The verifier knows nothing of map contents, so every step of the loop looks the same
+ * to it whatever the bytes and iovecs: it walks each step once (both sides of each branch meet again
+ * in one state) and its work grows linearly with BIG_STEPS. */
+struct big_copy {
+    u64 iov;                  /* iovec array; 0: one buffer at `base` */
+    u64 iovcnt;
+    u64 base;                 /* where the next bytes are */
+    u32 left_in;              /* bytes left in the current buffer or iovec */
+    u32 idx;                  /* next iovec to read */
+    u32 remaining;            /* bytes of the syscall still to copy */
+    u32 fill;                 /* bytes in the record being filled */
+    u32 offset;               /* offset of that record within the syscall */
+    u32 pad;
+};
+BPF_ARRAY(bigs, struct big_copy, SCRATCH_CPUS);
+
+/* One step: take the next iovec if the current one is used up, copy the next piece of it into the
+ * record being filled, send the record when it is full or the syscall's bytes are all in.
+ * Returns 1 when the copy is over (done, or out of iovecs: what is left is counted as truncated). */
+static __always_inline int big_step(struct ev_buf *b, struct big_copy *c) {
+    if (c->remaining == 0)
+        return 1;
+    if (c->left_in == 0) {
+        u32 idx = c->idx;
+        if (!c->iov || idx >= c->iovcnt || idx >= BIG_IOVS)
+            return 1;
+        struct user_iovec v = {};
+        bpf_probe_read_user(&v, sizeof(v), (void *)(c->iov + (u64)idx * sizeof(v)));
+        c->idx = idx + 1;
+        c->base = v.base;
+        c->left_in = v.len > c->remaining ? c->remaining : v.len;
+        if (c->left_in == 0)
+            return 0;
+    }
+    u32 at = c->fill & (CHUNK - 1);              /* == fill: a record is sent at CHUNK */
+    u32 room = CHUNK - at;
+    u32 n = c->left_in < room ? c->left_in : room;
+    u32 size = ((n - 1) & (CHUNK - 1)) + 1;      /* == n: 1 <= n <= CHUNK */
+    bpf_probe_read_user(b->data + at, size, (void *)c->base);
+    u32 fill = at + size;
+    c->base += size;
+    c->left_in -= size;
+    c->remaining -= size;
+    if (fill < CHUNK && c->remaining) {
+        c->fill = fill;
         return 0;
     }
-    u32 offset = 0;
-    /* The first BIG_IOV iovecs may each fill several records (large reads land in the first
-     * one or two); later ones, typically many small write slices, get one record each. This
-     * keeps the verifier's work at about BIG_IOV * MAX_BYTES / CHUNK + MAX_IOV steps. */
-    for (int i = 0; i < BIG_IOV; i++) {
-        if (remaining == 0 || i >= iovcnt)
-            return remaining;
-        struct user_iovec v = {};
-        bpf_probe_read_user(&v, sizeof(v), (void *)(iov + i * sizeof(v)));
-        u32 n = v.len > remaining ? remaining : v.len;
-        offset = copy_buf(b, v.base, n, offset);
-        remaining -= n;
-    }
-    for (int i = BIG_IOV; i < MAX_IOV; i++) {
-        if (remaining == 0 || i >= iovcnt)
+    int zero = 0;
+    b->h.len = fill;
+    b->h.offset = c->offset;
+    u32 rec = sizeof(b->h) + (((fill - 1) & (CHUNK - 1)) + 1);
+    /* the syscall's last record wakes the poller: megabytes may come faster than its timer */
+    if (events.ringbuf_output(b, rec, c->remaining ? BPF_RB_NO_WAKEUP : BPF_RB_FORCE_WAKEUP))
+        count(lost.lookup(&zero));
+    c->offset += fill;
+    c->fill = 0;
+    return 0;
+}
+
+/* Copy `want` bytes of a large syscall from one buffer (iov 0) or up to BIG_IOVS iovecs into records
+ * of CHUNK bytes. A step uses up an iovec or fills a record, so `steps` = MAX_BYTES / CHUNK + 1, plus
+ * BIG_IOVS with iovecs, always suffice (a constant per call site: the buffer-only syscalls verify
+ * in a fraction of the time). Returns the bytes not copied (more iovecs than BIG_IOVS). */
+static __always_inline u32 copy_big(struct ev_buf *b, u64 base, u64 iov, u64 iovcnt, u32 want, const int steps) {
+    u32 cpu = bpf_get_smp_processor_id();
+    struct big_copy *c = bigs.lookup(&cpu);
+    if (!c)
+        return want;
+    c->iov = iov;
+    c->iovcnt = iovcnt;
+    c->base = base;
+    c->left_in = iov ? 0 : want;
+    c->idx = 0;
+    c->remaining = want;
+    c->fill = 0;
+    c->offset = 0;
+#pragma clang loop unroll(disable)
+    for (int i = 0; i < steps; i++) {
+        if (big_step(b, c))
             break;
-        struct user_iovec v = {};
-        bpf_probe_read_user(&v, sizeof(v), (void *)(iov + i * sizeof(v)));
-        u32 n = v.len > remaining ? remaining : v.len;
-        if (n == 0 || n > CHUNK)
-            break;           /* stop here so any hole is at the end, where user space sees it */
-        u32 size = ((n - 1) & (CHUNK - 1)) + 1;
-        bpf_probe_read_user(b->data, size, (void *)v.base);
-        offset = flush(b, size, offset);
-        remaining -= n;
     }
-    return remaining;
+    return c->remaining;
 }
 
 /* recvfrom/recvmsg: a peek or an error-queue read is not stream data (not traced at all, not
@@ -602,6 +662,13 @@ static __always_inline int io_exit(long ret, const int vec) {
             count(lost.lookup(&zero));
         return 0;
     }
+    if (io.kind >= K_SENDFILE) {         /* zero-copy: no buffer to read, the length and time only */
+        b->h.discarded = io.kind == K_SENDFILE ? NC_SENDFILE : NC_SPLICE;
+        b->h.is_write = io.kind != K_SPLICE_IN;
+        if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
+            count(lost.lookup(&zero));
+        return 0;
+    }
     b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG);
     u32 want = ret;
     if (want > MAX_BYTES) {
@@ -611,7 +678,10 @@ static __always_inline int io_exit(long ret, const int vec) {
     }
     u64 iov = 0, iovcnt = 0;
     if (!vec) {
-        copy_buf(b, io.ptr, want, 0);
+        if (want <= CHUNK)
+            copy_one(b, io.ptr, want);
+        else
+            copy_big(b, io.ptr, 0, 0, want, MAX_BYTES / CHUNK + 1);
         return 0;
     }
     if (io.kind == K_READV || io.kind == K_WRITEV) {
@@ -623,9 +693,9 @@ static __always_inline int io_exit(long ret, const int vec) {
         iov = m.iov;
         iovcnt = m.iovlen;
     }
-    u32 left = want <= CHUNK ? copy_small(b, iov, iovcnt, want) : copy_out(b, &io, iov, iovcnt, want);
+    u32 left = want <= CHUNK ? copy_small(b, iov, iovcnt, want) : copy_big(b, 0, iov, iovcnt, want, BIG_IOVS + MAX_BYTES / CHUNK + 1);
     if (left && !b->h.truncated)
-        count(truncated.lookup(&zero));   /* more iovecs than MAX_IOV: counted, never silent */
+        count(truncated.lookup(&zero));   /* more iovecs than walked: counted, never silent */
     return 0;
 }
 
@@ -649,3 +719,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) {
     return recv_enter(args->fd, (u64)args->msg, args->flags, K_RECVMSG);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret, 1); }
+
+/* Zero-copy sends: the socket is out_fd (sendfile) or either end of a splice. */
+TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return io_enter(args->out_fd, 0, 0, K_SENDFILE); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return io_exit(args->ret, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_splice) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 sk = sock_key(id >> 32, (u32)args->fd_out);
+    if (socks.lookup(&sk))
+        return io_enter(args->fd_out, 0, 0, K_SPLICE_OUT);
+    return io_enter(args->fd_in, 0, 0, K_SPLICE_IN);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_splice) { return io_exit(args->ret, 0); }
