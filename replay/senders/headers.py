@@ -67,8 +67,8 @@ def parse_set_header(text: str) -> tuple[str, str]:
         raise HeaderError(f"{name!r} is hop-by-hop: the sender sets it for its own connection")
     if name.endswith("-bin"):
         raise HeaderError(f"{name!r}: binary (-bin) metadata cannot be set from the command line")
-    if len(value) > _MAX_VALUE or any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in value):
-        raise HeaderError(f"{name!r}: the value must be printable text of at most {_MAX_VALUE} characters")
+    if len(value) > _MAX_VALUE or any(not 0x20 <= ord(c) < 0x7F for c in value):  # what gRPC metadata allows
+        raise HeaderError(f"{name!r}: the value must be printable ASCII of at most {_MAX_VALUE} characters")
     return name, value
 
 
