@@ -14,7 +14,9 @@ import pytest
 
 from harness.errors import ScenarioError
 from harness.faultrun import toxic_of
+from harness.scenario import Scenario
 from harness.scenario_load import load_scenario, load_scenario_text
+from harness.timeline import CallResult
 
 ROOT = Path(__file__).resolve().parent.parent
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
@@ -32,7 +34,7 @@ phases:
 """
 
 
-def _load(fault: str) -> object:
+def _load(fault: str) -> Scenario:
     return load_scenario_text(TEMPLATE.replace("FAULT", fault), "g.yaml")
 
 
@@ -74,11 +76,11 @@ def test_chaos_validate_prints_one_line_for_a_bad_grpc_fault(tmp_path: Path) -> 
 
 def test_good_faults_map_onto_the_proxys_call_toxics() -> None:
     s = _load(f"grpc_error, status: 8, share_pct: 25, method: {DECIDE}, message: busy")
-    assert toxic_of(s.phases[1].faults[0]) == {  # type: ignore[attr-defined]
+    assert toxic_of(s.phases[1].faults[0]) == {
         "type": "grpc_error", "stream": "upstream", "toxicity": 1.0,
         "attributes": {"status": 8, "message": "busy", "share": 0.25, "method": DECIDE}}
     s = _load("grpc_delay, delay_ms: 80, jitter_ms: 5, share: 0.5, method: Decide")
-    assert toxic_of(s.phases[1].faults[0]) == {  # type: ignore[attr-defined]
+    assert toxic_of(s.phases[1].faults[0]) == {
         "type": "grpc_delay", "stream": "upstream", "toxicity": 1.0,
         "attributes": {"delay": 80, "jitter": 5, "share": 0.5, "method": "Decide"}}
 
@@ -124,7 +126,7 @@ def test_a_real_run_fails_the_share_asked_for_with_that_status_only_on_that_meth
     assert (err_w.kind, delay_w.kind) == ("grpc_error", "grpc_delay") and not err_w.error and not delay_w.error
     assert err_w.applied_s is not None and err_w.removed_s is not None
 
-    def sent_between(a: float, b: float) -> list:  # type: ignore[type-arg]
+    def sent_between(a: float, b: float) -> list[CallResult]:
         return [c for c in tl.calls if c.sent_s is not None and a <= c.sent_s < b]
 
     # While the error toxic held (0.2 s margins for calls in flight at the edges):
