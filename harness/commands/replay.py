@@ -96,7 +96,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--target", required=True, metavar="HOST:PORT", help="where to send (loopback unless allowed)")
 @click.option("--speed", type=float, default=1.0, show_default=True, help="time multiplier, 0.1-100")
 @click.option("--loop", type=int, default=1, show_default=True, help="play the recording N times")
-@click.option("--workers", type=int, default=1, show_default=True, help="processes, each a shard of connections")
+@click.option("--workers", type=int, default=1, show_default=True,
+              help="processes sharing the calls (round-robin by call; each opens its own connections)")
 @click.option("--window", callback=_window, metavar="A:B", help="only seconds A to B of the recording")
 @click.option("--method", "methods", multiple=True, help="only this method (full or bare name; repeatable)")
 @click.option("--flow", "flows", type=int, multiple=True, help="only this recorded flow id (repeatable)")
