@@ -109,17 +109,21 @@ for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
 try:
     pfd = os.pidfd_open(parent)
 except OSError:
-    resume()
+    pfd = -1  # gone (then getppid() differs), or no pidfd on this kernel: getppid() is polled
 if os.getppid() != parent:
     resume()
 sys.stdout.write("ready\\n")
 sys.stdout.flush()
 poller = select.poll()
-poller.register(pfd, select.POLLIN)
+if pfd >= 0:
+    poller.register(pfd, select.POLLIN)
 poller.register(0, select.POLLIN | select.POLLHUP)
 buf = b""
 while True:
-    for fd, ev in poller.poll():
+    events = poller.poll(None if pfd >= 0 else 100)
+    if pfd < 0 and os.getppid() != parent:
+        resume()
+    for fd, ev in events:
         if fd == pfd:
             resume()
         data = os.read(0, 64)
