@@ -6,7 +6,8 @@ own engine sends them with the original timing, and the master prints shadowtest
     shadowtest locust --worker --master-host MASTER      # on each worker machine (no recording needed)
 
     master: checks the target (loopback or --shadow-allow-target) and the recording, counts the plan
-      |-- worker connects: the recording, in 1 MiB custom messages (sha256-checked) ---------> worker
+      |<-- "shadow_hello" (the worker's handlers are ready; repeated until welcomed) ---------- worker
+      |-- the recording, in 1 MiB custom messages (sha256-checked), "shadow_welcome" -------> worker
       |-- test start: "shadow_start" {shard (i, n), t0 (wall clock), options} ---------------> worker
       |                                          worker: child process `python -m replay.locust_child`
       |                                          (shadowtest's engine and lean senders, not gevent):
