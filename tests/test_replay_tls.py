@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 from click.testing import CliRunner
 
@@ -261,7 +263,7 @@ class TlsGrpcServer:
         self.port = 0
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: object = None
+        self._server: grpc.aio.Server | None = None
         self._thread = threading.Thread(target=self._main, daemon=True)
 
     @property
@@ -279,7 +281,8 @@ class TlsGrpcServer:
         self._thread.join(10)
 
     async def _stop(self) -> None:
-        await self._server.stop(None)  # type: ignore[attr-defined]
+        if self._server is not None:
+            await self._server.stop(None)
 
     def _main(self) -> None:
         self._loop = asyncio.new_event_loop()
