@@ -128,12 +128,12 @@ class _Unsafe(ValueError):
 
 
 def _cgroup_path(value: Any, roots: list[Path]) -> Path:
-    """A path inside a cgroup mount, with no symlink and no '..' on the way; _Unsafe otherwise."""
+    """A path that resolves inside the cgroup mount and has no '..' in it; _Unsafe otherwise."""
     if not isinstance(value, str) or not value.startswith("/"):
         raise _Unsafe(f"{value!r} is not an absolute path")
     path = Path(value)
-    if os.path.realpath(value) != value.rstrip("/") or not any(path.is_relative_to(r) and path != r
-                                                                for r in roots):
+    real = Path(os.path.realpath(value))   # v1 mounts are often links (cpu -> cpu,cpuacct): resolved, then checked
+    if ".." in path.parts or not any(real.is_relative_to(r) and real != r for r in roots):
         raise _Unsafe(f"{value} is not inside the cgroup mount {roots[0]}")
     return path
 

@@ -311,3 +311,26 @@ def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path
             os.kill(p.pid, signal.SIGCONT)
             p.kill()
             p.wait()
+
+
+def test_cgroup_paths_resolve_inside_the_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cgroup v1 often mounts cpu at cpu,cpuacct with a `cpu` link: ours through the link is accepted;
+    # a link that leads out of the mount is not.
+    from faults import cpu
+    from faults.cleanup import Leftover, refusal
+
+    root, outside = tmp_path / "cgroup", tmp_path / "outside"
+    (root / "cpu,cpuacct").mkdir(parents=True)
+    outside.mkdir()
+    (root / "cpu").symlink_to(root / "cpu,cpuacct")
+    (root / "evil").symlink_to(outside)
+    monkeypatch.setattr(cpu, "CGROUP_ROOT", root)
+
+    def why(created: str) -> str | None:
+        return refusal(Leftover(tmp_path / "h.json", 4242, "cgroup-1", {"kind": "cgroup", "created": created}))
+
+    assert why(f"{root}/cpu/shadowtest-4242-1") is None
+    assert why(f"{root}/cpu/shadowtest-4243-1") == (f"cgroup {root}/cpu/shadowtest-4243-1 is not named "
+                                                   "shadowtest-4242-N (the run's own prefix)")
+    assert "is not inside the cgroup mount" in str(why(f"{root}/evil/shadowtest-4242-1"))
+    assert "is not inside the cgroup mount" in str(why(f"{root}/cpu/../../outside/shadowtest-4242-1"))
