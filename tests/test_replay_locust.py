@@ -97,6 +97,29 @@ def test_master_and_two_workers_split_one_connection_by_call(tmp_path: Path) -> 
     assert "Traceback" not in out
 
 
+def test_two_workers_cut_short_report_their_final_counts_and_exit_1(tmp_path: Path) -> None:
+    n = write_unary_recording(tmp_path / "r.rec", [i * 20 * MS for i in range(150)], flows=1)   # 3 s of calls
+    port = _free_port()
+    with EchoServer() as server:
+        master = _master(port, 2, server.address, "--run-time", "2s", "--shadow-recording", str(tmp_path / "r.rec"),
+                         "--shadow-start-delay", "1", "--shadow-json", str(tmp_path / "acc.json"))
+        workers = [_worker(port) for _ in range(2)]
+        out = _finish(master, *workers)
+        received = len(server.received)
+    assert master.returncode == 1, out[-3000:]
+    acc = json.loads((tmp_path / "acc.json").read_text())
+    shares = acc["workers"]
+    # the master asked the workers to stop: their final counts came, with the unsent calls counted
+    assert all(w["complete"] for w in shares) and len(shares) == 2, shares
+    assert 0 < acc["cut_off"] == sum(w["cut_off"] for w in shares) < n
+    assert acc["ok"] > 0 and all(w["sent"] > 0 for w in shares)
+    assert acc["ok"] + acc["rejected"] + sum(acc["errors"].values()) + acc["timeouts"] + acc["not_sent"] \
+        + acc["cut_off"] == acc["scheduled"] == n
+    assert acc["ok"] <= received <= acc["sent"]
+    assert f"run cut short: {acc['cut_off']} of {n} calls cut off by the run time" in out
+    assert "Traceback" not in out
+
+
 @pytest.fixture
 def http_server() -> Iterator[tuple[str, list[str]]]:
     seen: list[str] = []
