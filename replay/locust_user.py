@@ -84,6 +84,8 @@ def _add_arguments(parser: Any) -> None:
     g.add_argument("--shadow-method", default="", help="only these methods (comma separated)")
     g.add_argument("--shadow-sender", default="auto", choices=SENDERS,
                    help="auto (by protocol; gRPC: the lean h2 sender), h2, grpc, http1 or tcp")
+    g.add_argument("--shadow-shard-by", default="call", choices=("call", "connection"),
+                   help="split the calls over the workers (even for one connection) or whole connections")
     g.add_argument("--shadow-allow-target", action="append", default=[], metavar="HOST",
                    help="allow this non-loopback host/CIDR as --host (repeatable)")
     g.add_argument("--shadow-max-recording-mb", type=int, default=256,
@@ -140,7 +142,7 @@ def _config(opts: Any, target: str) -> dict[str, Any]:
     return {"target": target, "speed": opts.shadow_speed, "loop": opts.shadow_loop,
             "timeout_s": opts.shadow_timeout, "window": _window(opts.shadow_window),
             "methods": [m for m in opts.shadow_method.split(",") if m], "max_in_flight": opts.shadow_max_in_flight,
-            "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": "call"}
+            "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": opts.shadow_shard_by}
 
 
 def _schedule(cfg: dict[str, Any]) -> Any:

@@ -39,6 +39,21 @@ def test_replay_workers_2_splits_one_connection_and_lists_each_share(tmp_path: P
     assert f"sent {shares[0]['sent']}," in lines[0] and f"sent {shares[1]['sent']}," in lines[1]
 
 
+def test_shard_by_connection_keeps_a_connection_on_one_worker(tmp_path: Path) -> None:
+    from replay.testing import EchoServer, write_unary_recording
+
+    n = write_unary_recording(tmp_path / "r.rec", [i * 2 * MS for i in range(40)], flows=1)
+    with EchoServer() as server:
+        proc = subprocess.run([sys.executable, "-m", "harness.cli", "replay", str(tmp_path / "r.rec"), "--target",
+                               server.address, "--workers", "2", "--shard-by", "connection", "--json", "-"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        peers = len(server.peers)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert sorted(w["sent"] for w in data["workers"]) == [0, n] and data["invariant_ok"]
+    assert peers == 1
+
+
 def _result(i: int, latency_us: int) -> CallResult:
     return CallResult(i, "/m", "f1", 1, 0, 1000, latency_us * 1000, "ok", "OK")
 

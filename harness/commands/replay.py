@@ -98,6 +98,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--loop", type=int, default=1, show_default=True, help="play the recording N times")
 @click.option("--workers", type=int, default=1, show_default=True,
               help="processes sharing the calls (round-robin by call; each opens its own connections)")
+@click.option("--shard-by", type=click.Choice(["call", "connection"]), default="call", show_default=True,
+              help="with --workers: split the calls (even for one connection) or give each worker whole connections")
 @click.option("--window", callback=_window, metavar="A:B", help="only seconds A to B of the recording")
 @click.option("--method", "methods", multiple=True, help="only this method (full or bare name; repeatable)")
 @click.option("--flow", "flows", type=int, multiple=True, help="only this recorded flow id (repeatable)")
@@ -136,7 +138,8 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
               help="threshold: the replayer's own send lag p99 at most US (above it the replay was not faithful)")
 @click.option("--min-ok", type=click.IntRange(min=0), metavar="N",
               help="threshold: at least N calls ok  [default: 1 when any call is scheduled; 0: off]")
-def command(file: Path, target: str, speed: float, loop: int, workers: int, window: tuple[float, float] | None,
+def command(file: Path, target: str, speed: float, loop: int, workers: int, shard_by: str,
+            window: tuple[float, float] | None,
             methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
             timeout_s: float,
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
@@ -187,7 +190,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, wind
     except MethodMapError as exc:
         raise click.BadParameter(str(exc), param_hint="--method-map") from exc
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
-                            loop=loop, rate=rate, seed=seed, method_map=mapped)
+                            loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
                          allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None,
                          tls=build_tls(tls, ca, cert, key, insecure, server_name, sender),
