@@ -83,12 +83,19 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "method_groups": [{"flow": g.flow_id, "ref": g.ref, "protocol": g.protocol, "calls": g.calls,
                            "kinds": g.kinds, "method": g.method, "how": g.how} for g in groups],
         "unresolved_method_calls": unresolved, "unknown_method_ungrouped": ungrouped,
+        "tls": meta.get("tls"),   # TLS plaintext capture (capture/ebpf/tls.py): on/off, counts
         "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
                      + _unknown_peers(meta) + _oversized(meta) + _discarded(meta) + _hidden_statuses(hidden)
-                     + _gapped_calls(body_gaps, unknown_outcome)
+                     + _gapped_calls(body_gaps, unknown_outcome) + _encrypted(meta)
                      + _unresolved(rec, unresolved, groups)),
     }
     return out
+
+
+def _encrypted(meta: dict[str, Any]) -> list[str]:
+    """TLS flows recorded as ciphertext only (capture/ebpf/tls.py), each with the reason."""
+    rows = [r for r in meta.get("tls_flows", []) or [] if len(r) > 2 and r[1] == "encrypted"]
+    return [f"flow {r[0]} is TLS recorded as ciphertext (raw TCP, no calls): {r[2]}" for r in rows]
 
 
 def _hidden_statuses(n: int) -> list[str]:

@@ -30,6 +30,7 @@ from capture.backends import RecordOptions
 from capture.ebpf.tls import find_libssl
 from capture.record import Recorder
 from capture.recording import Call, Recording
+from capture.summary import summarize
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
@@ -221,6 +222,9 @@ def test_keep_alive_connections_are_one_flow_each_and_no_ciphertext_is_stored(re
     assert tls["capture"] == "on" and tls["plaintext_flows"] == 2 and tls["encrypted_flows"] == 0
     assert tls["ciphertext_bytes_not_stored"] > 0
     assert sorted(r[1] for r in meta["tls_flows"]) == ["plaintext", "plaintext"]
+    with Recording(recorded["out"]) as rec:
+        summary = summarize(rec)
+    assert summary["tls"]["plaintext_flows"] == 2 and not any("TLS" in p for p in summary["problems"])
     assert recorded["stats"]["lost_events"] == 0
 
 
@@ -243,16 +247,28 @@ def test_client_side_recording_of_python_client_uses_ssl_read_ex_write_ex(nginx:
     assert TOKEN_PY.encode() not in _file_bytes(out)
 
 
+def _wait_started(out: Path, proc: subprocess.Popen[str]) -> None:
+    """Until the recorder's backend is up (it writes its settings into the file then)."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists():
+            try:
+                with Recording(out) as r:
+                    if "backend_settings" in r.meta:
+                        return
+            except Exception:  # noqa: BLE001 - being created
+                pass
+        time.sleep(0.1)
+    raise AssertionError("the recorder did not start")
+
+
 def test_tls_off_records_no_plaintext_and_says_why_per_flow(nginx: Nginx, tmp_path: Path) -> None:
     out = tmp_path / "off.rec"
     rec = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "off",
                             "--duration", "30", "--json", "-o", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not out.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1.5)      # the program is loaded just after the file is created
+        _wait_started(out, rec)
         _curl(nginx)
         time.sleep(0.5)
     finally:
@@ -264,9 +280,12 @@ def test_tls_off_records_no_plaintext_and_says_why_per_flow(nginx: Nginx, tmp_pa
     assert result["tls"]["capture"] == "off"
     with Recording(out) as r:
         flows = list(r.flows())
-        assert [f.protocol for f in flows] == ["tcp"]
+        assert len(flows) == 1 and flows[0].protocol in ("tcp", "tls")    # raw bytes, no calls
         assert r.first_bytes(flows[0].id or 0, "c2s", 1) == b"\x16"     # the ClientHello: ciphertext
         assert r.meta["tls_flows"] == [[flows[0].id, "encrypted", "encrypted: TLS capture is off (--tls off)", 0]]
+        problems = summarize(r)["problems"]
+    assert f"flow {flows[0].id} is TLS recorded as ciphertext (raw TCP, no calls): encrypted: TLS capture is off " \
+        "(--tls off)" in problems
     assert TOKEN_CURL.encode() not in _file_bytes(out)
 
 

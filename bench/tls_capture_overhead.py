@@ -1,0 +1,250 @@
+"""TLS capture cost: the recorder's CPU per 1,000 calls/s on HTTPS (uprobes on libssl) beside plain HTTP.
+
+    nginx (Debian's, one worker) --+-- port A: HTTP/1.1         <-- keep-alive clients at --rate
+                                   +-- port B: HTTP/1.1 over TLS <-- the same clients over ssl
+    for each pair: plain baseline, plain recorded, TLS baseline, TLS recorded (`shadowtest record
+    --port A|B` in its own process, started and up before the load)
+
+Prints, per protocol, the medians over --pairs of: the recorder's CPU per 1,000 calls/s (its process,
+read after it is up, so the eBPF compile is not counted), the nginx worker's CPU per call with and
+without the recorder (the uprobes and tracepoints run in nginx's context: that is their cost on the
+recorded service), calls recorded against calls made, and the TLS meta (plaintext flows, encrypted
+flows, ciphertext not stored). Needs root, bcc, nginx, openssl. Run as
+`.venv/bin/python bench/tls_capture_overhead.py [--rate 300 --duration 6 --pairs 2 --connections 4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402
+
+from capture.recording import Recording  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = """
+daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 60s;
+    default_type application/json;
+    server {{
+        listen 127.0.0.1:{plain};
+        listen 127.0.0.1:{tls} ssl;
+        ssl_certificate {d}/cert.pem;
+        ssl_certificate_key {d}/key.pem;
+        location / {{ return 200 '{{"ok": true, "path": "$uri"}}'; }}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_nginx(d: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    plain, tls = free_port(), free_port()
+    (d / "nginx.conf").write_text(CONF.format(d=d, plain=plain, tls=tls))
+    proc = subprocess.Popen(["nginx", "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", tls), timeout=0.2).close()
+            return proc, plain, tls
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("nginx did not start")
+
+
+def worker(nginx: subprocess.Popen[bytes]) -> psutil.Process:
+    kids = psutil.Process(nginx.pid).children()
+    if len(kids) != 1:
+        raise SystemExit(f"expected one nginx worker, found {len(kids)}")
+    return kids[0]
+
+
+def cpu(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
+def load(port: int, cafile: Path | None, rate: float, duration: float, conns: int) -> tuple[int, int]:
+    """Open loop: `conns` keep-alive connections, each sending GETs on its own schedule (rate/conns
+    per second) for `duration` seconds. Returns (calls answered 200, errors)."""
+    ok = [0] * conns
+    errors = [0] * conns
+    auth = {"Authorization": "Bearer bench-token-0123456789"}
+
+    def run(i: int) -> None:
+        ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else None
+        conn: http.client.HTTPConnection = (http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=5)
+                                            if ctx else http.client.HTTPConnection("127.0.0.1", port, timeout=5))
+        period = conns / rate
+        start = time.monotonic() + i * period / conns
+        n = 0
+        while True:
+            at = start + n * period
+            if at - start >= duration:
+                break
+            delay = at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                conn.request("GET", f"/items/{i}/{n}", headers=auth)
+                resp = conn.getresponse()
+                resp.read()
+                ok[i] += resp.status == 200
+            except (OSError, http.client.HTTPException):
+                errors[i] += 1
+                conn.close()
+            n += 1
+        conn.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(duration + 60)
+    return sum(ok), sum(errors)
+
+
+def start_recorder(port: int, out: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "-o", str(out),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists():
+            try:
+                with Recording(out) as r:
+                    if "backend_settings" in r.meta:
+                        time.sleep(1.0)    # the TLS program attaches just after
+                        return proc
+            except Exception:  # noqa: BLE001 - being created
+                pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("recorder did not start (root and bcc needed: see `shadowtest doctor`)")
+
+
+def stop_recorder(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=600)
+    try:
+        return dict(json.loads(out))
+    except ValueError:
+        return {}
+
+
+def one(kind: str, port: int, cafile: Path | None, recorded: bool, args: argparse.Namespace, d: Path,
+        nginx_worker: psutil.Process) -> dict[str, Any]:
+    rec = None
+    out = d / f"{kind}-{time.monotonic_ns()}.rec"
+    if recorded:
+        rec = start_recorder(port, out)
+        rproc = psutil.Process(rec.pid)
+        r0 = cpu(rproc)
+    w0, t0 = cpu(nginx_worker), time.monotonic()
+    calls, errors = load(port, cafile, args.rate, args.duration, args.connections)
+    elapsed = time.monotonic() - t0
+    w1 = cpu(nginx_worker)
+    row: dict[str, Any] = {"kind": kind, "recorded": recorded, "calls": calls, "errors": errors,
+                           "rate": calls / elapsed, "nginx_us_per_call": (w1 - w0) / max(1, calls) * 1e6}
+    if rec is not None:
+        time.sleep(0.5)       # the ring drains (10 polls)
+        r1 = cpu(rproc)
+        result = stop_recorder(rec)
+        row["recorder_cpu_pct_per_1k"] = (r1 - r0) / elapsed * 100 / (row["rate"] / 1000)
+        row["recorded_calls"] = result.get("calls")
+        row["lost_events"] = result.get("lost_events")
+        tls = result.get("tls") or {}
+        row["tls"] = {k: tls.get(k) for k in ("capture", "plaintext_flows", "encrypted_flows",
+                                               "ciphertext_bytes_not_stored", "lost_events")}
+        for p in d.glob(out.name + "*"):
+            p.unlink()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=300.0, help="calls/s offered (open loop)")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds of (plain, plain recorded, TLS, TLS recorded)")
+    ap.add_argument("--connections", type=int, default=4, help="keep-alive connections")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or not shutil.which("nginx"):
+        raise SystemExit("needs root and nginx")
+    with tempfile.TemporaryDirectory(prefix="tls-bench-") as tmp:
+        d = Path(tmp)
+        nginx, plain, tls = start_nginx(d)
+        try:
+            w = worker(nginx)
+            rows = []
+            for _ in range(args.pairs):
+                for kind, port, ca in (("plain", plain, None), ("tls", tls, d / "cert.pem")):
+                    for recorded in (False, True):
+                        row = one(kind, port, ca, recorded, args, d, w)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+        finally:
+            nginx.send_signal(signal.SIGQUIT)
+            try:
+                nginx.wait(10)
+            except subprocess.TimeoutExpired:
+                nginx.kill()
+                nginx.wait(5)
+
+    def med(kind: str, recorded: bool, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["kind"] == kind and r["recorded"] == recorded)
+
+    print()
+    print(f"rate offered {args.rate:.0f} calls/s, {args.connections} keep-alive connections, "
+          f"{args.duration:.0f} s per run, {args.pairs} pairs (medians)")
+    for kind in ("plain", "tls"):
+        rec_rows = [r for r in rows if r["kind"] == kind and r["recorded"]]
+        print(f"{kind:5}  recorder CPU {med(kind, True, 'recorder_cpu_pct_per_1k'):5.1f} % of a core per 1,000 calls/s"
+              f"   nginx worker {med(kind, False, 'nginx_us_per_call'):6.1f} us/call unrecorded, "
+              f"{med(kind, True, 'nginx_us_per_call'):6.1f} us/call recorded"
+              f"   calls recorded/made {sum(r['recorded_calls'] or 0 for r in rec_rows)}/"
+              f"{sum(r['calls'] for r in rec_rows)}   lost {sum(r['lost_events'] or 0 for r in rec_rows)}")
+    ratio = med("tls", True, "recorder_cpu_pct_per_1k") / max(1e-9, med("plain", True, "recorder_cpu_pct_per_1k"))
+    print(f"TLS recorder / plaintext recorder CPU per call: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
