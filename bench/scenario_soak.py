@@ -1,0 +1,104 @@
+"""Soak: every bundled scenario N times in a row, unmodified agent; how often does each pass?
+
+    .venv/bin/python bench/scenario_soak.py                     # every scenarios/*.yaml, 20 runs each
+    .venv/bin/python bench/scenario_soak.py -n 3 --scale 0.5 scenarios/jitter-and-cpu.yaml
+    .venv/bin/python bench/scenario_soak.py -n 20 --json soak.json
+
+A chaos gate is only worth its false-failure rate: with a correct agent every run should pass. Prints,
+per scenario, passed runs out of N, and for every check that ever failed (or was skipped: nothing to
+judge) how often and the first summary, so a flaky check is named with its evidence. Needs root (CPU
+quota faults) like `chaos run`. Exit status 0 when every run passed, else 1. Results go in
+bench/RESULTS.md by hand, with the command, the date and the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MAX_RUNS = 1000
+
+
+def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
+    from harness.errors import HarnessError
+    from harness.live import LiveView
+    from harness.runner import Runner, RunOptions
+    from harness.scenario_load import load_scenario
+
+    scenario = load_scenario(path)
+    if scale != 1.0:
+        scenario = scenario.scaled(scale)
+    passed = 0
+    failures: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    errors: list[str] = []
+    started = time.monotonic()
+    for i in range(runs):
+        view = LiveView(scenario.name, stream=io.StringIO(), rich=False)
+        try:
+            result = Runner(scenario, RunOptions(view=view)).run()
+        except HarnessError as exc:
+            errors.append(f"run {i + 1}: {exc}")
+            print(f"  {scenario.name} run {i + 1}/{runs}: could not run: {exc}", flush=True)
+            continue
+        passed += result.passed
+        for v in result.verdicts:
+            if v.skipped:
+                skipped[v.id] += 1
+            elif not v.passed:
+                failures[v.id] += 1
+                first.setdefault(v.id, v.summary)
+        bad = [v.id for v in result.verdicts if not v.passed]
+        print(f"  {scenario.name} run {i + 1}/{runs}: {'PASSED' if result.passed else 'FAILED ' + ', '.join(bad)}"
+              f"  (load {os.getloadavg()[0]:.1f})", flush=True)
+    return {"scenario": scenario.name, "file": str(path), "runs": runs, "passed": passed, "scale": scale,
+            "failures": dict(failures), "skipped": dict(skipped), "first_failure": first, "errors": errors,
+            "wall_s": round(time.monotonic() - started, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenarios", nargs="*", help="scenario files (default: every scenarios/*.yaml)")
+    ap.add_argument("-n", "--runs", type=int, default=20, help="runs per scenario (default 20)")
+    ap.add_argument("--scale", type=float, default=1.0, help="every phase this many times as long (default 1)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if not 1 <= args.runs <= MAX_RUNS:
+        ap.error(f"--runs must be between 1 and {MAX_RUNS}")
+    if not 0.05 <= args.scale <= 10:
+        ap.error("--scale must be between 0.05 and 10")
+    paths = [Path(p) for p in args.scenarios] or sorted((ROOT / "scenarios").glob("*.yaml"))
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        ap.error(f"no such scenario: {', '.join(missing)}")
+    print(f"soak: {len(paths)} scenario(s) x {args.runs} run(s), scale {args.scale:g}, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} CPUs", flush=True)
+    results = []
+    for path in paths:
+        results.append(soak(path, args.runs, args.scale))
+    print("\nscenario                  passed   failing checks (runs)")
+    for r in results:
+        fails = ", ".join(f"{k} ({n})" for k, n in sorted(r["failures"].items())) or "-"
+        print(f"{r['scenario']:<25} {r['passed']:>3}/{r['runs']:<4} {fails}")
+        for check, summary in r["first_failure"].items():
+            print(f"    first {check}: {summary}")
+        if r["skipped"]:
+            print(f"    skipped (nothing to judge): {r['skipped']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if all(r["passed"] == r["runs"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

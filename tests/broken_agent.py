@@ -1,0 +1,221 @@
+"""The agent with deliberate defects, for proving that each chaos check catches what it is for.
+
+    python tests/broken_agent.py DEFECT[,DEFECT...] serve --port 0 ...   (the agent's own `serve` options)
+
+Each defect is a subclass of one of the agent's parts (its guard, limiter, alert set, tier selector or
+period recorder), swapped in when the guard is built; the rest is the real agent, started as a real
+process by `BrokenAgent` (an AgentProcess whose command runs this file). The defects:
+
+    alert_late         P99High fires on the (N+1)-th consecutive breach instead of the N-th
+    alert_false        P99High judges the P99 against a twentieth of the threshold (pages on healthy latency)
+    p99_is_p95         every period's "P99" is its P95
+    limiter_flat       the limiter never changes its rate
+    limiter_leaky      the limiter reports its rate but admits every call
+    limiter_stuck_low  the limiter cuts but never grows back
+    degrade_never      the tier never changes
+    degrade_stuck      once light, the tier never returns to full
+    flapping           the tier flips at forward passes, up to 5 times a second
+    lose_counts        every 25th finished call is missing from agent_requests_total
+    errors             every 8th batch fails (INTERNAL) instead of running
+    slow               every 4th call stalls the event loop for 30 ms
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agent_under_test import protection
+from agent_under_test.alerts import AlertSet, Transition
+from agent_under_test.degrade import FULL, LIGHT, TierChange, TierSelector
+from agent_under_test.hooks import GuardConfig
+from agent_under_test.launch import AgentProcess, serve_args
+from agent_under_test.limiter import Adjustment, Limiter
+from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
+
+DEFECTS = ("alert_late", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
+           "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
+
+
+class BrokenAgent(AgentProcess):
+    """AgentProcess running this file with `defects` (set the class attribute in a subclass)."""
+
+    defects: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        opts = {**self.options, "ready_file": str(self._ready_path)}
+        return [sys.executable, str(Path(__file__).resolve()), ",".join(self.defects) or "none", "serve",
+                *serve_args(opts)]
+
+
+def broken(*defects: str) -> type[BrokenAgent]:
+    """An AgentProcess class whose agent has `defects`."""
+    unknown = set(defects) - set(DEFECTS)
+    if unknown:
+        raise ValueError(f"unknown defects {sorted(unknown)}")
+    return type("Broken_" + "_".join(defects), (BrokenAgent,), {"defects": tuple(defects)})
+
+
+# --- the defects ---------------------------------------------------------------------------------------
+
+class _LimiterDefect:
+    """Wraps the real limiter; each defect changes one thing."""
+
+    def __init__(self, inner: Limiter, defect: str) -> None:
+        self.inner, self.defect, self.policy = inner, defect, inner.policy
+
+    @property
+    def rate(self) -> float:
+        return self.inner.rate
+
+    def try_acquire(self, now: float) -> float | None:
+        retry = self.inner.try_acquire(now)
+        return None if self.defect == "limiter_leaky" else retry
+
+    def on_period(self, summary: PeriodSummary) -> Adjustment | None:
+        if self.defect == "limiter_flat":
+            return None
+        before = self.inner.rate
+        adjustment = self.inner.on_period(summary)
+        if self.defect == "limiter_stuck_low" and adjustment is not None and adjustment.new_rate > before:
+            self.inner.bucket.set_rate(before)    # (the seed and gradient limiters sit on a token bucket)
+            return None
+        return adjustment
+
+    def set_threshold(self, threshold_ms: float) -> None:
+        self.inner.set_threshold(threshold_ms)
+
+
+class _LateAlerts(AlertSet):
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__(config.alert_periods + 1, config.resolve_periods, config.error_ratio_threshold,
+                         config.rejected_ratio_threshold, config.min_samples)
+
+
+class _FalseAlerts(AlertSet):
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__(config.alert_periods, config.resolve_periods, config.error_ratio_threshold,
+                         config.rejected_ratio_threshold, config.min_samples)
+        self.threshold_ms = config.p99_threshold_ms / 20
+
+    def observe(self, summary: PeriodSummary) -> list[Transition]:
+        state = classify(summary.count, summary.p99_ms, self.threshold_ms, self.min_samples)
+        return super().observe(dataclasses.replace(summary, state=state))
+
+
+class _Tiers(TierSelector):
+    def __init__(self, defect: str, config: GuardConfig) -> None:
+        super().__init__(config.tier, config.queue_light_depth, config.queue_drain_depth,
+                         hold_periods=config.tier_hold_periods, sustain_s=config.queue_sustain_s,
+                         period_s=config.period_s)
+        self.defect = defect
+
+    def on_queue(self, depth: int, now: float) -> TierChange | None:
+        if self.defect == "flapping":      # flips at forward passes, at most every 0.2 s
+            if self.changed_at is not None and now - self.changed_at < 0.2:
+                return None
+            old, self.tier, self.changed_at = self.tier, LIGHT if self.tier == FULL else FULL, now
+            return TierChange(old, self.tier, "queue")
+        if self.defect == "degrade_never":
+            return None
+        if self.defect == "degrade_stuck" and self.tier == LIGHT:
+            return None
+        return super().on_queue(depth, now)
+
+    def on_period(self, firing: bool, verdict: str, now: float) -> TierChange | None:
+        if self.defect == "degrade_never":
+            return None
+        if self.defect == "flapping":
+            return None
+        if self.defect == "degrade_stuck" and self.tier == LIGHT:
+            return None
+        return super().on_period(firing, verdict, now)
+
+
+class _P95Recorder(PeriodRecorder):
+    def summarize(self, period: int, end: float, threshold_ms: float, min_samples: int,
+                  saturation: float | None = None) -> PeriodSummary:
+        s = super().summarize(period, end, threshold_ms, min_samples, saturation)
+        return dataclasses.replace(s, p99_ms=s.p95_ms, state=classify(s.count, s.p95_ms, threshold_ms, min_samples))
+
+
+class BrokenGuard(protection.ProtectionGuard):
+    """The real guard with the parts the defects name swapped for broken subclasses."""
+
+    defects: frozenset[str] = frozenset()
+
+    def __init__(self, config: GuardConfig, clock: Any = None) -> None:
+        super().__init__(config, clock)
+        d = self.defects
+        for defect in ("limiter_flat", "limiter_leaky", "limiter_stuck_low"):
+            if defect in d:
+                self.limiter = _LimiterDefect(self.limiter, defect)
+        if "alert_late" in d:
+            self.alerts = _LateAlerts(config)
+        if "alert_false" in d:
+            self.alerts = _FalseAlerts(config)
+        for defect in ("degrade_never", "degrade_stuck", "flapping"):
+            if defect in d:
+                self.tiers = _Tiers(defect, config)
+        self._finished = 0
+        self._batches = 0
+        self._admitted = 0
+
+    # The recorder is replaced at every tick; a P95-for-P99 recorder replaces it each time.
+    @property
+    def _recorder(self) -> PeriodRecorder:
+        return self.__dict__["_rec"]
+
+    @_recorder.setter
+    def _recorder(self, value: PeriodRecorder) -> None:
+        if "p99_is_p95" in self.defects and not isinstance(value, _P95Recorder):
+            value = _P95Recorder(value.start)
+        self.__dict__["_rec"] = value
+
+    def admit(self, method: str) -> float | None:
+        if "slow" in self.defects:
+            self._admitted += 1
+            if self._admitted % 4 == 0:
+                time.sleep(0.03)           # on the event loop: every call behind it waits too
+        return super().admit(method)
+
+    def finish(self, method: str, latency_s: float, outcome: str) -> None:
+        self._finished += 1
+        if "lose_counts" in self.defects and self._finished % 25 == 0:
+            with self._lock:
+                self._recorder.record(latency_s, outcome)
+            self.metrics.latency.observe(latency_s)   # seen, but never counted in agent_requests_total
+            return
+        super().finish(method, latency_s, outcome)
+
+    def choose_tier(self, queue_depth: int) -> str:
+        tier = super().choose_tier(queue_depth)
+        if "errors" in self.defects:
+            self._batches += 1
+            if self._batches % 8 == 0:
+                return "no-such-tier"       # the engine fails the whole batch
+        return tier
+
+
+def main() -> None:
+    defects = frozenset(d for d in sys.argv[1].split(",") if d and d != "none")
+    unknown = defects - set(DEFECTS)
+    if unknown:
+        sys.exit(f"broken_agent: unknown defects {sorted(unknown)}; known: {', '.join(DEFECTS)}")
+    BrokenGuard.defects = defects
+
+    def build(config: GuardConfig, clock: Any = None) -> protection.ProtectionGuard:
+        return BrokenGuard(config, clock)
+
+    protection.build_guard = build   # the one swap: the app builds its guard through this
+    from agent_under_test.__main__ import main as agent_main
+
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    agent_main(prog_name="broken_agent")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Each check catches what it is for: deliberately broken agents fail exactly the matching check.
+
+The agents are real processes (tests/broken_agent.py: the agent with one part swapped for a broken
+subclass), run through one short scenario with a real CPU quota fault and the real proxy. Defects that
+touch different parts share a run to keep the wall time down; the assertions name, per defect, the
+check that must fail, and the same scenario with the unmodified agent must pass every one of them
+(no false failures, or a failing check would prove nothing).
+
+    defect              check that must fail
+    alert_late          alert_rule          (fires one period late)
+    p99_is_p95          percentiles_distinct
+    lose_counts         no_loss             (1 call in 25 missing from requests_total)
+    limiter_stuck_low   limiter_recovers
+    degrade_stuck       restores
+    alert_false         alert_silent        (pages on healthy latency)
+    flapping            no_flapping
+    limiter_leaky       limiter_obeys       (reports cuts, admits everything)
+    errors              error_rate
+    limiter_flat        limiter_reduces
+    degrade_never       degrades
+    slow                slo
+    --no-alerts         alert_fires         (the agent's own flag; also test_harness_runner)
+    an inert toxic      fault_effective     (a fault that moves nothing, next to one that does)
+
+Timing allowances as in test_harness_runner: period 0.5 s, 50 ms threshold, alert within 6 periods.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broken_agent import broken  # tests/ is on sys.path under pytest
+
+from harness.live import LiveView
+from harness.runner import Runner, RunOptions
+from harness.scenario_load import load_scenario_text
+
+SCENARIO = """\
+name: broken
+seed: 11
+target: {agent: {limiter: seed, alerts: %(alerts)s, p99_threshold_ms: 50, alert_periods: 2, resolve_periods: 2,
+                 period_s: 0.5, initial_rate: 120, max_rate: 120, min_samples: 5}}
+traffic: {generator: {rate: 100}}
+phases:
+  - {name: warmup, duration: 2s}
+  - {name: baseline, duration: 2.5s}
+  - {name: fault, duration: 4s, faults: [{cpu: quota, pct: 3}%(extra_fault)s]}   # the agent needs ~10 %% at 100/s
+  - {name: recovery, duration: 5s}
+expect:
+  - {alert_silent: {phase: baseline}}
+  - {fault_effective: {phase: fault, baseline: baseline}}
+  - {alert_fires: {phase: fault, within_periods: 6}}
+  - {limiter_reduces: {phase: fault, at_least_pct: 10}}
+  - {limiter_obeys: {}}
+  - {degrades: {phase: fault, within_periods: 3}}
+  - {limiter_recovers: {phase: recovery, baseline_phase: baseline, to_pct_of_baseline: 50}}
+  - {restores: {phase: recovery, within_s: 4s}}
+  - {no_flapping: {max_changes: 2, per_s: 1s}}
+  - {slo: {phase: recovery, p99_ms: 50, settle_s: 2.5s}}
+  - {error_rate: {max_pct: 1}}
+  - {no_loss: {}}
+  - {alert_rule: {}}
+  - {percentiles_distinct: {min_periods: 4}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
+    return d
+
+
+def _run(tmp_path: Path, *defects: str, alerts: bool = True, extra_fault: str = "") -> dict[str, Any]:
+    scenario = load_scenario_text(SCENARIO % {"alerts": str(alerts).lower(), "extra_fault": extra_fault},
+                                  "broken.yaml")
+    agent = broken(*defects) if defects else None
+    with (tmp_path / f"live-{'-'.join(defects) or 'clean'}.txt").open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
+                                             agent_class=agent)).run()
+    return {v.id: v for v in result.verdicts}
+
+
+def _status(verdicts: dict[str, Any]) -> dict[str, str]:
+    return {k: f"{v.status}: {v.summary}" for k, v in verdicts.items()}
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_the_unmodified_agent_passes_every_check(tmp_path: Path) -> None:
+    v = _run(tmp_path)
+    failed = {k: x.summary for k, x in v.items() if not x.passed}
+    assert not failed, _status(v)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_alert_rule_percentiles_no_loss_recovery_and_restore_defects(tmp_path: Path) -> None:
+    v = _run(tmp_path, "alert_late", "p99_is_p95", "lose_counts", "limiter_stuck_low", "degrade_stuck")
+    for check, why in (("alert_rule", "the rule fires; the service did not"),
+                       ("percentiles_distinct", "P99 equals P95"),
+                       ("no_loss", "sent but never counted"),
+                       ("limiter_recovers[recovery]", "limiter only at"),
+                       ("restores[recovery]", "tier still light")):
+        assert v[check].status == "fail" and why in v[check].summary, (check, v[check].summary, _status(v))
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_false_alarm_flapping_leaky_limiter_and_errors(tmp_path: Path) -> None:
+    v = _run(tmp_path, "alert_false", "flapping", "limiter_leaky", "errors")
+    for check, why in (("alert_silent[baseline]", "false alarm"),
+                       ("no_flapping", "it flaps"),
+                       ("limiter_obeys", "does not enforce the rate it reports"),
+                       ("error_rate", "calls failed")):
+        assert v[check].status == "fail" and why in v[check].summary, (check, v[check].summary, _status(v))
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_flat_limiter_no_degradation_slowness_and_an_inert_fault(tmp_path: Path) -> None:
+    # The inert toxic (0 ms) sits beside the quota, which moves every latency: judged on its own
+    # signal (what the proxy adds on the client's side), it still fails.
+    v = _run(tmp_path, "limiter_flat", "degrade_never", "slow",
+             extra_fault=", {network: latency, latency_ms: 0}")
+    for check, why in (("limiter_reduces[fault]", "limiter"),
+                       ("degrades[fault]", "tier stayed full"),
+                       ("slo[recovery]", "ms > 50 ms"),
+                       ("fault_effective[fault]", "network:latency")):
+        assert v[check].status == "fail" and why in v[check].summary, (check, v[check].summary, _status(v))
+    faults = {f["fault"].split(" ")[0]: f["ok"] for f in v["fault_effective[fault]"].evidence["faults"]}
+    assert faults == {"cpu:quota": True, "network:latency": False}, v["fault_effective[fault]"].evidence
