@@ -34,8 +34,9 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--cgroup", type=click.Path(exists=True, file_okay=False), default=None,
               help="only processes in this cgroup directory (v2 id, or v1 cgroup.procs)")
 @click.option("--duration", type=float, default=None, help="stop after this many seconds")
-@click.option("--max-bytes", type=click.IntRange(1, 1 << 18), default=16384, show_default=True,
-              help="payload bytes kept per syscall (eBPF); more is counted as truncated")
+@click.option("--max-bytes", type=click.IntRange(1, 64 << 20), default=8 << 20, show_default=True,
+              help="payload bytes kept per syscall (eBPF; up to 64 MiB): the default keeps a 4 MiB gRPC message "
+                   "or HTTP body written at once; more is recorded up to it and counted as truncated")
 @click.option("--side", type=click.Choice(["server", "client"]), default="server", show_default=True,
               help="which end's syscalls to record (eBPF); server avoids recording loopback twice")
 @click.option("--backend", type=click.Choice(["ebpf", "pcap", "proxy"]), default="ebpf", show_default=True)
