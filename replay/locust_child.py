@@ -50,8 +50,11 @@ def main() -> int:
     def emit(obj: dict[str, Any]) -> None:
         line = json.dumps(obj, separators=(",", ":"))
         with out_lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):  # the Locust worker is gone: nobody to tell
+                pass
 
     try:
         cfg = json.loads(sys.stdin.readline() or "{}")

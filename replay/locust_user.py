@@ -500,6 +500,11 @@ class _Worker:
             self.file = os.fdopen(fd, "wb")
         self.file.write(d["data"])
         self.next_seq += 1
+        if self.file.tell() > d["size"]:  # never more than the master announced
+            self.file.close()
+            self.error = f"the recording overran its announced size ({d['size']} bytes)"
+            self.ready.set()
+            return
         if d["last"]:
             self.file.close()
             if os.path.getsize(self.path) != d["size"] or _sha256(self.path) != d["sha256"]:
