@@ -16,7 +16,8 @@ prometheus         promtool rule tests and alerts judged by a real Prometheus (i
 tshark             the export checks that read our pcapng back with Wireshark's dissectors
 tcpdump            the import checks that compare with tcpdump's own capture
 nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
-nginx              the TLS replay tests against a real HTTPS server (tests/test_replay_tls.py)
+nginx              the TLS replay tests against a real HTTPS server and the nginx capture tests (test_capture_nginx.py)
+wrk                the load in the nginx capture tests (tests/test_capture_nginx.py)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
