@@ -295,16 +295,17 @@ class TlsJoiner:
     def open_flow(self, key: Hashable, flow: Flow) -> int:
         with self._lock:
             fdkey = _fdkey(key)
+            if self.program is not None:
+                self._advance(flow.opened_ns or 0)   # what came before it goes to the fd's previous flow
             old = self._by_fd.get(fdkey) if fdkey else None
             if old is not None and old in self._conns:
-                self._finish(self._conns.pop(old))
+                self._finish(self._conns.pop(old))   # closed unseen: the sink replaces it too
             flow_id = self.sink.open_flow(key, flow)
             c = self._conns[key] = _Conn(key, flow_id, flow)
             if fdkey is not None:
                 self._by_fd[fdkey] = key
                 if self.program is not None:
                     self.program.skip(*fdkey, on=False)
-                    self._advance(c.opened_ns)
                     self._adopt(fdkey, c)
             return flow_id
 
@@ -339,8 +340,8 @@ class TlsJoiner:
     def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
         with self._lock:
             if self.program is not None:
-                # its last plaintext was written before its close() ran
-                self._advance(ts_ns if ts_ns is not None else time.monotonic_ns())
+                # its last plaintext was written before its close() ran (no time: what is due only)
+                self._advance(ts_ns or 0)
             c = self._conns.pop(key, None)
             if c is not None:
                 fdkey = _fdkey(key)
