@@ -327,3 +327,12 @@ def test_doctor_reports_tls_capture() -> None:
     check = doctor.tls_capture_check()
     assert check.ok, check.detail
     assert (find_libssl() or "no libssl") in check.detail and "uprobe" in check.detail
+
+
+def test_print_bpf_shows_the_tls_program_unless_tls_is_off() -> None:
+    def bpf(*extra: str) -> str:
+        return subprocess.run([sys.executable, "-m", "harness.cli", "record", "--print-bpf", "--port", "443", *extra],
+                              cwd=REPO, capture_output=True, text=True, check=True, timeout=60).stdout
+
+    assert "int ssl_rw_exit(struct pt_regs *ctx)" in bpf()
+    assert "ssl_rw_exit" not in bpf("--tls", "off")

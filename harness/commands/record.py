@@ -108,6 +108,11 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
 
         cg_id, tgid_map, _ = cgroup_filter(cgroup)
         click.echo(render_program(opts, cg_id, tgid_map))
+        if tls != "off":
+            from capture.ebpf.tls import render_program as render_tls
+
+            click.echo("/* ---- and beside it, the TLS plaintext program (capture/ebpf/tls.bpf.c) ---- */")
+            click.echo(render_tls(opts, cg_id))
         return
     if not output:
         raise click.UsageError("-o/--output FILE is required (or --print-bpf)")
