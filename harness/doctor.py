@@ -163,12 +163,15 @@ def capture_backends(checks: list[Check]) -> dict[str, str]:
     ebpf = by["eBPF tracepoint program"]
     tls = by.get("TLS capture (uprobes on libssl)")
     root = by["root"].ok
-    return {
-        "ebpf": ("works" + ("" if tls is None else ", with TLS plaintext" if tls.ok else ", TLS as ciphertext only")
-                 if ebpf.ok else f"unavailable: {ebpf.detail}"),
+    out = {
+        "ebpf": "works" if ebpf.ok else f"unavailable: {ebpf.detail}",
         "pcap": "works (raw socket as root)" if root else "unavailable: needs root or CAP_NET_RAW",
         "proxy": "works (unprivileged: records through a local TCP proxy in the request path)",
     }
+    if tls is not None:   # not a backend: what the ebpf backend does with TLS flows
+        out["ebpf TLS"] = ("plaintext of processes using the system libssl (record --tls off to disable)"
+                           if tls.ok and ebpf.ok else "ciphertext only: " + (tls.detail if ebpf.ok else "no eBPF"))
+    return out
 
 
 def as_json(checks: list[Check]) -> dict[str, object]:

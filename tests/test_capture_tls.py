@@ -324,9 +324,11 @@ def test_tls_of_a_process_without_the_system_libssl_is_reported_with_the_reason(
 def test_doctor_reports_tls_capture() -> None:
     from harness import doctor
 
-    check = doctor.tls_capture_check()
+    checks = doctor.run_checks()
+    check = next(c for c in checks if c.name == "TLS capture (uprobes on libssl)")
     assert check.ok, check.detail
-    assert (find_libssl() or "no libssl") in check.detail and "uprobe" in check.detail
+    assert (find_libssl() or "no libssl") in check.detail and "fired" in check.detail
+    assert doctor.capture_backends(checks)["ebpf TLS"].startswith("plaintext")
 
 
 def test_print_bpf_shows_the_tls_program_unless_tls_is_off() -> None:
