@@ -4,7 +4,15 @@ Each chunk becomes TCP segments with synthesized IPv4/IPv6 + TCP headers (LINKTY
 numbers continuous per direction, a three-way handshake before a flow's first chunk and FINs at its
 close, all stamped with the original times at nanosecond resolution (if_tsresol = 9).
 
-    chunks (time order) --> seq state per flow/direction --> IP/TCP frames --> EPB blocks (pcapng)
+    chunks (time order) --> the file's redaction rules again (per flow, on the reassembled stream)
+        --> seq state per flow/direction --> IP/TCP frames --> EPB blocks (pcapng)
+
+Gaps (bytes not captured, the recording's `gaps` table) are shown, not hidden: the sequence number
+jumps by the missing bytes (1 when their number is unknown) before the next segment of that
+direction, so Wireshark/tshark say "previous segment not captured", and that packet carries a pcapng
+comment "shadowtest: N bytes not captured here (...)" (`frame.comment`). The chunks are run through
+the rules the file lists in `meta.redaction_rules` once more, so a file stored by an older version
+(which masked chunk by chunk) exports without a credential split over chunks.
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import os
 import struct
 from typing import Any, BinaryIO
 
+from capture.decode.streammask import FlowMasker
 from capture.errors import PcapError
 from capture.recording import Flow, Recording
+from capture.redact import Redactor, rules_from_specs
 from capture.salvage import open_salvaged
 
 _LINKTYPE_RAW = 101
@@ -37,8 +47,12 @@ def _headers() -> bytes:
     return shb + idb
 
 
-def _epb(ts_ns: int, frame: bytes) -> bytes:
+def _epb(ts_ns: int, frame: bytes, comment: str | None = None) -> bytes:
     body = struct.pack("<IIIII", 0, ts_ns >> 32, ts_ns & 0xFFFFFFFF, len(frame), len(frame)) + frame
+    if comment:
+        text = comment.encode()[:1000]
+        body += b"\0" * (-len(body) % 4) + struct.pack("<HH", 1, len(text)) + text + b"\0" * (-len(text) % 4)
+        body += struct.pack("<HH", 0, 0)                 # opt_endofopt
     return _block(6, body)
 
 
@@ -72,31 +86,79 @@ class _FlowState:
         self.ends = {"c2s": (src, flow.dst), "s2c": (flow.dst, src)}
         self.seq = {"c2s": 1000, "s2c": 5000}
         self.started = False
+        self.sent = {"c2s": 0, "s2c": 0}                  # chunks written per direction
+        # chunks_before -> [(bytes missing or None, how)] per direction
+        self.gaps: dict[str, dict[int, list[tuple[int | None, str | None]]]] = {"c2s": {}, "s2c": {}}
+
+    def gap_before(self, direction: str) -> str | None:
+        """Advance the sequence over a gap before this direction's next chunk; the comment saying so."""
+        return self._skip(direction, self.gaps[direction].pop(self.sent[direction], []))
+
+    def gaps_left(self, direction: str) -> str | None:
+        """Gaps after the last chunk of `direction` (before its FIN)."""
+        left = [g for k in sorted(self.gaps[direction]) for g in self.gaps[direction][k]]
+        self.gaps[direction].clear()
+        return self._skip(direction, left)
+
+    def _skip(self, direction: str, gaps: list[tuple[int | None, str | None]]) -> str | None:
+        if not gaps:
+            return None
+        known = sum(n for n, _ in gaps if n)
+        unknown = sum(1 for n, _ in gaps if not n)
+        self.seq[direction] += known + unknown
+        hows = sorted({h for _, h in gaps if h})
+        size = f"{known} bytes" if not unknown else (f"{known} + an unknown number of bytes" if known
+                                                    else "an unknown number of bytes")
+        return (f"shadowtest: {size} not captured here ({direction}{', ' + ', '.join(hows) if hows else ''}; "
+                "a gap in the recording)")
 
 
 def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
     """Write `recording` as pcapng to `out`; returns counts (flows, chunks, packets)."""
     offset = _wall_offset(recording.meta)
     flows = {f.id: _FlowState(f) for f in recording.flows()}
+    for fid, direction, before, nbytes, how in recording.gaps():
+        if fid in flows:
+            flows[fid].gaps[direction].setdefault(before, []).append((nbytes, how))
+    redactor = Redactor(rules_from_specs(list(recording.meta.get("redaction_rules", []) or [])))
+    maskers: dict[int, FlowMasker] = {}
     fins: list[tuple[int, int]] = [(s.flow.closed_ns, fid) for fid, s in flows.items()
                                    if s.flow.closed_ns is not None and fid is not None]
     heapq.heapify(fins)
     out.write(_headers())
     counts = {"flows": len(flows), "chunks": 0, "packets": 0}
+
+    def flushed(fid: int) -> None:
+        """Write what the flow's masker still holds (before its FIN, or at the end)."""
+        m, st = maskers.pop(fid, None), flows[fid]
+        for direction, ts, data in m.flush() if m is not None else []:
+            if not st.started:
+                counts["packets"] += _handshake(out, st, ts + offset)
+            counts["packets"] += _data(out, st, direction, ts + offset, data)
+            counts["chunks"] += 1
+
     for chunk in recording.chunks():
         while fins and fins[0][0] <= chunk.ts_ns:
             ts, fid = heapq.heappop(fins)
+            flushed(fid)
             counts["packets"] += _fin(out, flows[fid], ts + offset)
         st = flows.get(chunk.flow_id)
         if st is None:
             continue
-        if not st.started:
-            counts["packets"] += _handshake(out, st, chunk.ts_ns + offset)
-        counts["packets"] += _data(out, st, chunk.direction, chunk.ts_ns + offset, chunk.data)
-        counts["chunks"] += 1
+        m = maskers.get(chunk.flow_id)
+        if m is None:
+            m = maskers[chunk.flow_id] = FlowMasker(redactor, st.flow.joined_midstream)
+        for direction, ts, data in m.feed(chunk.direction, chunk.ts_ns, chunk.data, st.flow.protocol):
+            if not st.started:
+                counts["packets"] += _handshake(out, st, ts + offset)
+            counts["packets"] += _data(out, st, direction, ts + offset, data)
+            counts["chunks"] += 1
     while fins:
         ts, fid = heapq.heappop(fins)
+        flushed(fid)
         counts["packets"] += _fin(out, flows[fid], ts + offset)
+    for fid in list(maskers):
+        flushed(fid)
     return counts
 
 
@@ -121,10 +183,13 @@ def _handshake(out: BinaryIO, st: _FlowState, ts: int) -> int:
 def _data(out: BinaryIO, st: _FlowState, direction: str, ts: int, data: bytes) -> int:
     src, dst = st.ends[direction]
     other = "s2c" if direction == "c2s" else "c2s"
+    comment = st.gap_before(direction)
+    st.sent[direction] += 1
     n = 0
     for i in range(0, len(data), _SEG):
         part = data[i:i + _SEG]
-        out.write(_epb(ts, _ip_tcp(src, dst, st.seq[direction], st.seq[other], _ACK | _PSH, part)))
+        out.write(_epb(ts, _ip_tcp(src, dst, st.seq[direction], st.seq[other], _ACK | _PSH, part), comment))
+        comment = None
         st.seq[direction] += len(part)
         n += 1
     return n
@@ -134,8 +199,9 @@ def _fin(out: BinaryIO, st: _FlowState, ts: int) -> int:
     if not st.started:
         return 0
     (c, s) = st.ends["c2s"]
-    out.write(_epb(ts, _ip_tcp(c, s, st.seq["c2s"], st.seq["s2c"], _FIN | _ACK, b"")))
-    out.write(_epb(ts + 1000, _ip_tcp(s, c, st.seq["s2c"], st.seq["c2s"] + 1, _FIN | _ACK, b"")))
+    c_note, s_note = st.gaps_left("c2s"), st.gaps_left("s2c")
+    out.write(_epb(ts, _ip_tcp(c, s, st.seq["c2s"], st.seq["s2c"], _FIN | _ACK, b""), c_note))
+    out.write(_epb(ts + 1000, _ip_tcp(s, c, st.seq["s2c"], st.seq["c2s"] + 1, _FIN | _ACK, b""), s_note))
     return 2
 
 

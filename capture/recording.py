@@ -28,6 +28,13 @@ Schema (version 1), queryable with plain `sqlite3 FILE`:
              data, compressed)                        -- own timestamp; data without the 5-byte prefix
     method_map(flow_id, ref, method, how,             -- the method of a group of calls whose method
                PRIMARY KEY (flow_id, ref))            -- is NULL; how: why it was chosen
+    gaps(id, flow_id, direction, chunks_before,       -- bytes of one direction that were not captured:
+         nbytes, how)                                 -- after that direction's first chunks_before
+                                                      -- chunks; nbytes NULL when unknown; how: NULL
+                                                      -- (lost/truncated), "sendfile", "splice", ...
+
+`gaps` was added within version 1 (files without it have no gap positions, only counters in meta); it
+is where `export` marks gaps and `inspect` counts them. Deleted rows are zeroed (secure_delete).
 
 Method groups (connections joined mid-stream): a call whose request header fields referred to HPACK
 dynamic-table entries inserted before the recording joined has `method_ref`, e.g. "hpack:5,4,3"
@@ -113,6 +120,10 @@ CREATE INDEX IF NOT EXISTS messages_by_call ON messages(call_id, direction, seq)
 _METHOD_MAP_TABLE = """CREATE TABLE IF NOT EXISTS method_map (
     flow_id INTEGER, ref TEXT, method TEXT NOT NULL, how TEXT NOT NULL, PRIMARY KEY (flow_id, ref))"""
 _SCHEMA += _METHOD_MAP_TABLE + ";\n"
+_SCHEMA += """CREATE TABLE IF NOT EXISTS gaps (
+    id INTEGER PRIMARY KEY, flow_id INTEGER NOT NULL, direction TEXT NOT NULL,
+    chunks_before INTEGER NOT NULL, nbytes INTEGER, how TEXT);
+"""
 # After the calls table has its method_ref column (files from before it get it by ALTER TABLE). A
 # partial index: the recorder's ordinary calls (method known) never touch it.
 _REF_INDEX = "CREATE INDEX IF NOT EXISTS calls_unknown_by_ref ON calls(flow_id, method_ref) WHERE method IS NULL"
@@ -251,6 +262,7 @@ class RecordingWriter:
             self._db.execute("PRAGMA page_size=8192")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA secure_delete=ON")    # rows removed (a redone decode) leave no bytes
             self._db.executescript(_SCHEMA)
             _ensure_method_ref(self._db)
             self._db.commit()
@@ -261,6 +273,7 @@ class RecordingWriter:
         # Rows waiting for the next commit, in arrival order. Call ids are ours to give (the
         # messages need them before the calls are inserted): one past the largest in the file.
         self._chunk_rows: list[tuple[int, str, int, bytes]] = []
+        self._gap_rows: list[tuple[int, str, int, int | None, str | None]] = []
         self._call_rows: list[tuple[Any, ...]] = []
         self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
         self._map_rows: dict[tuple[int, str], tuple[str, str]] = {}
@@ -300,6 +313,12 @@ class RecordingWriter:
     def add_chunk_data(self, flow_id: int, direction: Direction, ts_ns: int, data: bytes) -> None:
         """`add_chunk` without building a Chunk first (the recorder's per-syscall path)."""
         self._chunk_rows.append((flow_id, direction, ts_ns, bytes(data)))
+        self._maybe_commit()
+
+    def add_gap(self, flow_id: int, direction: Direction, chunks_before: int, nbytes: int | None,
+                how: str | None = None) -> None:
+        """Bytes of `direction` not captured after its first `chunks_before` chunks (nbytes None: unknown)."""
+        self._gap_rows.append((flow_id, direction, chunks_before, nbytes, how))
         self._maybe_commit()
 
     def add_call(self, call: Call) -> int:
@@ -377,6 +396,10 @@ class RecordingWriter:
             db.executemany("INSERT INTO chunks(flow_id, direction, ts_ns, data) VALUES (?,?,?,?)",
                            self._chunk_rows)
             self._chunk_rows = []
+        if self._gap_rows:
+            db.executemany("INSERT INTO gaps(flow_id, direction, chunks_before, nbytes, how) VALUES (?,?,?,?,?)",
+                           self._gap_rows)
+            self._gap_rows = []
         if self._call_rows:
             db.executemany(
                 "INSERT INTO calls(id, flow_id, protocol, method, kind, stream_id, request_metadata,"
@@ -653,6 +676,30 @@ class Recording:
             return []
         calls = [self._call(r) for r in self._rows(_GROUP_CALLS_SQL, (flow_id, ref, limit))]
         return self._with_messages(calls, True)
+
+    def gaps(self) -> list[tuple[int, Direction, int, int | None, str | None]]:
+        """(flow_id, direction, chunks_before, nbytes or None, how) of every gap (none in older files)."""
+        try:
+            if not _columns(self._db, "gaps"):
+                return []
+            return [(int(r[0]), r[1], int(r[2]), r[3], r[4]) for r in self._db.execute(
+                "SELECT flow_id, direction, chunks_before, nbytes, how FROM gaps ORDER BY id")]
+        except (sqlite3.DatabaseError, TypeError, ValueError) as exc:
+            self.problems.append(f"cannot read the gaps: {exc}")
+            return []
+
+    def first_bytes(self, flow_id: int, direction: Direction, limit: int = 16384) -> bytes:
+        """Up to `limit` bytes from the start of one direction of a flow (bounded read)."""
+        out = bytearray()
+        try:
+            for r in self._db.execute("SELECT data FROM chunks WHERE flow_id = ? AND direction = ? ORDER BY id",
+                                      (flow_id, direction)):
+                out += r[0][:limit - len(out)]
+                if len(out) >= limit:
+                    break
+        except sqlite3.DatabaseError:
+            pass
+        return bytes(out)
 
     def count(self, table: str) -> int:
         if table not in {"flows", "chunks", "calls", "messages"}:

@@ -141,6 +141,22 @@ def parse_rule(spec: str) -> Rule:
 DEFAULT_RULES: tuple[Rule, ...] = (HeaderRule(DEFAULT_HEADER_PATTERNS, "default:credential-headers"),)
 
 
+def rules_from_specs(specs: list[object]) -> list[Rule]:
+    """The rules a recording lists in `meta.redaction_rules` (defaults by their `default:` name);
+    specs that do not parse are skipped (they were valid when applied)."""
+    out: list[Rule] = []
+    for spec in specs:
+        text = str(spec)
+        if text.startswith("default:"):
+            out += [r for r in DEFAULT_RULES if r.spec == text and r not in out]
+            continue
+        try:
+            out.append(parse_rule(text))
+        except CaptureError:
+            continue
+    return out
+
+
 @dataclass
 class Redactor:
     """The rules in force for one recording; applies to calls and masks raw header bytes in chunks."""
@@ -178,3 +194,23 @@ def mask_http1_headers(data: bytes, rule: HeaderRule) -> bytes:
             return m.group(0)
         return m.group(0)[:m.start(2) - m.start(0)] + b"*" * len(m.group(2))
     return _H1_HEADER.sub(sub, data)
+
+
+# Credentials by pattern, for raw TCP flows (no header structure to go by): `Bearer X`/`Basic X`, and
+# `api_key=X`, `"token": "X"`, `password: X`, `cookie=X`... The value (group 1) is blanked; its
+# characters exclude '*', so masking twice changes nothing.
+_VALUE = rb"[^\s\"',;&<>{}()\[\]*]"
+_PATTERNS = re.compile(
+    rb"(?i)(?:\b(?:bearer|basic)[ \t]{1,8}|(?:api[_-]?key|apikey|access[_-]?token|auth[_-]?token|"
+    rb"refresh[_-]?token|token|secret|password|passwd|cookie|session[_-]?id)[\"']?[ \t]{0,4}[:=][ \t]{0,4}"
+    rb"[\"']?)(" + _VALUE + rb"+)")
+PATTERN_VALUE = re.compile(_VALUE + rb"*")
+
+
+def mask_patterns(buf: bytearray) -> re.Pattern[bytes] | None:
+    """Blank pattern credentials in `buf` in place; PATTERN_VALUE when a value runs to its end (the
+    caller masks on into the next bytes), else None."""
+    spans = [m.span(1) for m in _PATTERNS.finditer(buf)]
+    for s, e in spans:
+        buf[s:e] = b"*" * (e - s)
+    return PATTERN_VALUE if spans and spans[-1][1] == len(buf) else None

@@ -1,8 +1,8 @@
 """Apply redaction rules to a recording after the fact (`shadowtest redact`).
 
-Copies the recording into a new file: calls go through the rules; raw chunks of HTTP/1.1 and
-HTTP/2 flows get the same in-place, same-length header masks as at record time; meta lists every
-rule ever applied (record time + now).
+Copies the recording into a new file: calls go through the rules; raw chunks get the same
+in-place, same-length masks as at record time, on each flow's reassembled stream
+(capture/decode/streammask.py); meta lists every rule ever applied (record time + now).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from capture.decode.h2mask import H2ChunkMasker
-from capture.recording import Chunk, Direction, Recording, RecordingWriter
-from capture.redact import Redactor, mask_http1_headers
+from capture.decode.streammask import FlowMasker
+from capture.recording import Chunk, Recording, RecordingWriter
+from capture.redact import Redactor, rules_from_specs
 from capture.salvage import open_salvaged
 
 
@@ -23,11 +23,16 @@ def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool 
     source is copied up to the damage; `problems` in the result says what was cut off."""
     with open_salvaged(src) as rec:
         meta = dict(rec.meta)
-        meta["redaction_rules"] = list(meta.get("redaction_rules", [])) + redactor.specs
+        before = list(meta.get("redaction_rules", []) or [])
+        # the file's own rules again (chunks an older version masked chunk by chunk), then the new ones
+        redactor = Redactor(rules_from_specs(before) + [r for r in redactor.rules if r.spec not in before])
+        meta["redaction_rules"] = before + [s for s in redactor.specs if s not in before]
         with RecordingWriter(dst, meta=meta, overwrite=overwrite) as out:
             ids, protos = _copy_flows(rec, out)
             counts = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor)}
             counts |= _copy_calls(rec, out, ids, redactor)
+            for fid, direction, at, nbytes, how in rec.gaps():
+                out.add_gap(ids.get(fid, fid), direction, at, nbytes, how)
         counts["problems"] = len(rec.problems)
     return counts
 
@@ -43,25 +48,20 @@ def _copy_flows(rec: Recording, out: RecordingWriter) -> tuple[dict[int, int], d
 
 def _copy_chunks(rec: Recording, out: RecordingWriter, ids: dict[int, int],
                  protos: dict[int, tuple[str, bool]], redactor: Redactor) -> int:
-    rule = redactor.header_rule()
-    maskers: dict[tuple[int, Direction], H2ChunkMasker] = {}
+    """Each flow's chunks through a FlowMasker: the rules apply to the reassembled stream, so a
+    credential split over chunks (stored by an older version that masked chunk by chunk) is found."""
+    maskers: dict[int, FlowMasker] = {}
     n = 0
     for c in rec.chunks():
         proto, joined = protos.get(c.flow_id, ("tcp", False))
-        pieces = [(c.ts_ns, c.data)]
-        if proto == "http1":
-            pieces = [(c.ts_ns, redactor.body(mask_http1_headers(c.data, rule) if rule else c.data))]
-        elif proto in ("grpc", "http2"):
-            key = (c.flow_id, c.direction)
-            if key not in maskers:
-                maskers[key] = H2ChunkMasker(rule.matches if rule else (lambda _n: False), redactor.body,
-                                             c.direction == "c2s", joined)
-            pieces = maskers[key].feed(c.ts_ns, c.data)
-        for ts, data in pieces:
-            out.add_chunk(Chunk(ids.get(c.flow_id, c.flow_id), c.direction, ts, data))
+        m = maskers.get(c.flow_id)
+        if m is None:
+            m = maskers[c.flow_id] = FlowMasker(redactor, joined)
+        for direction, ts, data in m.feed(c.direction, c.ts_ns, c.data, proto):
+            out.add_chunk(Chunk(ids.get(c.flow_id, c.flow_id), direction, ts, data))
             n += 1
-    for (fid, direction), m in maskers.items():
-        for ts, data in m.flush():
+    for fid, m in maskers.items():
+        for direction, ts, data in m.flush():
             out.add_chunk(Chunk(ids.get(fid, fid), direction, ts, data))
             n += 1
     return n

@@ -120,7 +120,7 @@ def test_unanswered_http1_request_is_kept_without_status() -> None:
 
 
 def test_anything_else_is_raw_tcp_without_calls() -> None:
-    calls, dec = _decode([("c2s", b"\x16\x03\x01\x02\x00" + b"\x01" * 40), ("s2c", b"\x16\x03\x03" + b"z" * 30)])
+    calls, dec = _decode([("c2s", b"\x05\x01\x00\x03" + b"\x01" * 40), ("s2c", b"\x05\x00" + b"z" * 30)])
     assert calls == [] and dec.protocol == "tcp"
 
 

@@ -8,20 +8,28 @@ on a frame boundary (the usual case) is read in place and copied only when somet
 
 Frames are read with `wire.h2` and header blocks with `wire.headers.TolerantDecoder`, the decoder
 (capture/decode/h2grpc.py) uses the same, so both keep the same HPACK table: a frame whose padding
-`wire.h2.strip` rejects is skipped by both. Each HEADERS or CONTINUATION fragment is decoded on its
-own: a field split across two fragments is not masked (a header block over one frame, 16 KiB).
+`wire.h2.strip` rejects is skipped by both. A header block over HEADERS + CONTINUATION frames (gRPC
+metadata over 16 KiB) is decoded whole: the chunks from its HEADERS frame on are held until its
+END_HEADERS, and a value split between two fragments is blanked in both. What cannot be decoded is
+blanked rather than stored: a block over MAX_HEADER_BLOCK, a block still open when the flow ends or
+bytes are lost, a CONTINUATION with no block open (joined mid-block), the payload of a HEADERS frame
+cut off by a gap. Chunks of a joined flow before the first frame boundary get the raw-TCP patterns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from capture.redact import mask_patterns
 from wire.h2 import HEAD, PREFACE, Flag, FrameType, frame_lengths_plausible, strip_or_none
 from wire.headers import HpackBlockError, TolerantDecoder
 
 _DATA, _HEADERS, _CONTINUATION = int(FrameType.DATA), int(FrameType.HEADERS), int(FrameType.CONTINUATION)
 _MASKED_TYPES = frozenset((_DATA, _HEADERS, _CONTINUATION))
-_PADDED, _PRIORITY = int(Flag.PADDED), int(Flag.PRIORITY)
+_PADDED, _PRIORITY, _END_HEADERS = int(Flag.PADDED), int(Flag.PRIORITY), int(Flag.END_HEADERS)
+_PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
+_BLOCK_TYPES = frozenset((_HEADERS, _CONTINUATION, _PUSH_PROMISE))
+MAX_HEADER_BLOCK = 1 << 20      # as the decoder's: a larger block is blanked, not held
 # (payload start, payload end, new payload or None, header value spans to blank)
 _Edit = tuple[int, int, bytes | None, list[tuple[int, int, int]]]
 
@@ -34,6 +42,10 @@ def _apply(buf: bytearray, edit: _Edit) -> None:
     for prefix_at, vstart, vend in spans:
         buf[lo + prefix_at] &= 0x7F                        # drop the Huffman flag
         buf[lo + vstart:lo + vend] = b"*" * (vend - vstart)
+
+
+def _blank(buf: bytearray, lo: int, hi: int) -> None:
+    buf[lo:hi] = b"*" * (hi - lo)
 
 
 class H2ChunkMasker:
@@ -49,13 +61,20 @@ class H2ChunkMasker:
         self.pos = 0                    # next frame start within buf
         self.need_preface = c2s and not joined
         self.synced = not joined
+        # a joined flow's first chunks, read as one stream until 9 bytes say whether it starts on a frame
+        self.pre: list[tuple[int, bytes]] | None = [] if joined else None
+        self.pre_bytes = 0
+        # an open header block (HEADERS without END_HEADERS): its fragments' payload spans in buf, the
+        # offset of its HEADERS frame (nothing from there on is released), and whether it is too big
+        self.block: list[tuple[int, int]] | None = None
+        self.block_at = 0
+        self.block_size = 0
+        self.block_over = False
 
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
         if not self.synced:
-            if not frame_lengths_plausible(data):
-                return [(ts_ns, data)]   # we cannot parse it, so it holds nothing we could mask
-            self.synced = True
-        if not self.held and not self.need_preface:
+            return self._sync(ts_ns, data)
+        if not self.held and not self.need_preface and self.block is None and not self.block_over:
             return self._feed_fresh(ts_ns, data)
         self.held.append((ts_ns, bytearray(data)))
         self.buf += data
@@ -64,16 +83,122 @@ class H2ChunkMasker:
                 return []
             self.pos = len(PREFACE) if self.buf.startswith(PREFACE) else 0
             self.need_preface = False
-        while self.pos + 9 <= len(self.buf):
-            hi, lo = HEAD.unpack_from(self.buf, self.pos)[:2]
-            end = self.pos + 9 + (hi << 16 | lo)
-            if end > len(self.buf):
-                break
-            edit = self._edit(self.buf, self.pos, end)
-            if edit is not None:
-                _apply(self.buf, edit)
-            self.pos = end
+        self._advance()
         return self._release()
+
+    def _sync(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        """A joined flow: its stream from the join on most likely starts on a frame boundary (a
+        syscall wrote whole frames), so the first bytes are read as a stream, not chunk by chunk.
+        If they do not parse, each later chunk that starts on a frame boundary resynchronises, and
+        chunks before it get only the raw-TCP patterns (unparseable HPACK holds nothing we could find)."""
+        if self.pre is not None:
+            self.pre.append((ts_ns, data))
+            self.pre_bytes += len(data)
+            if self.pre_bytes < 9:
+                return []
+            pre, self.pre = self.pre, None
+            if frame_lengths_plausible(b"".join(d for _, d in pre)):
+                self.synced = True
+                out: list[tuple[int, bytes]] = []
+                for t, d in pre:
+                    out += self.feed(t, d)
+                return out
+            return [piece for t, d in pre for piece in self._sync(t, d)]
+        if not frame_lengths_plausible(data):
+            masked = bytearray(data)
+            mask_patterns(masked)
+            return [(ts_ns, bytes(masked))]
+        self.synced = True
+        return self.feed(ts_ns, data)
+
+    def _advance(self) -> None:
+        """Mask every complete frame from `pos` on in buf, following header blocks over CONTINUATION."""
+        buf = self.buf
+        while self.pos + 9 <= len(buf):
+            hi, lo, ftype, flags = HEAD.unpack_from(buf, self.pos)[:4]
+            end = self.pos + 9 + (hi << 16 | lo)
+            if end > len(buf):
+                break
+            if self.block is not None or self.block_over:
+                if ftype == _CONTINUATION:
+                    self._fragment(self.pos + 9, end, flags)
+                    self.pos = end
+                    continue
+                self._close_block(False)   # a frame inside a block: the peer errors, the block is lost
+            if ftype in (_HEADERS, _PUSH_PROMISE) and not flags & _END_HEADERS:
+                span = self._payload(buf, self.pos, end)
+                if span is None:
+                    _blank(buf, self.pos + 9, end)
+                else:
+                    self.block, self.block_at, self.block_size = [], self.pos, 0
+                    self._fragment(span[0], span[1], flags)
+            elif ftype == _CONTINUATION:
+                _blank(buf, self.pos + 9, end)    # no block open: joined mid-block, undecodable
+            else:
+                edit = self._edit(buf, self.pos, end)
+                if edit is not None:
+                    _apply(buf, edit)
+            self.pos = end
+
+    def _fragment(self, lo: int, hi: int, flags: int) -> None:
+        """One more fragment of the open block at buf[lo:hi]."""
+        if self.block_over:
+            _blank(self.buf, lo, hi)
+        else:
+            assert self.block is not None
+            self.block.append((lo, hi))
+            self.block_size += hi - lo
+            if self.block_size > MAX_HEADER_BLOCK:
+                self._close_block(False)
+                self.block_over = True
+        if flags & _END_HEADERS:
+            if self.block is not None:
+                self._close_block(True)
+            self.block_over = False
+
+    def _close_block(self, complete: bool) -> None:
+        """Decode the open block (complete) and blank its secrets, or blank it all (incomplete)."""
+        block, self.block = self.block, None
+        if not block:
+            return
+        spans = None
+        if complete:
+            try:
+                spans = self.hpack.decode(b"".join(bytes(self.buf[lo:hi]) for lo, hi in block),
+                                          self.header_mask).spans
+            except HpackBlockError:
+                spans = None
+        if spans is None:
+            for lo, hi in block:
+                _blank(self.buf, lo, hi)
+            return
+        starts, at = [], 0                # block offset of each fragment
+        for lo, hi in block:
+            starts.append(at)
+            at += hi - lo
+        for prefix_at, vstart, vend in spans:
+            for (lo, hi), s in zip(block, starts, strict=True):
+                if s <= prefix_at < s + hi - lo:
+                    self.buf[lo + prefix_at - s] &= 0x7F
+                a, b = max(vstart, s), min(vend, s + hi - lo)
+                if a < b:
+                    self.buf[lo + a - s:lo + b - s] = b"*" * (b - a)
+
+    @staticmethod
+    def _payload(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int] | None:
+        """The header block fragment of a HEADERS/PUSH_PROMISE frame (padding, priority, promised id off)."""
+        ftype, flags = buf[start + 3], buf[start + 4]
+        lo, hi = start + 9, end
+        if flags & _PADDED:
+            if lo >= hi:
+                return None
+            hi -= buf[lo]
+            lo += 1
+        if ftype == _HEADERS and flags & _PRIORITY:
+            lo += 5
+        if ftype == _PUSH_PROMISE:
+            lo += 4
+        return (lo, hi) if lo <= hi else None
 
     def _feed_fresh(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
         """A chunk that starts on a frame boundary with nothing held: the usual case. Its frames are
@@ -86,6 +211,13 @@ class H2ChunkMasker:
             nxt = pos + 9 + (hi << 16 | lo)
             if nxt > end:
                 break
+            if ftype in _BLOCK_TYPES and (ftype == _CONTINUATION or not data[pos + 4] & _END_HEADERS):
+                # a header block over several frames: the general path holds and follows it
+                self.held.append((ts_ns, bytearray(data if out is None else out)))
+                self.buf += self.held[-1][1]
+                self.pos = pos
+                self._advance()
+                return self._release()
             if ftype in _MASKED_TYPES:
                 edit = self._edit(data, pos, nxt)
                 if edit is not None:
@@ -109,8 +241,8 @@ class H2ChunkMasker:
         if ftype not in _MASKED_TYPES or (ftype == _DATA and not self.body_mask):
             return None
         block = strip_or_none(ftype, flags, bytes(buf[start + 9:end]))
-        if block is None:
-            return None            # malformed padding: a peer rejects the frame, the decoder skips it
+        if block is None:          # malformed padding: a peer rejects the frame, the decoder skips it
+            return None if ftype == _DATA else (start + 9, end, b"*" * (end - start - 9), [])
         lo = start + 9
         if ftype != _CONTINUATION and flags & _PADDED:
             lo += 1                                            # the pad length
@@ -121,26 +253,40 @@ class H2ChunkMasker:
             assert self.body_mask is not None
             masked = self.body_mask(block)
             return None if masked == block else (lo, hi, masked, [])
-        try:                                                   # HEADERS, CONTINUATION
+        try:                                                   # HEADERS with END_HEADERS
             spans = self.hpack.decode(block, self.header_mask).spans
         except HpackBlockError:
-            return None            # a block split over CONTINUATION frames: left as is
+            return (lo, hi, b"*" * (hi - lo), [])   # undecodable: blanked, it may hold anything
         return (lo, hi, None, spans) if spans else None
 
     def _release(self) -> list[tuple[int, bytes]]:
         """Give back every held chunk that lies wholly before the incomplete frame at `pos`."""
         out: list[tuple[int, bytes]] = []
         offset = 0
-        while self.held and offset + len(self.held[0][1]) <= self.pos:
+        limit = self.pos if self.block is None else min(self.pos, self.block_at)
+        while self.held and offset + len(self.held[0][1]) <= limit:
             ts, chunk = self.held.pop(0)
             out.append((ts, bytes(self.buf[offset:offset + len(chunk)])))
             offset += len(chunk)
-        del self.buf[:offset]
-        self.pos -= offset
+        if offset:
+            del self.buf[:offset]
+            self.pos -= offset
+            if self.block is not None:
+                self.block_at -= offset
+                self.block = [(lo - offset, hi - offset) for lo, hi in self.block]
         return out
 
     def flush(self) -> list[tuple[int, bytes]]:
-        """Capture ended: release what is held (an incomplete last frame cannot hold a secret we could parse)."""
+        """Capture ended or bytes were lost: release what is held. An open header block, and the payload
+        of an incomplete last HEADERS/CONTINUATION frame, are blanked: they cannot be decoded, and may
+        hold a secret."""
+        if self.pre:
+            pre, self.pre = self.pre, None
+            return [piece for t, d in pre for piece in self._sync(t, d)]
+        self._close_block(False)
+        self.block_over = False
+        if self.pos + 9 <= len(self.buf) and self.buf[self.pos + 3] in _BLOCK_TYPES:
+            _blank(self.buf, self.pos + 9, len(self.buf))
         out, offset = [], 0
         for ts, chunk in self.held:
             out.append((ts, bytes(self.buf[offset:offset + len(chunk)])))

@@ -1,0 +1,286 @@
+"""Mask credentials in a flow's byte stream, whatever way the bytes were split into chunks.
+
+Chunks are stored exactly as they came (same boundaries, same lengths, same timestamps), so masking
+must work on the reassembled stream of each direction, not chunk by chunk:
+
+    FlowMasker (one per flow)
+      protocol not known yet --> chunks held (both directions, bounded) until the decoder knows
+      http1  --> LineMasker: `Name: value` lines, a line may start in one chunk and end in a later one
+      grpc / http2 --> H2ChunkMasker: HPACK blocks, also over HEADERS + CONTINUATION (capture/decode/h2mask.py)
+      tcp    --> LineMasker + PatternMasker (bearer/basic tokens, api-key/token/secret/cookie = value)
+      tls    --> nothing to mask: the payload is encrypted
+
+`LineMasker` needs no hold-back: a header name is not a secret, so it carries the state of the line
+in progress (the name read so far, or "inside a masked value") into the next chunk. `PatternMasker`
+holds back the last `WINDOW` bytes so that a trigger word split over chunks is still seen, and carries
+"inside a token" into the next chunk so a token of any length is masked to its end.
+
+A gap (bytes lost) restarts a direction conservatively: a line masker treats the bytes after it as
+joined mid-line (the first line's value is masked), an HTTP/2 masker resynchronises on a frame
+boundary (h2mask).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from capture.decode.h2mask import H2ChunkMasker
+from capture.recording import Direction
+from capture.redact import BodyRegexRule, Redactor, mask_patterns
+
+_TOKEN = re.compile(rb"[A-Za-z0-9!#$%&'*+.^_`|~-]*")
+_LINE = re.compile(rb"(?m)^([A-Za-z0-9!#$%&'*+.^_`|~-]+):[ \t]*([^\r\n]*)")
+_EOL = re.compile(rb"[\r\n]")
+_WS = re.compile(rb"[ \t]*")
+# A joined flow's first bytes that start a message (so its first line is not a stray value tail).
+_MESSAGE_START = re.compile(rb"^(?:[A-Z]{1,16} |HTTP/|PRI )")
+NAME_CAP = 256              # longer "names" are not header names: the line is skipped
+HOLD_CAP = 256 * 1024       # bytes held while the protocol is unknown (the decoder decides well before)
+
+_NAME, _WSP, _MASK, _SKIP = range(4)
+_DIRECTIONS: tuple[Direction, ...] = ("c2s", "s2c")
+
+
+class LineMasker:
+    """One direction: blank the values of `Name: value` lines whose name `matches` accepts, in a
+    stream of chunks (lengths kept). Lines anywhere count (as HTTP/1 trailers and text protocols have
+    them); a line split over chunks is masked the same as a whole one."""
+
+    def __init__(self, matches: Callable[[str], bool], joined: bool = False) -> None:
+        self.matches = matches
+        self.mode = _NAME
+        self.name = b""
+        self.first = joined          # the first line of a joined stream may be the tail of a value
+
+    def feed(self, data: bytes) -> bytes:
+        n = len(data)
+        if not n:
+            return data
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        if self.first:
+            self.first = False
+            if not _MESSAGE_START.match(data):
+                self.mode = _MASK      # we may be inside a value: blank to the end of the line
+        while pos < n and not (self.mode == _NAME and not self.name):
+            if self.mode == _NAME:                       # a name started in an earlier chunk
+                m = _TOKEN.match(data, pos)
+                assert m is not None
+                name, e = self.name + m.group(), m.end()
+                if e == n:
+                    if len(name) > NAME_CAP:
+                        self.mode, self.name = _SKIP, b""
+                    else:
+                        self.name = name
+                    pos = n
+                    break
+                self.name = b""
+                if data[e] == 0x3A and self.matches(name.decode("latin-1")):     # ':'
+                    self.mode, pos = _WSP, e + 1
+                else:
+                    self.mode, pos = _SKIP, e
+            elif self.mode == _WSP:
+                m = _WS.match(data, pos)
+                assert m is not None
+                pos = m.end()
+                if pos < n:
+                    self.mode = _MASK
+            elif self.mode == _MASK:
+                m = _EOL.search(data, pos)
+                end = m.start() if m else n
+                if end > pos:
+                    spans.append((pos, end))
+                pos = end
+                if m:
+                    self.mode = _SKIP
+            else:                                        # _SKIP: to the next line
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    pos = n
+                    break
+                pos, self.mode, self.name = nl + 1, _NAME, b""
+        if pos < n:
+            # `pos` is at a line start: whole lines at C speed, then the state of the last one
+            for m in _LINE.finditer(data, pos):
+                if m.end(2) > m.start(2) and self.matches(m.group(1).decode("latin-1")):
+                    spans.append(m.span(2))
+            nl = data.rfind(b"\n", pos)
+            tail = nl + 1 if nl >= 0 else pos
+            if tail == n:
+                self.mode, self.name = _NAME, b""
+            else:
+                m = _LINE.match(data, tail)
+                if m is not None and m.end(2) == n:
+                    hit = self.matches(m.group(1).decode("latin-1"))
+                    self.mode = (_MASK if m.end(2) > m.start(2) else _WSP) if hit else _SKIP
+                    self.name = b""
+                elif m is not None:
+                    self.mode, self.name = _SKIP, b""      # ends in '\r'
+                else:
+                    t = _TOKEN.match(data, tail)
+                    assert t is not None
+                    if t.end() == n and n - tail <= NAME_CAP:
+                        self.mode, self.name = _NAME, t.group()
+                    else:
+                        self.mode, self.name = _SKIP, b""
+        if not spans:
+            return data
+        out = bytearray(data)
+        for s, e in spans:
+            out[s:e] = b"*" * (e - s)
+        return bytes(out)
+
+
+class PatternMasker:
+    """One direction of a raw TCP flow: credentials by pattern (`mask_patterns`) across chunks.
+
+    Holds back chunks until at least `WINDOW` bytes follow them, so a trigger (`Bearer `,
+    `api_key=`) split over chunks is whole in the buffer; a token reaching the end of the buffer is
+    masked on into the next chunks for as long as token characters follow."""
+
+    WINDOW = 128
+
+    def __init__(self) -> None:
+        self.held: list[tuple[int, int]] = []     # (ts, length) of the chunks in buf
+        self.buf = bytearray()
+        self.cont: re.Pattern[bytes] | None = None
+
+    def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        start = len(self.buf)
+        self.buf += data
+        self.held.append((ts_ns, len(data)))
+        if self.cont is not None:
+            m = self.cont.match(self.buf, start)
+            assert m is not None
+            self.buf[start:m.end()] = b"*" * (m.end() - start)
+            if m.end() < len(self.buf):
+                self.cont = None
+        cont = mask_patterns(self.buf)
+        if cont is not None:
+            self.cont = cont
+        out: list[tuple[int, bytes]] = []
+        while self.held and len(self.buf) - self.held[0][1] >= self.WINDOW:
+            ts, k = self.held.pop(0)
+            out.append((ts, bytes(self.buf[:k])))
+            del self.buf[:k]
+        return out
+
+    def flush(self) -> list[tuple[int, bytes]]:
+        out = []
+        for ts, k in self.held:
+            out.append((ts, bytes(self.buf[:k])))
+            del self.buf[:k]
+        self.held.clear()
+        self.cont = None
+        return out
+
+
+class _Direction:
+    """The masker of one direction for one protocol: feed -> [(ts, bytes)], flush -> the rest."""
+
+    def __init__(self, proto: str, direction: Direction, joined: bool,
+                 header: Callable[[str], bool], body: Callable[[bytes], bytes] | None) -> None:
+        self.proto = proto
+        self.body = body
+        self.line: LineMasker | None = None
+        self.pattern: PatternMasker | None = None
+        self.h2: H2ChunkMasker | None = None
+        if proto in ("grpc", "http2"):
+            self.h2 = H2ChunkMasker(header, body, direction == "c2s", joined)
+        elif proto != "tls":
+            self.line = LineMasker(header, joined)
+            if proto != "http1":
+                self.pattern = PatternMasker()
+
+    def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        if self.h2 is not None:
+            return self.h2.feed(ts_ns, data)
+        if self.line is None:
+            return [(ts_ns, data)]
+        data = self.line.feed(data)
+        if self.body is not None:
+            data = self.body(data)
+        return self.pattern.feed(ts_ns, data) if self.pattern is not None else [(ts_ns, data)]
+
+    def flush(self) -> list[tuple[int, bytes]]:
+        if self.h2 is not None:
+            return self.h2.flush()
+        return self.pattern.flush() if self.pattern is not None else []
+
+
+class FlowMasker:
+    """Both directions of one flow: chunks in, (direction, ts, masked chunk) out, lengths kept.
+
+    `protocol` is the decoder's verdict so far (None: not known yet): until it is known, chunks are
+    held (at most HOLD_CAP bytes, then raw-TCP rules apply), so nothing reaches the disk unmasked
+    because the first bytes were split unluckily."""
+
+    def __init__(self, redactor: Redactor, joined: bool) -> None:
+        rule = redactor.header_rule()
+        self.header: Callable[[str], bool] = rule.matches if rule else (lambda _n: False)
+        has_body = any(isinstance(r, BodyRegexRule) for r in redactor.rules)
+        self.body = redactor.body if has_body else None
+        self.active = bool(redactor.rules)
+        self.joined = joined
+        self.proto: str | None = None
+        self.held: list[tuple[Direction, int, bytes]] = []
+        self.held_bytes = 0
+        self.dirs: dict[Direction, _Direction] = {}
+        self.rejoined: set[Direction] = set()     # directions restarted after a gap
+
+    def feed(self, direction: Direction, ts_ns: int, data: bytes,
+             protocol: str | None) -> list[tuple[Direction, int, bytes]]:
+        if not self.active:
+            return [(direction, ts_ns, data)]
+        if self.proto is None:
+            if protocol is None and self.held_bytes + len(data) <= HOLD_CAP:
+                self.held.append((direction, ts_ns, data))
+                self.held_bytes += len(data)
+                return []
+            self.proto = protocol or "tcp"
+            out: list[tuple[Direction, int, bytes]] = []
+            held, self.held, self.held_bytes = self.held, [], 0
+            for d, t, b in held:
+                out += [(d, ts, c) for ts, c in self._dir(d).feed(t, b)]
+            return out + [(direction, ts, c) for ts, c in self._dir(direction).feed(ts_ns, data)]
+        return [(direction, ts, c) for ts, c in self._dir(direction).feed(ts_ns, data)]
+
+    def _dir(self, direction: Direction) -> _Direction:
+        m = self.dirs.get(direction)
+        if m is None:
+            assert self.proto is not None
+            m = self.dirs[direction] = _Direction(self.proto, direction, self.joined or direction in self.rejoined,
+                                                  self.header, self.body)
+        return m
+
+    def gap(self, direction: Direction) -> list[tuple[Direction, int, bytes]]:
+        """Bytes of `direction` were lost: release what it holds; what follows starts as if joined."""
+        out = self._flush_dir(direction)
+        self.rejoined.add(direction)
+        self.dirs.pop(direction, None)
+        return out
+
+    def flush(self) -> list[tuple[Direction, int, bytes]]:
+        """The flow ended: release everything (held chunks of an undetected flow get raw-TCP rules)."""
+        out: list[tuple[Direction, int, bytes]] = []
+        for d in _DIRECTIONS:
+            out += self._flush_dir(d)
+        return out
+
+    def _flush_dir(self, direction: Direction) -> list[tuple[Direction, int, bytes]]:
+        out: list[tuple[Direction, int, bytes]] = []
+        if self.proto is None:
+            mine = [h for h in self.held if h[0] == direction]
+            if mine:
+                self.held = [h for h in self.held if h[0] != direction]
+                self.held_bytes -= sum(len(h[2]) for h in mine)
+                tmp = _Direction("tcp", direction, self.joined or direction in self.rejoined, self.header, self.body)
+                for _, t, b in mine:
+                    out += [(direction, ts, c) for ts, c in tmp.feed(t, b)]
+                out += [(direction, ts, c) for ts, c in tmp.flush()]
+            return out
+        m = self.dirs.get(direction)
+        if m is not None:
+            out += [(direction, ts, c) for ts, c in m.flush()]
+        return out
