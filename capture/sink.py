@@ -38,10 +38,10 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 
 from capture.decode import FlowDecoder
-from capture.decode.h2mask import H2ChunkMasker
+from capture.decode.streammask import FlowMasker
 from capture.errors import CaptureError
 from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
-from capture.redact import BodyRegexRule, Redactor, mask_http1_headers
+from capture.redact import BodyRegexRule, Redactor
 
 
 @dataclass
@@ -75,7 +75,7 @@ class _FlowState:
         self.flow_id = flow_id
         self.joined = joined
         self.decoder = FlowDecoder(flow_id, joined, calls)
-        self.maskers: dict[Direction, H2ChunkMasker] = {}
+        self.masker: FlowMasker | None = None    # credentials masked on the reassembled stream
         self.protocol_written: str | None = None
         # chunks written per direction (where at-stop gaps go)
         self.stored: dict[Direction, int] = {"c2s": 0, "s2c": 0}
@@ -127,26 +127,19 @@ class FlowSink:
                 return
             self.stats.bytes += len(data)
             calls = st.decoder.feed(direction, ts_ns, data)   # first: it detects the protocol
-            for ts, chunk in self._masked(st, direction, ts_ns, data):
-                self.writer.add_chunk_data(st.flow_id, direction, ts, chunk)
+            for d, ts, chunk in self._masked(st, direction, ts_ns, data):
+                self.writer.add_chunk_data(st.flow_id, d, ts, chunk)
                 self.stats.chunks += 1
-                st.stored[direction] += 1
+                st.stored[d] += 1
             self._store_calls(st, calls)
 
     def _masked(self, st: _FlowState, direction: Direction, ts_ns: int,
-                data: bytes) -> list[tuple[int, bytes]]:
-        """The chunk as it may be stored: credentials masked in place, lengths unchanged."""
-        proto, rule = st.decoder.protocol, self._header_rule
-        if not self.redactor.rules or proto not in ("http1", "grpc", "http2"):
-            return [(ts_ns, data)]
-        if proto == "http1":
-            return [(ts_ns, self.redactor.body(mask_http1_headers(data, rule) if rule else data))]
-        masker = st.maskers.get(direction)
-        if masker is None:
-            masker = st.maskers[direction] = H2ChunkMasker(
-                rule.matches if rule else (lambda _n: False), self._body_mask,
-                direction == "c2s", st.joined)
-        return masker.feed(ts_ns, data)
+                data: bytes) -> list[tuple[Direction, int, bytes]]:
+        """The chunks that may be stored now: credentials masked in place, lengths unchanged (held back
+        while the protocol is unknown or a secret may go on in the next chunk: capture/decode/streammask.py)."""
+        if st.masker is None:
+            st.masker = FlowMasker(self.redactor, st.joined)
+        return st.masker.feed(direction, ts_ns, data, st.decoder.protocol)
 
     def _store_calls(self, st: _FlowState, calls: list[Call]) -> None:
         if not calls and st.protocol_written in _SETTLED:
@@ -213,12 +206,10 @@ class FlowSink:
 
     def _gap_locked(self, st: _FlowState, direction: Direction, nbytes: int | None, how: str | None = None) -> None:
         self.stats.gaps += 1
-        masker = st.maskers.pop(direction, None)
-        if masker is not None:
-            for ts, chunk in masker.flush():
-                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
-                st.stored[direction] += 1
-            st.maskers[direction] = H2ChunkMasker(masker.header_mask, masker.body_mask, False, True)
+        for d, ts, chunk in st.masker.gap(direction) if st.masker else []:
+            self.writer.add_chunk(Chunk(st.flow_id, d, ts, chunk))
+            st.stored[d] += 1
+        self.writer.add_gap(st.flow_id, direction, st.stored[direction], nbytes, how)   # export, inspect
         st.decoder.gap(direction, nbytes, how)
         if not self._live:
             self._gaps.append((st.flow_id, direction, st.stored[direction], nbytes, how))
@@ -232,10 +223,9 @@ class FlowSink:
         st = self._flows.pop(key, None)
         if st is None:
             return
-        for direction, masker in st.maskers.items():
-            for ts, chunk in masker.flush():
-                self.writer.add_chunk(Chunk(st.flow_id, direction, ts, chunk))
-                st.stored[direction] += 1
+        for d, ts, chunk in st.masker.flush() if st.masker else []:
+            self.writer.add_chunk(Chunk(st.flow_id, d, ts, chunk))
+            st.stored[d] += 1
         self._store_calls(st, st.decoder.finish(ts_ns))
         self.stats.truncated_messages += st.decoder.truncated_messages
         if ts_ns is not None:
