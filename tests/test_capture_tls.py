@@ -338,3 +338,54 @@ def test_print_bpf_shows_the_tls_program_unless_tls_is_off() -> None:
 
     assert "int ssl_rw_exit(struct pt_regs *ctx)" in bpf()
     assert "ssl_rw_exit" not in bpf("--tls", "off")
+
+
+GRPC_SERVER = """
+import sys
+from concurrent import futures
+
+import grpc
+
+key, cert, port = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read(), int(sys.argv[3])
+handler = grpc.method_handlers_generic_handler(
+    "t.Echo", {"Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})
+server = grpc.server(futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers((handler,))
+server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([(key, cert)]))
+server.start()
+print("ready", flush=True)
+server.wait_for_termination()
+"""
+
+
+def test_grpcio_tls_server_is_reported_encrypted_with_the_reason(nginx: Nginx, tmp_path: Path) -> None:
+    """grpcio's TLS is its own BoringSSL: no plaintext from the uprobes, the flow listed with why."""
+    import grpc
+
+    from capture.ebpf.tls import maps_libssl
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", GRPC_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert),
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        maps = maps_libssl(proc.pid, find_libssl())
+        out = tmp_path / "grpc.rec"
+
+        def call() -> None:
+            creds = grpc.ssl_channel_credentials(root_certificates=nginx.cert.read_bytes())
+            with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+                say = ch.unary_unary("/t.Echo/Say")
+                assert say(b"secret-payload", timeout=10) == b"secret-payload"
+
+        _record(out, port, [call])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    with Recording(out) as r:
+        rows = r.meta["tls_flows"]
+        calls = list(r.calls())
+    assert calls == [] and len(rows) == 1 and rows[0][1] == "encrypted"
+    # a Python process imports the ssl module with grpc, so it maps libssl.so.3 and still is not read
+    expected = "the process maps the system libssl" if maps else "process does not use the system libssl"
+    assert rows[0][2].startswith(f"encrypted: {expected}")

@@ -356,6 +356,9 @@ class TlsJoiner:
         """Drain the ring, hand on what is due, expire plaintext no recorded flow claimed (the poll
         thread, every POLL_S)."""
         with self._lock:
+            stale = time.monotonic_ns() - _STALE_NS
+            for pk in [k for k, p in self._partial.items() if p[0] < stale]:
+                self._flush_partial(pk)    # a call whose last records were lost: what came, then a gap
             self._advance(0)
             now = time.monotonic()
             for fdkey, first in list(self._first.items()):
