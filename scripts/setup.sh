@@ -18,6 +18,7 @@ tcpdump            the import checks that compare with tcpdump's own capture
 nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
 nginx              the TLS replay tests against a real HTTPS server and the nginx capture tests (test_capture_nginx.py)
 wrk                the load in the nginx capture tests (tests/test_capture_nginx.py)
+curl               the HTTPS client of the TLS capture tests (tests/test_capture_tls.py)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
