@@ -1,8 +1,9 @@
 """TLS plaintext capture (uprobes on the system libssl) against a real nginx with HTTPS (root + bcc).
 
 nginx (Debian's, linked to libssl.so.3) serves HTTPS with a certificate made here, keep-alive on; curl
-(several URLs on one connection) and Python's http.client over ssl are the clients, each with an
-Authorization header. The recording must hold the HTTP/1 calls nginx logged (method, path, status),
+(several URLs on one connection, HTTP/1.1 and, by ALPN, HTTP/2) and Python's http.client over ssl are the
+clients, each with an Authorization header. The recording must hold the calls nginx logged (method, path,
+status for HTTP/1; method and path for HTTP/2),
 the token nowhere in the file, and no ciphertext stored for those flows. `--tls off` records the
 same traffic as ciphertext only, each flow listed as encrypted with the reason; a TLS server that
 does not use the system libssl (Node.js links its own OpenSSL) is listed with that reason.
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.root, pytest.mark.ebpf,
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_CURL = "curl-secret-7f3a9c1e5b"
 TOKEN_PY = "python-secret-2d8e4b6a0c"
+TOKEN_H2 = "curl-h2-secret-94b1d07e3f"
 
 CONF = """
 daemon off;
@@ -58,7 +60,7 @@ http {{
     keepalive_timeout 30s;
     default_type text/plain;
     server {{
-        listen 127.0.0.1:{port} ssl;
+        listen 127.0.0.1:{port} ssl http2;
         ssl_certificate {d}/cert.pem;
         ssl_certificate_key {d}/key.pem;
         location / {{ return 200 "hello $uri\\n"; }}
@@ -136,12 +138,20 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
 
 
 def _curl(n: Nginx) -> None:
-    """Three requests on one keep-alive connection (curl reuses it for URLs of one host)."""
+    """Three HTTP/1.1 requests on one keep-alive connection (curl reuses it for URLs of one host)."""
     base = f"https://127.0.0.1:{n.port}"
-    subprocess.run(["curl", "-sS", "--fail-with-body", "--cacert", str(n.cert), "-H", f"Authorization: Bearer {TOKEN_CURL}",
-                    "-o", "/dev/null", "-o", "/dev/null", "-o", "/dev/null",
+    subprocess.run(["curl", "-sS", "--http1.1", "--fail-with-body", "--cacert", str(n.cert), "-H",
+                    f"Authorization: Bearer {TOKEN_CURL}", "-o", "/dev/null", "-o", "/dev/null", "-o", "/dev/null",
                     f"{base}/curl/one", f"{base}/curl/two?x=1", f"{base}/curl/three"],
                    check=True, capture_output=True, timeout=30)
+
+
+def _curl_h2(n: Nginx) -> None:
+    """Two HTTP/2 requests on one connection (ALPN h2): the plaintext is HTTP/2 frames."""
+    base = f"https://127.0.0.1:{n.port}"
+    subprocess.run(["curl", "-sS", "--http2", "--fail-with-body", "--cacert", str(n.cert), "-H",
+                    f"Authorization: Bearer {TOKEN_H2}", "-o", "/dev/null", "-o", "/dev/null",
+                    f"{base}/h2/first", f"{base}/h2/second"], check=True, capture_output=True, timeout=30)
 
 
 def _python_client(n: Nginx) -> list[int]:
@@ -189,17 +199,22 @@ def recorded(nginx: Nginx, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     nginx.clear_log()
     out = tmp_path_factory.mktemp("tls-rec") / "https.rec"
     statuses: list[int] = []
-    stats = _record(out, nginx.port, [lambda: _curl(nginx), lambda: statuses.extend(_python_client(nginx))])
+    stats = _record(out, nginx.port, [lambda: _curl(nginx), lambda: _curl_h2(nginx),
+                                      lambda: statuses.extend(_python_client(nginx))])
     return {"out": out, "stats": stats, "log": nginx.log_lines(), "py_statuses": statuses}
 
 
 def test_https_calls_are_recorded_as_http1_equal_to_nginx_access_log(recorded: dict) -> None:
     calls = _calls(recorded["out"])
-    got = collections.Counter((c.method, c.status) for c in calls)
+    h1 = [c for c in calls if c.protocol == "http1"]
+    h2 = [c for c in calls if c.protocol == "http2"]
     assert recorded["py_statuses"] == [200, 201, 404, 200]
-    assert len(recorded["log"]) == 7
-    assert got == collections.Counter(recorded["log"])
-    assert {c.protocol for c in calls} == {"http1"}
+    log = recorded["log"]
+    assert len(log) == 9 and len(h1) + len(h2) == len(calls)
+    assert collections.Counter((c.method, c.status) for c in h1) == collections.Counter(
+        line for line in log if not line[0].startswith("GET /h2/"))
+    # HTTP/2 over TLS goes to the HTTP/2 decoder: calls named by :path
+    assert sorted(c.method for c in h2) == sorted(line[0][4:] for line in log if line[0].startswith("GET /h2/"))
     post = next(c for c in calls if c.method == "POST /items")
     assert [m.data for m in post.requests] == [b'{"name": "widget"}']
     assert ("content-type", "application/json") in [(k.lower(), v) for k, v in post.request_metadata]
@@ -213,28 +228,28 @@ def test_keep_alive_connections_are_one_flow_each_and_no_ciphertext_is_stored(re
         calls_per_flow = collections.Counter(c.flow_id for c in rec.calls(with_messages=False))
         first = [rec.first_bytes(f.id, "c2s", 8) for f in flows if f.id is not None]
         meta = rec.meta
-    # curl's three requests share a connection, Python's four another
-    assert sorted(calls_per_flow.values()) == [3, 4]
-    assert {f.protocol for f in flows} == {"http1"}
+    # curl's HTTP/2 requests share a connection, its HTTP/1.1 ones another, Python's a third
+    assert sorted(calls_per_flow.values()) == [2, 3, 4]
+    assert sorted(f.protocol for f in flows) == ["http1", "http1", "http2"]
     assert all(b[:1] != b"\x16" for b in first), first       # no TLS record: plaintext only
-    assert all(b.split(b" ")[0] in (b"GET", b"POST") for b in first)
+    assert sorted(b.split(b" ")[0] for b in first) == [b"GET", b"GET", b"PRI"]   # PRI: the HTTP/2 preface
     tls = meta["tls"]
-    assert tls["capture"] == "on" and tls["plaintext_flows"] == 2 and tls["encrypted_flows"] == 0
+    assert tls["capture"] == "on" and tls["plaintext_flows"] == 3 and tls["encrypted_flows"] == 0
     assert tls["ciphertext_bytes_not_stored"] > 0
-    assert sorted(r[1] for r in meta["tls_flows"]) == ["plaintext", "plaintext"]
+    assert [r[1] for r in meta["tls_flows"]] == ["plaintext"] * 3
     with Recording(recorded["out"]) as rec:
         summary = summarize(rec)
-    assert summary["tls"]["plaintext_flows"] == 2 and not any("TLS" in p for p in summary["problems"])
+    assert summary["tls"]["plaintext_flows"] == 3 and not any("TLS" in p for p in summary["problems"])
     assert recorded["stats"]["lost_events"] == 0
 
 
 def test_credentials_are_masked_and_the_tokens_appear_nowhere_in_the_file(recorded: dict) -> None:
     raw = _file_bytes(recorded["out"])
-    for token in (TOKEN_CURL, TOKEN_PY):
+    for token in (TOKEN_CURL, TOKEN_PY, TOKEN_H2):
         assert token.encode() not in raw
     calls = _calls(recorded["out"])
     auth = [v for c in calls for k, v in c.request_metadata if k.lower() == "authorization"]
-    assert len(auth) == 7 and all(TOKEN_CURL not in v and TOKEN_PY not in v for v in auth)
+    assert len(auth) == 9 and not any(t in v for v in auth for t in (TOKEN_CURL, TOKEN_PY, TOKEN_H2))
 
 
 def test_client_side_recording_of_python_client_uses_ssl_read_ex_write_ex(nginx: Nginx, tmp_path: Path) -> None:
