@@ -88,7 +88,24 @@ STATUS_HIDDEN = "status not captured: the trailers refer to HPACK entries from b
 BODY_NOT_CAPTURED = "body not captured"
 # calls.status_message of an HTTP/1 call after a gap the decoder could not resynchronise from: no status.
 OUTCOME_UNKNOWN = "outcome unknown: bytes of the connection were lost and the HTTP/1 pairing could not resume"
+# calls.status_message of a call that was open when bytes of its connection were lost (a gap: ring
+# buffer loss, a truncated syscall, a pcap hole) or one of whose messages was too large to keep:
+# "damaged: bytes lost in a gap (s2c)[; grpc-message: ...]". Its messages may be incomplete.
+CALL_DAMAGED = "damaged"
 Direction = Literal["c2s", "s2c"]
+
+
+def call_damage(status: int | None, status_message: str | None) -> str | None:
+    """Why a recorded call cannot be compared with a replayed one (None: it can): damaged by a gap,
+    a body not captured, an outcome or status unknown, or no status recorded at all."""
+    msg = status_message or ""
+    if msg.startswith(CALL_DAMAGED) or msg.startswith(BODY_NOT_CAPTURED) or msg == OUTCOME_UNKNOWN:
+        return msg.split(";")[0]
+    if msg == STATUS_HIDDEN:
+        return "status not captured"
+    if status is None:
+        return "no status recorded"
+    return None
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

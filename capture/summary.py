@@ -15,8 +15,16 @@ from collections import Counter
 from typing import Any
 
 from capture.decode.h2grpc import MAX_MESSAGE
+from capture.decode.tls import client_hello_sni
 from capture.deferred import calls_pending, pending_message
-from capture.recording import BODY_NOT_CAPTURED, OUTCOME_UNKNOWN, STATUS_HIDDEN, MethodGroup, Recording
+from capture.recording import (
+    BODY_NOT_CAPTURED,
+    CALL_DAMAGED,
+    OUTCOME_UNKNOWN,
+    STATUS_HIDDEN,
+    MethodGroup,
+    Recording,
+)
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -50,6 +58,7 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
     unresolved = ungrouped = 0      # gRPC/HTTP/2 calls whose method is unknown after the map
     hidden = 0                      # calls whose recorded trailers HPACK made unreadable (joined)
     body_gaps = unknown_outcome = 0  # HTTP/1 calls with a body lost in a gap / after one it could not resync
+    damaged = no_status = 0         # calls open during a gap; calls that ended without a status
     for call in rec.calls():
         methods[call.method or "<unknown>"] += 1
         statuses[str(call.status)] += 1
@@ -57,6 +66,9 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         hidden += call.status is None and call.status_message == STATUS_HIDDEN
         body_gaps += bool(call.status_message and call.status_message.startswith(BODY_NOT_CAPTURED))
         unknown_outcome += call.status_message == OUTCOME_UNKNOWN
+        damaged += bool(call.status_message and call.status_message.startswith(CALL_DAMAGED))
+        no_status += call.status is None and call.status_message not in (OUTCOME_UNKNOWN, STATUS_HIDDEN) \
+            and not (call.status_message or "").startswith((CALL_DAMAGED, BODY_NOT_CAPTURED))
         if call.method is None and call.protocol in ("grpc", "http2"):
             if call.method_ref is None and call.flow_id in joined and rec.has_method_refs:
                 ungrouped += 1
@@ -78,7 +90,7 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
         "rate_per_s": _rate(times, buckets),
-        "complete": ("stopped_wall_ns" in meta or meta.get("backend") == "import") and not unresolved,
+        "complete": False,
         "calls_pending": calls_pending(meta),
         "method_groups": [{"flow": g.flow_id, "ref": g.ref, "protocol": g.protocol, "calls": g.calls,
                            "kinds": g.kinds, "method": g.method, "how": g.how} for g in groups],
@@ -89,7 +101,75 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
                      + _gapped_calls(body_gaps, unknown_outcome) + _encrypted(meta)
                      + _unresolved(rec, unresolved, groups)),
     }
+    # What makes the recording incomplete without making it unusable: listed too, `complete` false,
+    # exit 1 only with `inspect --strict`.
+    out["blocking_problems"] = len(out["problems"])
+    out["problems"] += (_loss(meta) + _gaps(rec) + _not_captured(meta) + _damaged_calls(damaged, no_status)
+                        + _tls_flows(rec, flows, meta))
+    out["gaps"] = len(rec.gaps())
+    out["complete"] = ("stopped_wall_ns" in meta or meta.get("backend") == "import") and not out["problems"]
     return out
+
+
+def _loss(meta: dict[str, Any]) -> list[str]:
+    """Ring-buffer loss and syscalls cut at --max-bytes (eBPF): bytes the recording does not hold."""
+    out = []
+    lost = int(meta.get("lost_events", 0) or 0)
+    truncated = int(meta.get("truncated_events", 0) or 0)
+    if lost:
+        out.append(f"{lost} event(s) lost (the recorder's ring buffer or queue was full): bytes of the flows "
+                   "they belonged to are missing (gaps)")
+    if truncated:
+        out.append(f"{truncated} syscall(s) moved more than the recorder copies (--max-bytes): the rest of their "
+                   "bytes are gaps")
+    return out
+
+
+def _gaps(rec: Recording) -> list[str]:
+    """Positions where bytes were not captured (the gaps table; sendfile ones are said apart)."""
+    gaps = [g for g in rec.gaps() if g[4] is None]
+    if not gaps:
+        return []
+    known = sum(g[3] or 0 for g in gaps)
+    unknown = sum(1 for g in gaps if g[3] is None)
+    flows = len({g[0] for g in gaps})
+    size = f"{known:,} bytes" + (f" and {unknown} gap(s) of unknown size" if unknown else "")
+    return [f"{len(gaps)} gap(s) in {flows} flow(s): {size} not captured (lost, truncated or discarded); "
+            "`export` marks them, calls open during one are marked damaged"]
+
+
+def _not_captured(meta: dict[str, Any]) -> list[str]:
+    """Bytes sent by a path the recorder cannot read (sendfile, splice): length and time only."""
+    return [f"{n:,} bytes sent with {how} on flow {flow} ({direction}, {calls} syscall(s)): not captured "
+            "(the bodies are stored as \"not captured\")"
+            for flow, direction, how, n, calls in meta.get("not_captured_by_flow", []) or []]
+
+
+def _damaged_calls(damaged: int, no_status: int) -> list[str]:
+    out = []
+    if damaged:
+        out.append(f"{damaged} call(s) are damaged: bytes of their connection were lost while they were open, "
+                   "so their messages may be incomplete (replay --compare counts them as not comparable)")
+    if no_status:
+        out.append(f"{no_status} call(s) have no status: unanswered, reset, or cut off by the end of the "
+                   "recording (replay --compare counts them as not comparable)")
+    return out
+
+
+def _tls_flows(rec: Recording, flows: list[Any], meta: dict[str, Any]) -> list[str]:
+    """Flows detected as TLS by their ClientHello (protocol `tls`) that the TLS capture did not already
+    list: payload encrypted, no calls; the server name (SNI) from the first 16 KiB when present."""
+    listed = {r[0] for r in meta.get("tls_flows", []) or [] if r}
+    tls = [f for f in flows if f.protocol == "tls" and f.id not in listed]
+    if not tls:
+        return []
+    names: list[str] = []
+    for f in tls[:20]:                 # bounded: the first bytes of the first 20 flows
+        sni = client_hello_sni(rec.first_bytes(f.id, "c2s", 16384))
+        if sni and sni not in names:
+            names.append(sni)
+    where = f" (server names: {', '.join(names)})" if names else ""
+    return [f"{len(tls)} TLS flow(s){where}: payload is encrypted, no calls decoded (their bytes are kept)"]
 
 
 def _encrypted(meta: dict[str, Any]) -> list[str]:
@@ -111,7 +191,8 @@ def _gapped_calls(body_gaps: int, unknown_outcome: int) -> list[str]:
     out = []
     if body_gaps:
         out.append(f"{body_gaps} HTTP/1 call(s) have a body that was not captured (lost in a gap of known "
-                   "size; the pairing was kept, the body is not stored; replay does not send such requests)")
+                   "size, or sent with sendfile/splice; the pairing was kept, the body is not stored; replay does "
+                   "not send such requests)")
     if unknown_outcome:
         out.append(f"{unknown_outcome} HTTP/1 call(s) have an unknown outcome: bytes of their connection were "
                    "lost where the decoder could not resynchronise, so their responses are not paired")

@@ -154,7 +154,7 @@ class Comparer:
         self.descriptors = descriptors
         self.ignore = tuple(ignore)
         self._by_method: dict[str, dict[str, Any]] = defaultdict(
-            lambda: {"compared": 0, "mismatched": 0, "fields": Counter()})
+            lambda: {"compared": 0, "mismatched": 0, "fields": Counter(), "not_comparable": 0, "why": Counter()})
 
     def _ignored(self, path: str) -> bool:
         bare = path.replace("[", ".[").split(".")
@@ -162,7 +162,15 @@ class Comparer:
         return any(fnmatch.fnmatch(path, g) or fnmatch.fnmatch(plain, g) for g in self.ignore)
 
     def compare(self, planned: PlannedCall, outcome: SendOutcome) -> list[str]:
-        """Mismatches of one call (empty when it matches); counted into the summary."""
+        """Mismatches of one call (empty when it matches); counted into the summary. A call whose
+        recording is damaged (`PlannedCall.not_comparable`: a gap, a body or status not captured, no
+        status) is neither: it is counted as not comparable, with why."""
+        why = planned.not_comparable
+        if why:
+            entry = self._by_method[planned.method or "?"]
+            entry["not_comparable"] += 1
+            entry["why"][why] += 1
+            return []
         diffs: list[str] = []
         if planned.expected_status is not None and outcome.status is not None \
                 and planned.expected_status != outcome.status:
@@ -194,9 +202,9 @@ class Comparer:
         return diffs
 
     def summary(self) -> dict[str, Any]:
-        """{'total': n, 'by_method': {method: {compared, mismatched, fields: {path: n}}}}."""
-        by = {m: {**e, "fields": dict(e["fields"].most_common())} for m, e in sorted(self._by_method.items())}
-        return {"total": sum(e["mismatched"] for e in by.values()), "by_method": by}
+        """{'total': mismatched calls, 'not_comparable': n, 'by_method': {method: {compared, mismatched,
+        fields: {path: n}, not_comparable, why: {reason: n}}}}. Not comparable calls are not compared."""
+        return _summary(self._by_method)
 
     @staticmethod
     def merge_summaries(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -204,12 +212,21 @@ class Comparer:
         by: dict[str, dict[str, Any]] = {}
         for part in parts:
             for m, e in part.get("by_method", {}).items():
-                cur = by.setdefault(m, {"compared": 0, "mismatched": 0, "fields": Counter()})
+                cur = by.setdefault(m, {"compared": 0, "mismatched": 0, "fields": Counter(), "not_comparable": 0,
+                                        "why": Counter()})
                 cur["compared"] += e["compared"]
                 cur["mismatched"] += e["mismatched"]
                 cur["fields"].update(e["fields"])
-        by = {m: {**e, "fields": dict(e["fields"].most_common())} for m, e in sorted(by.items())}
-        return {"total": sum(e["mismatched"] for e in by.values()), "by_method": by}
+                cur["not_comparable"] += e.get("not_comparable", 0)
+                cur["why"].update(e.get("why", {}))
+        return _summary(by)
+
+
+def _summary(by_method: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    by = {m: {**e, "fields": dict(e["fields"].most_common()), "why": dict(e["why"].most_common())}
+          for m, e in sorted(by_method.items())}
+    return {"total": sum(e["mismatched"] for e in by.values()),
+            "not_comparable": sum(e["not_comparable"] for e in by.values()), "by_method": by}
 
 
 class CompareSpec:

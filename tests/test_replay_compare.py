@@ -26,8 +26,28 @@ def test_fields_by_reflection_with_and_without_ignores(tmp_path: Path) -> None:
         noisy = _replay(tmp_path / "r.rec", server, CompareSpec("reflection"))
         quiet = _replay(tmp_path / "r.rec", server, CompareSpec("reflection", ignore=["server_latency_ns"]))
     # the echo server answers a random server_latency_ns; everything else matches the recording
-    assert noisy["by_method"][DECIDE] == {"compared": n, "mismatched": n, "fields": {"server_latency_ns": n}}
+    assert noisy["by_method"][DECIDE] == {"compared": n, "mismatched": n, "fields": {"server_latency_ns": n},
+                                          "not_comparable": 0, "why": {}}
     assert quiet["total"] == 0 and quiet["by_method"][DECIDE]["compared"] == n
+
+
+def test_a_damaged_recorded_call_is_not_comparable_never_a_match(tmp_path: Path) -> None:
+    """A call the recording holds damaged (open during a gap, its response lost) or without a status is
+    counted apart, with why: not compared, so never counted as a match."""
+    import sqlite3
+    n = write_unary_recording(tmp_path / "r.rec", [i * 2 * MS for i in range(10)])
+    db = sqlite3.connect(tmp_path / "r.rec")
+    db.execute("UPDATE calls SET status_message = 'damaged: bytes lost in a gap (s2c)' WHERE id = 3")
+    db.execute("DELETE FROM messages WHERE call_id = 3 AND direction = 's2c'")   # its response was lost
+    db.execute("UPDATE calls SET status = NULL WHERE id = 6")
+    db.commit()
+    db.close()
+    with EchoServer(reflection=True) as server:
+        got = _replay(tmp_path / "r.rec", server, CompareSpec("reflection", ignore=["server_latency_ns"]))
+    entry = got["by_method"][DECIDE]
+    assert (entry["compared"], entry["mismatched"], entry["not_comparable"]) == (n - 2, 0, 2)
+    assert entry["why"] == {"damaged: bytes lost in a gap (s2c)": 1, "no status recorded": 1}
+    assert got["not_comparable"] == 2 and got["total"] == 0
 
 
 def test_status_and_bytes_only(tmp_path: Path) -> None:

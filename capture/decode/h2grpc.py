@@ -29,7 +29,7 @@ this runs for every frame a production service sends while it is being recorded.
 
 from __future__ import annotations
 
-from capture.recording import STATUS_HIDDEN, Call, Direction, Message
+from capture.recording import CALL_DAMAGED, STATUS_HIDDEN, Call, Direction, Message
 from wire.h2 import PREFACE, BlockAssembler, Flag, FrameType, H2Error, split, strip_or_none
 from wire.h2 import frame_lengths_plausible as plausible_frames
 from wire.headers import DecodedBlock, HpackBlockError, TolerantDecoder
@@ -66,6 +66,7 @@ class _Stream:
         self.ended = {"c2s": False, "s2c": False}
         self.headers_seen = 0
         self.ctype: bool | None = None        # its request's content-type: gRPC, not gRPC, or unseen
+        self.damaged: list[str] = []          # why its messages may be incomplete (gaps, oversized)
 
 
 class H2Decoder:
@@ -252,6 +253,7 @@ class H2Decoder:
                 size = int.from_bytes(buf[1:5], "big")
                 if size > self.max_message:        # refuse to buffer it: skip what is here and the rest
                     self.truncated_messages += 1
+                    _damage(st, f"a {direction} message over the {self.max_message >> 20} MiB cap was not stored")
                     st.skip[direction] = max(0, PREFIX_LEN + size - len(buf))
                     del buf[:PREFIX_LEN + size]
                     continue
@@ -285,6 +287,9 @@ class H2Decoder:
     def _close(self, st: _Stream) -> Call:
         call = st.call
         self.streams.pop(call.stream_id or 0, None)
+        if st.damaged:                 # said on the call: inspect lists it, replay --compare does not compare it
+            why = f"{CALL_DAMAGED}: {', '.join(st.damaged)}"
+            call.status_message = why + (f"; {call.status_message}" if call.status_message else "")
         call.kind = _kind(len(call.requests), len(call.responses))
         # gRPC unless this connection never said application/grpc and this call does not look like it:
         # its request said another content-type, or HPACK hid it (joined) and its request body was not
@@ -311,10 +316,16 @@ class H2Decoder:
         for st in self.streams.values():
             st.buf[direction].clear()
             st.skip[direction] = 0
+            _damage(st, f"bytes lost in a gap ({direction})")
 
     def finish(self, ts_ns: int | None = None) -> list[Call]:
         """Calls still open when the flow ended or capture stopped (status None)."""
         return [self._close(st) for st in list(self.streams.values())]
+
+
+def _damage(st: _Stream, why: str) -> None:
+    if why not in st.damaged:
+        st.damaged.append(why)
 
 
 def _response_view(headers: list[tuple[str, str]]) -> tuple[str | None, str | None, tuple[tuple[str, str], ...],

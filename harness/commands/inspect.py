@@ -15,10 +15,15 @@ from harness.console import is_terminal, make_console
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
 @click.option("--calls", "show_calls", type=int, default=0, help="also list the first N calls")
-def command(file: str, as_json: bool, show_calls: int) -> None:
+@click.option("--strict", is_flag=True,
+              help="exit 1 unless the recording is complete (no gap, loss, damaged or unanswered call, encrypted flow)")
+def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
     """Summarise a recording: flows, calls per method, rate over time, payload sizes, loss, joins.
 
-    Exit 0 for a sound recording, 1 when it is damaged (what was readable is still shown).
+    Exit 0 for a sound recording, 1 when it is damaged (what was readable is still shown). Every
+    problem is listed, also those that leave the file usable but incomplete (gaps, lost or truncated
+    events, damaged calls, calls without a status, bodies not captured, TLS flows): `complete` is
+    then false, and `--strict` exits 1 for them too.
     JSON keys include flows, calls, methods, lost_events, truncated_events, unknown_method_calls,
     duration_s, joined_flows, rate_per_s, request_bytes, response_bytes, calls_pending, problems.
     A `--decode later` file (or a killed at-stop one) has no calls until `shadowtest record --finish`:
@@ -41,7 +46,10 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
     with open_salvaged(file) as rec:
         report = summarize(rec)
         calls = [_call_row(c) for _, c in zip(range(show_calls), rec.calls(), strict=False)]
+        blocking = report.pop("blocking_problems", len(report["problems"]))
+        damaged = bool(rec.problems) or blocking > 0
         report["problems"] = list(dict.fromkeys(report["problems"] + rec.problems))
+        report["complete"] = report["complete"] and not report["problems"]
     if calls:
         report["first_calls"] = calls
     if as_json:
@@ -50,7 +58,7 @@ def command(file: str, as_json: bool, show_calls: int) -> None:
         _rich(report)
     else:
         _plain(report)
-    sys.exit(1 if report["problems"] else 0)
+    sys.exit(1 if damaged or (strict and not report["complete"]) else 0)
 
 
 def _call_row(c: Any) -> dict[str, object]:
@@ -77,8 +85,8 @@ def _plain(r: dict[str, Any]) -> None:
         click.echo(f"{key}: {r[key]}")
     for name, n in r["methods"].items():
         click.echo(f"method {name}: {n}")
+    click.echo(f"complete: {str(r['complete']).lower()}")
     if r["method_groups"] or r["unknown_method_ungrouped"]:
-        click.echo(f"complete: {str(r['complete']).lower()}")
         click.echo(f"unresolved_method_calls: {r['unresolved_method_calls']}")
         click.echo(f"unknown_method_ungrouped: {r['unknown_method_ungrouped']}")
     for g in r["method_groups"][:_GROUPS_SHOWN]:
@@ -107,6 +115,7 @@ def _rich(r: dict[str, Any]) -> None:
                  ("flows", f"{r['flows']} ({r['joined_flows']} joined mid-stream)"), ("calls", r["calls"]),
                  ("loss", f"[{loss_style}]lost {r['lost_events']}, truncated {r['truncated_events']}[/]"),
                  ("unknown method", r["unknown_method_calls"]), ("protocols", escape(str(r["protocols"]))),
+                 ("complete", "[green]yes[/]" if r["complete"] else "[red]no[/] (see the problems below)"),
                  ("rate", f"{sparkline([int(x) for x in rate])}  peak {max(rate, default=0):.0f}/s"),
                  ("request bytes", escape(str(r["request_bytes"]))),
                  ("response bytes", escape(str(r["response_bytes"]))),
