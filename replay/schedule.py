@@ -23,7 +23,7 @@ import random
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call
+from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call, call_damage
 from replay.errors import PlanError
 
 MIN_SPEED, MAX_SPEED = 0.1, 100.0
@@ -58,6 +58,7 @@ class PlannedCall:
     expected_status: int | None = None
     status_hidden: bool = False          # the recorded status was unreadable (HPACK, joined), not missing
     request_body_missing: bool = False   # HTTP/1: the request body fell in a capture gap (never sent)
+    not_comparable: str | None = None    # why its recording cannot be compared (capture.recording.call_damage)
     expected_responses: list[bytes] = field(default_factory=list)
 
     @property
@@ -150,6 +151,7 @@ def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop:
                        status_hidden=call.status is None and call.status_message == STATUS_HIDDEN,
                        request_body_missing=(call.status_message or "").startswith(
                            f"{BODY_NOT_CAPTURED}: request"),
+                       not_comparable=call_damage(call.status, call.status_message),
                        expected_responses=[bytes(m.data) for m in call.responses])
 
 
