@@ -173,7 +173,7 @@ def _wall_offset(meta: dict[str, object]) -> int:
 def _handshake(out: BinaryIO, st: _FlowState, ts: int) -> int:
     st.started = True
     (c, s), seq = st.ends["c2s"], st.seq
-    t0 = ts - 3000
+    t0 = max(0, ts - 3000)
     out.write(_epb(t0, _ip_tcp(c, s, seq["c2s"] - 1, 0, _SYN, b"")))
     out.write(_epb(t0 + 1000, _ip_tcp(s, c, seq["s2c"] - 1, seq["c2s"], _SYN | _ACK, b"")))
     out.write(_epb(t0 + 2000, _ip_tcp(c, s, seq["c2s"], seq["s2c"], _ACK, b"")))

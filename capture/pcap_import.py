@@ -168,7 +168,8 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
 
     Args:
         port: keep only connections with this port (and treat it as the service side).
-        redactor: rules applied to the imported calls and chunks (default: none).
+        redactor: rules applied to the imported calls and chunks, on each flow's reassembled stream
+            (default: the default credential rules; `Redactor([])` for none).
 
     Raises PcapError (unreadable file) or RecordingError (output). A damaged capture is imported up
     to the damage and the result's `problems` say so (the recording's meta too).
@@ -178,7 +179,7 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
     accept = (lambda s: port in (s.src[1], s.dst[1])) if port else None
     writer = RecordingWriter(output, overwrite=overwrite,
                              meta={"clock": "capture-wall", "source": os.path.basename(path), "backend": "import"})
-    sink = FlowSink(writer, redactor)
+    sink = FlowSink(writer, redactor if redactor is not None else Redactor())
     reasm = Reassembler(sink, {port} if port else None, accept)
     first_ts = None
     try:

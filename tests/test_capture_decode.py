@@ -512,3 +512,49 @@ def test_http1_request_whose_body_was_not_captured_is_not_replayed(tmp_path) -> 
         server.server_close()
     assert seen == ["/health"]                       # never sent with an invented (or empty) body
     assert rep.ok == 1 and rep.not_sent_reasons == {"request_body_not_captured": 1} and rep.invariant_ok
+
+
+def _summary(parts: list[tuple[str, bytes]]) -> tuple[str | None, list[tuple[str | None, int | None, bytes]]]:
+    calls, dec = _decode(parts)
+    return dec.protocol, [(c.method, c.status, b"".join(m.data for m in c.requests)) for c in calls]
+
+
+def _splits(parts: list[tuple[str, bytes]], which: int) -> list[list[tuple[str, bytes]]]:
+    """`parts` with part `which` split in two at every offset of its first 80 bytes, and one byte at a time."""
+    d, data = parts[which]
+    out = [parts[:which] + [(d, data[:k]), (d, data[k:])] + parts[which + 1:] for k in range(1, min(80, len(data)))]
+    out.append(parts[:which] + [(d, data[i:i + 1]) for i in range(len(data))] + parts[which + 1:])
+    return out
+
+
+HTTP1 = [("c2s", b"GET /hello HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer abc\r\n\r\n"),
+         ("s2c", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"),
+         ("c2s", b"POST /submit HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"),
+         ("s2c", b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")]
+
+
+@pytest.mark.parametrize("name", ["http1", "http1-server-split", "grpc", "grpc-server-first", "tcp"])
+def test_detection_does_not_depend_on_how_the_first_bytes_were_split(name: str) -> None:
+    """`GET /hello ` in one read and the rest in the next, the preface split anywhere, one byte at a time:
+    the same protocol and the same calls as when the first bytes came in one read."""
+    if name.startswith("http1"):
+        parts, which, want = HTTP1, (1 if name.endswith("split") else 0), "http1"
+    elif name.startswith("grpc"):
+        parts = h2_conversation([GrpcCall("/s.S/M", [b"req"], [b"resp"]), GrpcCall("/s.S/N", [b"r2"], [b"p2"])])
+        if name.endswith("first"):        # the server's SETTINGS arrive before the client's preface
+            first_s2c = next(i for i, (d, _) in enumerate(parts) if d == "s2c")
+            parts = [parts[first_s2c]] + parts[:first_s2c] + parts[first_s2c + 1:]
+        which, want = 0, "grpc"
+    else:
+        parts, which, want = [("c2s", b"HELO relay.example\r\nAUTH x\r\n"), ("s2c", b"250 ok\r\n")], 0, "tcp"
+    whole = _summary(parts)
+    assert whole[0] == want and (want == "tcp" or len(whole[1]) == 2), whole
+    for variant in _splits(parts, which):
+        assert _summary(variant) == whole, [len(b) for _, b in variant[:4]]
+
+
+def test_a_request_line_still_incomplete_after_8_kib_is_raw_tcp() -> None:
+    calls, dec = _decode([("c2s", b"GET /" + b"a" * 9000)])
+    assert calls == [] and dec.protocol == "tcp"
+    dec = FlowDecoder(1)
+    assert dec.feed("c2s", 1, b"GET /hello ") == [] and dec.protocol is None    # waits: a prefix of a request

@@ -239,3 +239,30 @@ def test_reassembler_fed_and_finished_from_two_threads() -> None:
     r.finish()
     # every byte either delivered once or skipped as a gap (finish() mid-stream declares the holes)
     assert sum(len(b) for b in sink.bytes.values()) + r.stats.gap_bytes == flows * per_flow * 2
+
+
+def test_import_masks_header_lines_split_across_tcp_segments(tmp_path: Path) -> None:
+    """A cookie and a token whose header lines are cut into 5-byte segments: masked on the
+    reassembled stream, the calls still decoded."""
+    token, cookie = b"QWERTYUIOPASDFGHJKLZ", b"MNBVCXZLKJHGFDSAPOIU"
+    req = b"GET /a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token + b"\r\nCookie: s=" + cookie + b"\r\n\r\n"
+    resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    ts, seq = 1_700_000_000_000_000_000, {"c2s": 100, "s2c": 900}
+    client, server = ("10.0.0.1", 40001), ("10.0.0.2", 8080)
+    pkts = [(ts, _ip_tcp(client, server, 99, 0, 0x02, b"")), (ts + 1, _ip_tcp(server, client, 899, 100, 0x12, b""))]
+    for direction, data in (("c2s", req), ("s2c", resp)):
+        src, dst = (client, server) if direction == "c2s" else (server, client)
+        for i in range(0, len(data), 5):
+            ts += 1000
+            pkts.append((ts, _ip_tcp(src, dst, seq[direction], 0, 0x18, data[i:i + 5])))
+            seq[direction] += len(data[i:i + 5])
+    _write_pcap(tmp_path / "h1.pcap", pkts)
+    import_capture(str(tmp_path / "h1.pcap"), str(tmp_path / "h1.rec"))
+    raw = (tmp_path / "h1.rec").read_bytes()
+    with Recording(tmp_path / "h1.rec") as rec:
+        [call] = list(rec.calls())
+        raw += b"".join(c.data for c in rec.chunks())
+    for secret in (token, cookie):
+        assert not any(secret[i:i + 6] in raw for i in range(len(secret) - 5))
+    assert (call.method, call.status) == ("GET /a", 200)
+    assert dict(call.request_metadata)["cookie"] == dict(call.request_metadata)["authorization"] == "<redacted>"

@@ -119,3 +119,86 @@ def test_bad_rule_specs_say_what_is_accepted() -> None:
         build_redactor(True, ["cookie:x"])
     with pytest.raises(CaptureError, match="bad regex"):
         build_redactor(True, ["body-regex:(unclosed"])
+
+
+TOKEN = b"QWERTYUIOPASDFGHJKLZXCVBNM"
+
+
+def _chunks(path: Path) -> bytes:
+    with Recording(path) as rec:
+        return b"".join(c.data for c in rec.chunks())
+
+
+def test_http1_header_split_across_reads_and_request_line_split_after_the_path(tmp_path: Path) -> None:
+    """The first read ends right after `GET /hello `, a header value is split over two reads, a name
+    over two more: the call is still decoded, and no byte of the secrets reaches the chunks."""
+    req = (b"GET /hello HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN + b"\r\nX-Api-Key: " + TOKEN[::-1]
+           + b"\r\n\r\n")
+    cut1 = req.index(b"HTTP/1.1")
+    cut2 = req.index(TOKEN) + 5
+    cut3 = req.index(b"Api-Key")
+    parts = [("c2s", req[:cut1]), ("c2s", req[cut1:cut2]), ("c2s", req[cut2:cut3]), ("c2s", req[cut3:]),
+             ("s2c", b"HTTP/1.1 200 OK\r\nSet-Cookie: sid="), ("s2c", TOKEN[:9]),
+             ("s2c", TOKEN[9:] + b"\r\nContent-Length: 0\r\n\r\n")]
+    _record(tmp_path / "h1.rec", parts, [])
+    raw = _chunks(tmp_path / "h1.rec")
+    assert len(raw) == sum(len(d) for _, d in parts)
+    for secret in (TOKEN, TOKEN[::-1]):
+        assert not any(secret[i:i + 6] in raw for i in range(len(secret) - 5)), raw
+    with Recording(tmp_path / "h1.rec") as rec:
+        [call] = list(rec.calls())
+        assert [f.protocol for f in rec.flows()] == ["http1"]
+    assert (call.method, call.status) == ("GET /hello", 200)
+    meta = dict(call.request_metadata)
+    assert meta["authorization"] == meta["x-api-key"] == "<redacted>" and meta["host"] == "x"
+    assert dict(call.response_metadata)["set-cookie"] == "<redacted>"
+
+
+def test_raw_tcp_credentials_by_pattern_across_chunk_boundaries(tmp_path: Path) -> None:
+    stream = b"HELLO\nauth: Bearer " + TOKEN + b"\n{\"api_key\": \"" + TOKEN[::-1] + b"\"}\nuser=ann token=" + TOKEN[3:]
+    parts = [("c2s", stream[i:i + 7]) for i in range(0, len(stream), 7)]
+    _record(tmp_path / "tcp.rec", parts, [])
+    raw = _chunks(tmp_path / "tcp.rec")
+    assert len(raw) == len(stream) and b"user=ann" in raw and b"HELLO" in raw
+    for secret in (TOKEN, TOKEN[::-1], TOKEN[3:]):
+        assert not any(secret[i:i + 6] in raw for i in range(len(secret) - 5)), raw
+
+
+def _old_style_recording(path: Path) -> None:
+    """A file as an older version stored it: chunks masked per chunk (a split header value and a 20 KB
+    metadata block over CONTINUATION in clear), calls already redacted."""
+    big = [(f"x-meta-{i}", "v" * 100) for i in range(200)] + [("authorization", "Bearer " + TOKEN.decode())]
+    h2 = h2_conversation([GrpcCall(M, [b"a"], [b"b"], metadata=big)])
+    h1 = [("c2s", b"GET / HTTP/1.1\r\nCookie: s=" + TOKEN[:10]), ("c2s", TOKEN[10:] + b"\r\n\r\n"),
+          ("s2c", b"HTTP/1.1 204 No Content\r\n\r\n")]
+    with RecordingWriter(path, meta={"redaction_rules": ["default:credential-headers"]}) as w:
+        for proto, parts in (("grpc", h2), ("http1", h1)):
+            fid = w.add_flow(Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 50051), protocol=proto))
+            for i, (d, data) in enumerate(parts):
+                w.add_chunk_data(fid, d, 1000 + i, data)  # type: ignore[arg-type]
+
+
+def test_redact_and_export_clean_a_file_stored_with_split_secrets(tmp_path: Path) -> None:
+    src = tmp_path / "old.rec"
+    _old_style_recording(src)
+    from hpack.huffman import HuffmanEncoder
+    from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+    coded = bytes(HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(b"Bearer " + TOKEN))
+    assert coded in _chunks(src) and TOKEN[10:] in _chunks(src)           # the damage being repaired
+    res = CliRunner().invoke(cli, ["redact", str(src), "-o", str(tmp_path / "safe.rec"), "--rule", "header:x-none"])
+    assert res.exit_code == 0, res.output
+    safe = tmp_path / "safe.rec"
+    raw = safe.read_bytes() + _chunks(safe)
+    for form in (TOKEN, coded[6:]):
+        assert not any(form[i:i + 6] in raw for i in range(len(form) - 5))
+    with Recording(safe) as rec:
+        assert rec.meta["redaction_rules"] == ["default:credential-headers", "header:x-none"]
+        again = FlowDecoder(1)
+        calls = [c for ch in rec.chunks(1) for c in again.feed(ch.direction, ch.ts_ns, ch.data)] + again.finish()
+    meta = dict(calls[0].request_metadata)                                # still valid HTTP/2 that decodes
+    assert set(meta["authorization"]) == {"*"} and meta["x-meta-199"] == "v" * 100
+    from capture.pcap_export import export_file
+    export_file(str(src), str(tmp_path / "old.pcapng"))                   # export applies the file's rules too
+    pcap = (tmp_path / "old.pcapng").read_bytes()
+    for form in (TOKEN, coded[6:]):
+        assert not any(form[i:i + 6] in pcap for i in range(len(form) - 5))
