@@ -110,7 +110,8 @@ class LineMasker:
             if tail == n:
                 self.mode, self.name = _NAME, b""
             else:
-                m = _LINE.match(data, tail)
+                # a header line has its ':' within NAME_CAP bytes (a long body line never does)
+                m = _LINE.match(data, tail) if data.find(b":", tail, tail + NAME_CAP + 1) >= 0 else None
                 if m is not None and m.end(2) == n:
                     hit = self.matches(m.group(1).decode("latin-1"))
                     self.mode = (_MASK if m.end(2) > m.start(2) else _WSP) if hit else _SKIP
@@ -118,9 +119,8 @@ class LineMasker:
                 elif m is not None:
                     self.mode, self.name = _SKIP, b""      # ends in '\r'
                 else:
-                    t = _TOKEN.match(data, tail)
-                    assert t is not None
-                    if t.end() == n and n - tail <= NAME_CAP:
+                    t = _TOKEN.match(data, tail) if n - tail <= NAME_CAP else None
+                    if t is not None and t.end() == n:
                         self.mode, self.name = _NAME, t.group()
                     else:
                         self.mode, self.name = _SKIP, b""
