@@ -48,6 +48,8 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
         rows += [(f"worker {w['worker']}", worker_line(w)) for w in rep.workers]
     if rep.mismatches:
         rows.append(("mismatches", str(rep.mismatches.get("total", 0))))
+        if rep.mismatches.get("not_comparable"):   # recorded calls damaged or without a status: not compared
+            rows.append(("not comparable", str(rep.mismatches["not_comparable"])))
     rows += [("problem", p) for p in rep.problems]
     rows += [("threshold", threshold_line(c)) for c in rep.thresholds]
     if rep.passed is not None:  # judged (replay.report.judge)
@@ -76,11 +78,13 @@ def summary_table(rep: ReplayReport) -> Table:
 
 def mismatch_table(mismatches: dict[str, Any]) -> Table:
     table = Table(title="responses compared with the recording")
-    for col in ("method", "compared", "mismatched", "top fields"):
+    for col in ("method", "compared", "mismatched", "top fields", "not comparable"):
         table.add_column(col)
     for method, e in mismatches.get("by_method", {}).items():
         top = ", ".join(f"{f} {n}" for f, n in list(e["fields"].items())[:4])
-        table.add_row(method, str(e["compared"]), str(e["mismatched"]), top)
+        why = ", ".join(f"{w} {n}" for w, n in list(e.get("why", {}).items())[:3])
+        table.add_row(method, str(e["compared"]), str(e["mismatched"]), top,
+                      f"{e.get('not_comparable', 0)}" + (f" ({why})" if why else ""))
     return table
 
 
