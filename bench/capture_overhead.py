@@ -11,11 +11,16 @@ up, so the eBPF compile is not counted) and what its stop costs (for `--decode a
 decoding), lost/truncated events, import speed. With `--decode later` the stop does not decode: the
 bench then runs `shadowtest record --finish -o FILE` on each recording, as a user would on another
 machine, and reports its CPU (the whole command, interpreter start included, and the decode alone)
-per 1,000 calls, so the total cost is on the page too. Targets (issue 4): <= 3 % less throughput, <= 1 ms
+per 1,000 calls, so the total cost is on the page too. The large-message path (issue 14): unary calls
+carrying --large-mb MiB each way between a grpcio client and server in this process, without and with
+the recorder (B R B): recorder CPU per MB recorded, the traced process's extra CPU per MB (the
+in-kernel copies run in its syscalls), lost/truncated events and whether every message was kept
+whole. Targets (issue 4): <= 3 % less throughput, <= 1 ms
 more p99, zero lost events at 3,000 calls/s, recorder CPU <= 5 % of a core per 1,000 calls/s.
 Choose --rate below the agent's knee (~500 calls/s for the light tier on the 2-core dev host), or
 the p99 comparison measures the agent's queueing, not the recorder. Needs root + bcc; run as
-`.venv/bin/python bench/capture_overhead.py [--rate 400 --duration 8 --pairs 2 --decode live|at-stop|later]`.
+`.venv/bin/python bench/capture_overhead.py [--rate 400 --duration 8 --pairs 2 --decode live|at-stop|later]
+[--max-bytes N] [--large-calls 10 --large-mb 4]`.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ from agent_under_test.traffic import run_traffic  # noqa: E402
 from agent_under_test.traffic_report import TrafficReport  # noqa: E402
 from capture.recording import Recording  # noqa: E402
 
+MAX_BYTES: int | None = None    # --max-bytes for the recorder; None: its default (8 MiB per syscall)
+
 
 def start_recorder(port: int, out: Path, decode: str = "live") -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--max-bytes", "262144",
-           "--decode", decode, "-o", str(out), "--json"]
+    cmd = [sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--decode", decode, "-o", str(out),
+           "--json"] + (["--max-bytes", str(MAX_BYTES)] if MAX_BYTES else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     deadline = time.monotonic() + 90
@@ -194,6 +201,64 @@ def import_speed(tmp: Path, packets: int) -> dict[str, float]:
             "flows": res.sink.flows}
 
 
+def _large_load(port: int, calls: int, size: int) -> tuple[float, int]:
+    """`calls` unary calls of `size` bytes each way; (this process's CPU seconds, calls answered)."""
+    import grpc
+
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    payload = os.urandom(size)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    ok = 0
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+        echo = ch.unary_unary("/bench.Big/Echo")
+        for _ in range(calls):
+            ok += len(echo(payload, timeout=60)) == size
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, ok
+
+
+def large(tmp: Path, calls: int, mb: float, decode: str) -> dict[str, Any]:
+    """The large-message path: a grpcio echo server here, `calls` unary calls of `mb` MiB each way,
+    runs B R B (no recorder, recorder, no recorder)."""
+    from concurrent import futures
+
+    import grpc
+
+    size = int(mb * (1 << 20))
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    srv = grpc.server(futures.ThreadPoolExecutor(2), options=opts)
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Big", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}),))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    try:
+        base = [_large_load(port, calls, size)[0]]
+        out = tmp / "large.rec"
+        proc = start_recorder(port, out, decode)
+        ps = psutil.Process(proc.pid)
+        c0 = cpu_s(ps)
+        t0 = time.monotonic()
+        traced_cpu, ok = _large_load(port, calls, size)
+        wall = time.monotonic() - t0
+        time.sleep(0.5)                      # the last records reach the recorder
+        c1 = cpu_s(ps)
+        final = stop_recorder(proc)
+        base.append(_large_load(port, calls, size)[0])
+    finally:
+        srv.stop(0)
+    if decode == "later":
+        finish(out)
+    with Recording(out) as r:
+        whole = r._db.execute("SELECT count(*) FROM messages WHERE length(data) = ?", (size,)).fetchone()[0]
+        meta = r.meta
+    mbytes = float(str(final.get("bytes") or 0)) / (1 << 20)
+    return {"calls": calls, "size": size, "answered": ok, "wall_s": wall, "recorded_mb": mbytes,
+            "recorder_cpu_s": c1 - c0, "stop_cpu_s": float(str(final.get("stop_cpu_s") or 0.0)),
+            "traced_extra_cpu_s": traced_cpu - statistics.median(base), "base_cpu_runs": base,
+            "traced_cpu_s": traced_cpu, "whole_messages": whole, "lost": meta.get("lost_events", 0),
+            "truncated": meta.get("truncated_events", 0)}
+
+
 _STOP_NOTE = {"at-stop": "the at-stop decode runs here, after the load",
               "later": "closing the file only: the decode is left to record --finish"}
 
@@ -207,7 +272,12 @@ def main() -> None:
     ap.add_argument("--burst-rate", type=float, default=3000)
     ap.add_argument("--burst-duration", type=float, default=4)
     ap.add_argument("--packets", type=int, default=100_000)
+    ap.add_argument("--max-bytes", type=int, default=None, help="the recorder's --max-bytes (default: its own)")
+    ap.add_argument("--large-calls", type=int, default=10, help="large-message path: unary calls (0: skip)")
+    ap.add_argument("--large-mb", type=float, default=4, help="large-message path: MiB each way per call")
     args = ap.parse_args()
+    global MAX_BYTES
+    MAX_BYTES = args.max_bytes
     with tempfile.TemporaryDirectory() as d, AgentProcess(tier="light") as agent:
         tmp, port = Path(d), int(agent.grpc_address.rsplit(":", 1)[1])
         o = overhead(agent, port, tmp, args.rate, args.duration, args.pairs, args.decode)
@@ -240,6 +310,16 @@ def main() -> None:
         print(f"burst at {b['burst_rate']:.0f} calls/s (achieved {b['achieved']:.0f}): sent {b['sent']}, "
               f"recorded {b['recorded_messages']} request+response messages in {b['calls_recorded']} calls, "
               f"lost {b['lost']}, truncated {b['truncated']}   (target: 0 lost)")
+        if args.large_calls:
+            g = large(tmp, args.large_calls, args.large_mb, args.decode)
+            mb = g["recorded_mb"] or 1.0
+            print(f"large messages: {g['calls']} unary calls of {g['size']:,} bytes each way in {g['wall_s']:.2f} s "
+                  f"({g['answered']} answered): recorded {g['recorded_mb']:.1f} MiB, {g['whole_messages']} messages "
+                  f"whole of {2 * g['calls']}, lost {g['lost']}, truncated {g['truncated']}")
+            print(f"  recorder CPU {g['recorder_cpu_s']:.2f} s while recording = {g['recorder_cpu_s'] / mb * 1000:.1f} ms "
+                  f"per MiB recorded (+{g['stop_cpu_s']:.2f} s at stop); traced process (client+server here) "
+                  f"{g['traced_cpu_s']:.2f} s vs {statistics.median(g['base_cpu_runs']):.2f} s unrecorded (runs "
+                  f"{[round(x, 2) for x in g['base_cpu_runs']]}) = {g['traced_extra_cpu_s'] / mb * 1000:+.1f} ms per MiB")
     with tempfile.TemporaryDirectory() as d:
         i = import_speed(Path(d), args.packets)
         print(f"pcap import: {i['packets']} packets in {i['seconds']:.1f} s = {i['packets'] / i['seconds']:.0f} "

@@ -56,8 +56,8 @@ def run(agent: AgentProcess, tmp_path_factory: pytest.TempPathFactory) -> dict:
     if shutil.which("tcpdump"):
         tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(agent)}"],
                                    stderr=subprocess.DEVNULL)
-    # gRPC reads whatever has arrived in one recvmsg: under bursts that exceeds the 16 KiB default
-    rec = Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144)).start()
+    # the default --max-bytes (8 MiB per syscall): gRPC's batched reads under bursts are kept whole
+    rec = Recorder(RecordOptions(output=str(out), port=_port(agent))).start()
     try:
         report = run_traffic(agent.grpc_address, 250, 3.0, seed=3, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)   # the last responses' syscalls reach the ring buffer
@@ -234,7 +234,7 @@ def test_client_side_records_the_callers_connections_with_both_ends(agent: Agent
 
 def test_decode_at_stop_records_every_sent_call_with_identical_bytes(agent: AgentProcess, tmp_path: Path) -> None:
     out, log = tmp_path / "stop.rec", tmp_path / "sent.jsonl"
-    with Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144, decode="at-stop")) as rec:
+    with Recorder(RecordOptions(output=str(out), port=_port(agent), decode="at-stop")) as rec:
         run_traffic(agent.grpc_address, 150, 1.0, seed=6, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)
         assert rec.stats.calls == 0          # nothing decoded while recording
@@ -248,7 +248,7 @@ def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(age
     from capture.record import finish_recording
 
     out, log = tmp_path / "later.rec", tmp_path / "sent.jsonl"
-    with Recorder(RecordOptions(output=str(out), port=_port(agent), max_bytes=262144, decode="later")) as rec:
+    with Recorder(RecordOptions(output=str(out), port=_port(agent), decode="later")) as rec:
         run_traffic(agent.grpc_address, 150, 1.0, seed=7, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)
     assert rec.result["calls"] == 0 and rec.result["lost_events"] == 0 and rec.result["calls_decoded"] is False
