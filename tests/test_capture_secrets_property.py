@@ -26,7 +26,7 @@ from capture.record import build_redactor
 from capture.recording import Flow, RecordingWriter
 from capture.redact_file import redact_recording
 from capture.sink import FlowSink
-from wire.h2 import PREFACE, Flag, FrameType, frame
+from wire.h2 import PREFACE, Flag, FrameType, frame, split
 from wire.headers import encode_block
 
 WINDOW = 6
@@ -311,3 +311,50 @@ def test_the_check_itself_finds_secrets_stored_without_redaction(tmp_path: Path)
         sink.close()
     windows = sec.windows()
     assert leaks(path.read_bytes(), windows) > 100
+
+
+def test_real_grpc_call_with_20_kb_of_metadata_leaves_no_secret(tmp_path: Path) -> None:
+    """A real grpcio client and server through the proxy backend (real socket reads decide the chunks):
+    20 KB of metadata, Huffman-coded and indexed by grpc-core's HPACK encoder, with a bearer token and an
+    api key. (grpc-core advertises frames large enough for the block; the random segmentations above
+    cover blocks over HEADERS + CONTINUATION.)"""
+    from concurrent import futures
+
+    import grpc
+
+    from capture.backends import RecordOptions
+    from capture.record import Recorder
+
+    rng = random.Random(3)
+    sec = Secrets(rng)
+    token, key = sec.new(40), sec.new(32)
+    opts = [("grpc.max_metadata_size", 1 << 20)]
+    srv = grpc.server(futures.ThreadPoolExecutor(2), options=opts)
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("s.S", {
+        "M": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}),))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    out = tmp_path / "grpc.rec"
+    try:
+        with Recorder(RecordOptions(output=str(out), backend="proxy", port=port)) as rec:
+            address = rec.backend.address  # type: ignore[attr-defined]
+            with grpc.insecure_channel(f"127.0.0.1:{address[1]}", options=opts) as ch:
+                call = ch.unary_unary("/s.S/M")
+                for i in range(3):
+                    meta = [(f"x-meta-{k}", _filler(rng, 100)) for k in range(200)]
+                    meta.insert(rng.randint(0, 200), ("authorization", f"Bearer {token}"))
+                    meta.append(("x-api-key", key))
+                    assert call(b"ping-%d" % i, timeout=10, metadata=meta) == b"ping-%d" % i
+    finally:
+        srv.stop(0)
+    assert rec.result is not None and rec.result["calls"] == 3
+    db = sqlite3.connect(out)
+    c2s = b"".join(r[0] for r in db.execute("SELECT data FROM chunks WHERE direction = 'c2s' ORDER BY id"))
+    db.close()
+    frames, _, _ = split(c2s[len(PREFACE):])
+    blocks = [len(f[3]) for f in frames if f[0] in (int(FrameType.HEADERS), int(FrameType.CONTINUATION))]
+    assert max(blocks) > 20_000          # the 20 KB block (grpc-core allows frames that large: one HEADERS)
+    windows = sec.windows()
+    check_file(out, windows)
+    export_file(str(out), str(tmp_path / "grpc.pcapng"))
+    assert not leaks((tmp_path / "grpc.pcapng").read_bytes(), windows)
