@@ -87,6 +87,7 @@ class _FlowState:
         self.seq = {"c2s": 1000, "s2c": 5000}
         self.started = False
         self.sent = {"c2s": 0, "s2c": 0}                  # chunks written per direction
+        self.marked = 0                                   # gaps shown (sequence jump + comment)
         # chunks_before -> [(bytes missing or None, how)] per direction
         self.gaps: dict[str, dict[int, list[tuple[int | None, str | None]]]] = {"c2s": {}, "s2c": {}}
 
@@ -103,6 +104,7 @@ class _FlowState:
     def _skip(self, direction: str, gaps: list[tuple[int | None, str | None]]) -> str | None:
         if not gaps:
             return None
+        self.marked += len(gaps)
         known = sum(n for n, _ in gaps if n)
         unknown = sum(1 for n, _ in gaps if not n)
         self.seq[direction] += known + unknown
@@ -126,7 +128,7 @@ def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
                                    if s.flow.closed_ns is not None and fid is not None]
     heapq.heapify(fins)
     out.write(_headers())
-    counts = {"flows": len(flows), "chunks": 0, "packets": 0}
+    counts = {"flows": len(flows), "chunks": 0, "packets": 0, "gaps_marked": 0}
 
     def flushed(fid: int) -> None:
         """Write what the flow's masker still holds (before its FIN, or at the end)."""
@@ -159,6 +161,7 @@ def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
         counts["packets"] += _fin(out, flows[fid], ts + offset)
     for fid in list(maskers):
         flushed(fid)
+    counts["gaps_marked"] = sum(st.marked for st in flows.values())
     return counts
 
 

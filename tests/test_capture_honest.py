@@ -128,7 +128,8 @@ def test_export_shows_the_gap_to_wireshark(tmp_path: Path) -> None:
     victim = _gap_index(parts)
     missing = len(parts[victim][1])
     _record(tmp_path / "gap.rec", parts, gap_before=victim, gap_bytes=missing)
-    export_file(str(tmp_path / "gap.rec"), str(tmp_path / "gap.pcapng"))
+    res = CliRunner().invoke(cli, ["export", str(tmp_path / "gap.rec"), "-o", str(tmp_path / "gap.pcapng")])
+    assert res.exit_code == 0 and ", 1 gap(s) marked -> " in res.output, res.output
     out = subprocess.run(["tshark", "-r", str(tmp_path / "gap.pcapng"), "-d", f"tcp.port=={PORT},http2",
                           "-Y", "tcp.analysis.lost_segment", "-T", "fields", "-e", "frame.number",
                           "-e", "tcp.srcport", "-e", "frame.comment"],

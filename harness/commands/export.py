@@ -16,7 +16,9 @@ import click
 def command(file: str, output: str, force: bool, as_json: bool) -> None:
     """Export a recording as pcapng with synthesized TCP/IP framing and the original timestamps.
 
-    Wireshark decodes gRPC on a non-standard port once told it is HTTP/2 ("Decode As").
+    Wireshark decodes gRPC on a non-standard port once told it is HTTP/2 ("Decode As"). Bytes the
+    recording does not hold (gaps) show as "previous segment not captured", with a packet comment
+    saying how many bytes are missing. The file's redaction rules are applied once more.
 
     \b
     Examples:
@@ -29,8 +31,9 @@ def command(file: str, output: str, force: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(counts, indent=2))
     else:
-        click.echo(f"exported {counts['flows']} flows, {counts['chunks']} chunks as {counts['packets']} packets "
-                   f"-> {output}")
+        gaps = f", {counts['gaps_marked']} gap(s) marked" if counts.get("gaps_marked") else ""
+        click.echo(f"exported {counts['flows']} flows, {counts['chunks']} chunks as {counts['packets']} packets"
+                   f"{gaps} -> {output}")
         for p in counts["problems"]:
             click.echo(f"problem: {p}", err=True)
     sys.exit(1 if counts["problems"] else 0)
