@@ -20,7 +20,9 @@ def command(file: str, output: str | None, in_place: bool, rules: tuple[str, ...
             as_json: bool) -> None:
     """Redact headers, body patterns or JSON fields in a recording (calls and raw chunks).
 
-    The recording's meta lists every rule applied (at record time and here).
+    The recording's meta lists every rule applied (at record time and here). The rules the file
+    already lists are applied again first, on each flow's reassembled stream, so a file stored by an
+    older version (which masked chunk by chunk) comes out without a credential split over chunks.
 
     \b
     Examples:
