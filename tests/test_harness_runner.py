@@ -77,6 +77,14 @@ def test_protected_agent_passes_and_reports_everything(tmp_path: Path) -> None:
     silent = failed.pop("alert_silent[baseline]", None)
     assert silent is None or silent.evidence["max_client_p99_ms"] > 50, silent.summary
     assert not failed, ({k: v.summary for k, v in failed.items()}, result.notes)
+    # The proxy timed every call on its upstream leg: one served record per call the agent answered.
+    legs = result.timeline.outside["proxy_legs"]
+    served = sum(1 for _, _, data in legs if data)
+    ok = sum(1 for c in result.timeline.calls if c.outcome == "ok")
+    late = sum(1 for c in result.timeline.calls if c.outcome == "timeout")
+    assert ok <= served <= ok + late and all(done >= sent for sent, done, _ in legs), (served, ok, late)
+    fires = next(v for v in result.verdicts if v.kind == "alert_fires")
+    assert fires.evidence["truth"] == "proxy_leg" and "tolerance" in fires.evidence
     quota = result.timeline.faults[0]
     assert quota.applied_s is not None and quota.removed_s is not None and quota.error is None
     assert abs(quota.applied_s - 5.0) < 1.0 and abs(quota.removed_s - 9.0) < 1.0   # on schedule, 1 s slack
