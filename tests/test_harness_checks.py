@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from harness.checks import CHECKS, Verdict, evaluate_all
 from harness.scenario import CheckSpec
@@ -294,3 +297,42 @@ def test_alert_rule_and_percentiles_judge_the_services_own_series() -> None:
     assert run("percentiles_distinct", timeline(events=_service_periods(p99s))).passed
     v = run("percentiles_distinct", timeline(events=_service_periods(p99s, p95_of=lambda p99: p99)))
     assert not v.passed and "P99 equals P95 in 11 of 11 periods" in v.summary
+
+
+def test_the_proxys_tap_logs_each_calls_upstream_leg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The h2 tap writes SENT DONE DATA per call: request END_STREAM out, response END_STREAM in."""
+    import random
+
+    import hpack
+
+    from faults.proxy import h2tap
+    from harness.checks.truth import read_leg_log
+    from wire.h2 import PREFACE, Flag, FrameType, frame, settings
+
+    log = tmp_path / "legs.txt"
+    monkeypatch.setenv(h2tap.LEG_LOG_ENV, str(log))
+    up: list[bytes] = []
+    down: list[bytes] = []
+    tap = h2tap.H2Tap(up.append, down.append, lambda: [], random.Random(1))
+    enc = hpack.Encoder()
+    req = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", "/agent.Agent/Decide"),
+                      (":authority", "x"), ("content-type", "application/grpc")])
+    tap.feed_up(PREFACE + settings({}))
+    tap.feed_up(frame(FrameType.HEADERS, Flag.END_HEADERS, 1, req))
+    tap.feed_up(frame(FrameType.DATA, Flag.END_STREAM, 1, b"\x00\x00\x00\x00\x00"))
+    tap.feed_up(frame(FrameType.HEADERS, Flag.END_HEADERS, 3, enc.encode([(":method", "POST"), (":path", "/x")])))
+    tap.feed_up(frame(FrameType.DATA, Flag.END_STREAM, 3, b"\x00\x00\x00\x00\x00"))
+    server = hpack.Encoder()
+    replies = [settings({}),
+               frame(FrameType.HEADERS, Flag.END_HEADERS, 1, server.encode([(":status", "200")])),
+               frame(FrameType.DATA, 0, 1, b"\x00\x00\x00\x00\x01\x08"),
+               frame(FrameType.HEADERS, Flag.END_STREAM | Flag.END_HEADERS, 1, server.encode([("grpc-status", "0")])),
+               # Stream 3 refused: trailers only, no DATA (not a served call).
+               frame(FrameType.HEADERS, Flag.END_STREAM | Flag.END_HEADERS, 3,
+                     server.encode([(":status", "200"), ("grpc-status", "8")]))]
+    for raw in replies:
+        tap.feed_down(raw)
+    assert b"".join(down) == b"".join(replies)     # timing only: the server's bytes pass untouched
+    legs = read_leg_log(log, 0.0)
+    assert [served for _, _, served in legs] == [True, False]
+    assert all(0 <= done - sent < 1.0 for sent, done, _ in legs)
