@@ -95,15 +95,16 @@ CALL_DAMAGED = "damaged"
 Direction = Literal["c2s", "s2c"]
 
 
-def call_damage(status: int | None, status_message: str | None) -> str | None:
+def call_damage(status: int | None, status_message: str | None, protocol: str | None = None) -> str | None:
     """Why a recorded call cannot be compared with a replayed one (None: it can): damaged by a gap,
-    a body not captured, an outcome or status unknown, or no status recorded at all."""
+    a body not captured, an outcome or status unknown, or no status recorded at all (raw TCP
+    pseudo-calls have none by nature)."""
     msg = status_message or ""
     if msg.startswith(CALL_DAMAGED) or msg.startswith(BODY_NOT_CAPTURED) or msg == OUTCOME_UNKNOWN:
         return msg.split(";")[0]
     if msg == STATUS_HIDDEN:
         return "status not captured"
-    if status is None:
+    if status is None and protocol != "tcp":
         return "no status recorded"
     return None
 

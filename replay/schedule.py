@@ -151,7 +151,7 @@ def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop:
                        status_hidden=call.status is None and call.status_message == STATUS_HIDDEN,
                        request_body_missing=(call.status_message or "").startswith(
                            f"{BODY_NOT_CAPTURED}: request"),
-                       not_comparable=call_damage(call.status, call.status_message),
+                       not_comparable=call_damage(call.status, call.status_message, call.protocol),
                        expected_responses=[bytes(m.data) for m in call.responses])
 
 
