@@ -328,7 +328,7 @@ class TolerantDecoder:
             name, pos = self._string(data, pos)
         value_at = pos
         value, pos = self._string(data, pos)
-        if name is not None and self._mask and self._mask(name.decode("latin-1")):
+        if self._mask and (name is None or self._mask(name.decode("latin-1"))):   # unknown name: masked
             _, used = decode_integer(data[value_at:], 7)
             out.spans.append((value_at, value_at + used, pos))
             value = b"*" * (pos - value_at - used)   # what a reader of the masked bytes will see
