@@ -30,6 +30,7 @@ class _Parser:
         # a message whose body had a gap: (start line, headers, first ts, bytes missing, chunked)
         self.holed: tuple[str, list[tuple[str, str]], int, int, bool] | None = None
         self.skip = 0                    # body bytes still to come before the framing resumes
+        self.cut = 0                     # a holed body the connection ended inside: the bytes it lacked
 
     def step_over(self, nbytes: int | None, head_only: bool = False) -> int | None:
         """A gap of `nbytes`: step over it inside the current body; the bytes missing, or None if it cannot."""
@@ -68,7 +69,7 @@ class _Parser:
         if self.broken:
             return None
         if self.holed is not None:
-            return self._holed_message(ts_ns)
+            return self._holed_message(ts_ns, at_eof)
         end = self.buf.find(b"\r\n\r\n")
         if end < 0:
             return None
@@ -99,11 +100,17 @@ class _Parser:
         self.first_ts = None if not self.buf else ts_ns
         return lines[0], headers, body, first, 0
 
-    def _holed_message(self, ts_ns: int) -> tuple[str, list[tuple[str, str]], bytes, int, int] | None:
+    def _holed_message(self, ts_ns: int, at_eof: bool = False) -> tuple[str, list[tuple[str, str]], bytes, int,
+                                                                         int] | None:
         assert self.holed is not None
         line, headers, first, missing, chunked = self.holed
         if len(self.buf) < self.skip:
-            return None
+            if not at_eof:
+                return None
+            # the connection ended inside the body (a client gone mid-download): still this message
+            self.cut, self.holed, self.skip = self.skip - len(self.buf), None, 0
+            self.buf.clear()
+            return line, headers, b"", first, missing
         used = self.skip
         if chunked:
             parsed = _dechunk(self.buf, used)
@@ -207,6 +214,9 @@ class Http1Decoder:
                 call.status_message = parts[2] if len(parts) > 2 else None
                 if missing:
                     call.status_message = _body_missing("response", missing, self.how.pop("s2c", None))
+                if self.resp.cut:
+                    call.status_message = f"{call.status_message}; the connection closed {self.resp.cut} bytes before its end"
+                    self.resp.cut = 0
             call.status = status
             call.response_metadata, call.response_ts_ns, call.end_ts_ns = headers, first, ts_ns
             if body:
