@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor, ServiceDescriptor
@@ -199,8 +199,11 @@ class Source:
     methods: tuple[MethodType, ...]
 
 
-def load_source(spec: str, allow: Iterable[str] = (), timeout_s: float = 2.0) -> Source:
+def load_source(spec: str, allow: Iterable[str] = (), timeout_s: float = 2.0, tls: Any = None,
+                metadata: tuple[tuple[str, str], ...] = ()) -> Source:
     """`reflection=HOST:PORT`, a protoset file, or comma-separated generated module names.
+
+    tls, metadata: for reflection, the TLS config and the metadata to send (see descriptors_from_reflection).
 
     Raises replay's TargetNotAllowedError for a reflection target that is neither loopback nor
     allowed, CompareError when the descriptors cannot be had (no reflection, unreadable file)."""
@@ -214,7 +217,8 @@ def load_source(spec: str, allow: Iterable[str] = (), timeout_s: float = 2.0) ->
             check_target(target, allow)
         except TargetNotAllowedError as exc:
             raise TargetNotAllowedError(f"cannot ask {target} for reflection: {exc}") from exc
-        return Source(f"reflection {target}", tuple(methods_of(descriptors_from_reflection(target, timeout_s))))
+        desc = descriptors_from_reflection(target, timeout_s, tls=tls, metadata=metadata)
+        return Source(f"reflection {target}", tuple(methods_of(desc)))
     if spec.endswith((".protoset", ".pb", ".desc")) or Path(spec).is_file():
         return Source(f"protoset {Path(spec).name}", tuple(methods_of(descriptors_from_file(spec))))
     return Source(f"modules {spec}", tuple(methods_of(descriptors_from_modules(*spec.split(",")))))

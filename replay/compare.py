@@ -78,19 +78,28 @@ def descriptors_from_file(path: str | Path) -> Descriptors:
     return Descriptors(pool, [f"{f.package}.{s.name}".lstrip(".") for f in fds.file for s in f.service])
 
 
-def descriptors_from_reflection(target: str, timeout_s: float = 5.0) -> Descriptors:
+def descriptors_from_reflection(target: str, timeout_s: float = 5.0, tls: Any = None,
+                                metadata: tuple[tuple[str, str], ...] = ()) -> Descriptors:
     """Descriptors fetched from the target's server reflection (read-only: it lists the services and
     asks for the files that define them). Every reflection call has a `timeout_s` deadline.
 
+    tls: a replay.senders.tls.TlsConfig for a TLS target (verified: grpcio cannot skip verification);
+    metadata: sent with every reflection call (the replay's --set-header credentials and its marker).
     Raises CompareError when the target does not answer reflection."""
     import grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    channel = grpc.insecure_channel(target)
+    if tls is None:
+        channel = grpc.insecure_channel(target)
+    elif tls.insecure:
+        raise CompareError(f"cannot ask {target} for reflection with --insecure (grpcio always verifies): give "
+                           "the CA with --ca, or pass --descriptors FILE.protoset")
+    else:
+        channel = grpc.secure_channel(target, tls.grpc_credentials(), options=tls.grpc_options())
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         # The database sets no deadline of its own: a server that accepts and never answers would hang us.
-        db = ProtoReflectionDescriptorDatabase(_with_deadline(channel, timeout_s))
+        db = ProtoReflectionDescriptorDatabase(_with_deadline(channel, timeout_s, metadata))
         services = db.get_services()
         pool = descriptor_pool.DescriptorPool(db)
         for s in services:  # fetch now, while the channel is known good; the run needs no reflection
@@ -98,8 +107,9 @@ def descriptors_from_reflection(target: str, timeout_s: float = 5.0) -> Descript
     except (grpc.FutureTimeoutError, grpc.RpcError, KeyError, AssertionError) as exc:
         # KeyError / AssertionError: the database's answer to a NOT_FOUND or another error response
         channel.close()
-        raise CompareError(f"{target} does not answer server reflection ({exc!r}); pass --descriptors "
-                           f"FILE.protoset or compare bytes only") from exc
+        how = " over TLS" if tls is not None else ""
+        raise CompareError(f"{target} does not answer server reflection{how} ({_reason(exc)}); pass "
+                           f"--descriptors FILE.protoset or compare bytes only") from exc
     return Descriptors(pool, services)
 
 
@@ -112,13 +122,25 @@ class _CallDetails(NamedTuple):
     compression: Any
 
 
-def _with_deadline(channel: Any, timeout_s: float) -> Any:
-    """`channel` whose stream-stream calls (reflection's only kind) each get a `timeout_s` deadline."""
+def _reason(exc: BaseException) -> str:
+    """One line: an RpcError's status and details, else the exception's repr."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    if isinstance(exc, Exception) and type(exc).__name__ == "FutureTimeoutError":
+        return "no connection within the timeout"
+    return repr(exc)
+
+
+def _with_deadline(channel: Any, timeout_s: float, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    """`channel` whose stream-stream calls (reflection's only kind) each get a `timeout_s` deadline
+    and carry `metadata` besides their own."""
     import grpc
 
     class Deadline(grpc.StreamStreamClientInterceptor):
         def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-            return continuation(_CallDetails(details.method, timeout_s, details.metadata, details.credentials,
+            md = tuple(details.metadata or ()) + tuple(metadata)
+            return continuation(_CallDetails(details.method, timeout_s, md or None, details.credentials,
                                              details.wait_for_ready, details.compression), request_iterator)
 
     return grpc.intercept_channel(channel, Deadline())
@@ -236,15 +258,17 @@ class CompareSpec:
     .protoset/.pb, or comma-separated module names ("agent_under_test.proto.agent_pb2").
     """
 
-    def __init__(self, source: str = "reflection", ignore: Iterable[str] = ()) -> None:
+    def __init__(self, source: str = "reflection", ignore: Iterable[str] = (), tls: Any = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.source, self.ignore = source, tuple(ignore)
+        self.tls, self.metadata = tls, tuple(metadata)   # for reflection: the replay's TLS and credentials
 
     def build(self, target: str) -> Comparer:
         """Raises CompareError when the descriptors cannot be had."""
         if self.source == "bytes":
             desc = None
         elif self.source == "reflection":
-            desc = descriptors_from_reflection(target)
+            desc = descriptors_from_reflection(target, tls=self.tls, metadata=self.metadata)
         elif self.source.endswith((".protoset", ".pb", ".desc")):
             desc = descriptors_from_file(self.source)
         else:

@@ -191,10 +191,13 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
         raise click.BadParameter(str(exc), param_hint="--method-map") from exc
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
                             loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by)
+    tls_config = build_tls(tls, ca, cert, key, insecure, server_name, sender)
+    header_policy = build_headers(set_headers, drop_headers, no_marker, keep_trace_context)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
-                         allow_targets=allow, compare=CompareSpec(descriptors, ignore) if compare else None,
-                         tls=build_tls(tls, ca, cert, key, insecure, server_name, sender),
-                         headers=build_headers(set_headers, drop_headers, no_marker, keep_trace_context))
+                         allow_targets=allow,
+                         compare=CompareSpec(descriptors, ignore, tls_config, _reflection_metadata(header_policy))
+                         if compare else None,
+                         tls=tls_config, headers=header_policy)
     try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
         sched.validate()
         check_target(target, allow)
@@ -217,6 +220,13 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
 
 
 _REFLECTION_TIMEOUT_S = 2.0
+
+
+def _reflection_metadata(policy: Any) -> tuple[tuple[str, str], ...]:
+    """What the replay's own calls add (--set-header credentials, the marker), for its reflection calls."""
+    from replay.senders.headers import DEFAULT_POLICY
+
+    return tuple((policy or DEFAULT_POLICY).apply([], "grpc"))
 _SHOWN_GROUPS = 10
 
 
@@ -239,7 +249,8 @@ def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any) -
         if not groups:
             return opts
         try:
-            source = load_source(f"reflection={target}", allow, _REFLECTION_TIMEOUT_S)
+            source = load_source(f"reflection={target}", allow, _REFLECTION_TIMEOUT_S, tls=opts.tls,
+                                 metadata=_reflection_metadata(opts.headers))
         except ReplayError as exc:
             click.echo(f"methods: {len(groups)} groups of calls of unknown method are not sent; reflection not "
                        f"available ({exc}); name them with --method-map FLOW:REF=METHOD", err=True)
