@@ -37,7 +37,17 @@ def _options(cfg: dict[str, Any]) -> Any:
                             methods=frozenset(cfg.get("methods") or ()), shard=(int(s[0]), int(s[1])),
                             shard_by=str(cfg.get("shard_by", "call")))
     lead_ns = int((float(cfg["start_wall"]) - time.time()) * 1e9)
-    return ReplayOptions(schedule=sched, sender=str(cfg.get("sender", "auto")),
+    tls, headers = None, None
+    if cfg.get("tls"):
+        from replay.senders.tls import TlsConfig
+        tls = TlsConfig(**cfg["tls"])
+        tls.check()  # a file missing on this worker: one line to the master
+    if cfg.get("headers"):
+        from replay.senders.headers import HeaderPolicy
+        h = cfg["headers"]
+        headers = HeaderPolicy(tuple((str(k), str(v)) for k, v in h.get("set", ())), tuple(h.get("drop", ())),
+                               bool(h.get("marker", True)), bool(h.get("keep_trace_context", False)))
+    return ReplayOptions(tls=tls, headers=headers, schedule=sched, sender=str(cfg.get("sender", "auto")),
                          timeout_s=float(cfg.get("timeout_s", 10.0)),
                          max_in_flight=int(cfg.get("max_in_flight", 256)),
                          allow_targets=tuple(cfg.get("allow_targets") or ()),

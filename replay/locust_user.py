@@ -93,6 +93,23 @@ def _add_arguments(parser: Any) -> None:
     g.add_argument("--shadow-stop-grace", type=float, default=3.0,
                    help="seconds the master waits for the workers' final counts when the run time ends")
     g.add_argument("--shadow-json", default="", metavar="FILE", help="write shadowtest's accounting as JSON")
+    # TLS and headers, as `shadowtest replay`'s options; the files must exist at the same path on every worker.
+    g.add_argument("--shadow-tls", action="store_true", default=False,
+                   help="speak TLS to the target (verified with the system CAs or --shadow-ca)")
+    g.add_argument("--shadow-ca", default=None, metavar="FILE", help="TLS: trust only the CAs in this PEM file")
+    g.add_argument("--shadow-cert", default=None, metavar="FILE", help="TLS: client certificate (PEM) for mTLS")
+    g.add_argument("--shadow-key", default=None, metavar="FILE", help="TLS: the client certificate's key")
+    g.add_argument("--shadow-insecure", action="store_true", default=False,
+                   help="TLS without verifying the server's certificate or name")
+    g.add_argument("--shadow-server-name", default=None, metavar="NAME", help="TLS: the name sent as SNI and verified")
+    g.add_argument("--shadow-set-header", action="append", default=[], metavar="NAME=VALUE",
+                   help="add or replace this header / gRPC metadata on every call (repeatable)")
+    g.add_argument("--shadow-drop-header", action="append", default=[], metavar="GLOB",
+                   help="do not replay recorded headers whose name matches (repeatable)")
+    g.add_argument("--shadow-no-marker", action="store_true", default=False,
+                   help="do not add the header x-shadowtest-replay: 1")
+    g.add_argument("--shadow-keep-trace-context", action="store_true", default=False,
+                   help="replay traceparent, tracestate, b3, x-b3-*, uber-trace-id (stripped by default)")
 
 
 class ReplayFailure(Exception):
@@ -142,7 +159,26 @@ def _config(opts: Any, target: str) -> dict[str, Any]:
     return {"target": target, "speed": opts.shadow_speed, "loop": opts.shadow_loop,
             "timeout_s": opts.shadow_timeout, "window": _window(opts.shadow_window),
             "methods": [m for m in opts.shadow_method.split(",") if m], "max_in_flight": opts.shadow_max_in_flight,
-            "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": opts.shadow_shard_by}
+            "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": opts.shadow_shard_by,
+            "tls": _tls(opts), "headers": _headers(opts)}
+
+
+def _tls(opts: Any) -> dict[str, Any] | None:
+    """The TLS options as JSON (paths: each worker reads the files itself); checked here, exit 2 when bad."""
+    from replay.senders.tls import TlsConfig
+    config = TlsConfig.from_options(opts.shadow_tls, opts.shadow_ca, opts.shadow_cert, opts.shadow_key,
+                                    opts.shadow_insecure, opts.shadow_server_name, opts.shadow_sender)
+    return None if config is None else {"ca": config.ca, "cert": config.cert, "key": config.key,
+                                        "insecure": config.insecure, "server_name": config.server_name}
+
+
+def _headers(opts: Any) -> dict[str, Any]:
+    from replay.senders.headers import HeaderPolicy
+    policy = HeaderPolicy.from_options(tuple(opts.shadow_set_header), tuple(opts.shadow_drop_header),
+                                       marker=not opts.shadow_no_marker,
+                                       keep_trace_context=opts.shadow_keep_trace_context)
+    return {"set": [list(kv) for kv in policy.set_headers], "drop": list(policy.drop), "marker": policy.marker,
+            "keep_trace_context": policy.keep_trace_context}
 
 
 def _schedule(cfg: dict[str, Any]) -> Any:
@@ -178,7 +214,7 @@ class _Master:
 
     def _validate(self, env: Any) -> dict[str, Any]:
         """Refuse bad options, a disallowed target or an unreadable recording with one line."""
-        from replay.errors import PlanError, TargetNotAllowedError
+        from replay.errors import PlanError, SenderError, TargetNotAllowedError
         from replay.plan import estimate_total
         from replay.target import check_target
         opts = env.parsed_options
@@ -194,8 +230,11 @@ class _Master:
             sched.validate()
         except TargetNotAllowedError as exc:
             _exit(2, str(exc).replace("--allow-target", "--shadow-allow-target"))
-        except (PlanError, ValueError) as exc:
-            _exit(2, str(exc))
+        except (PlanError, ValueError, SenderError) as exc:  # SenderError: a TLS option (one line)
+            msg = str(exc)
+            for opt in ("tls", "ca", "cert", "key", "insecure", "server-name", "set-header", "drop-header"):
+                msg = msg.replace(f"--{opt} ", f"--shadow-{opt} ").replace(f"--{opt}/", f"--shadow-{opt}/")
+            _exit(2, msg)
         try:
             self.total = estimate_total(self.path, sched)
         except Exception as exc:  # missing, damaged, not decoded yet: one line

@@ -36,21 +36,10 @@ def build_tls(tls: bool, ca: str | None, cert: str | None, key: str | None, inse
     """The TlsConfig of the TLS options, None without them; a bad file or combination: click.UsageError (exit 2)."""
     from replay.senders.tls import TlsConfig, TlsConfigError
 
-    if not (tls or ca or cert or key or insecure or server_name):
-        return None
-    config = TlsConfig(ca=ca, cert=cert, key=key, insecure=insecure, server_name=server_name)
     try:
-        if server_name is not None and (not server_name or len(server_name) > 253 or any(c.isspace() for c in server_name)):
-            raise TlsConfigError(f"--server-name {server_name!r}: not a host name")
-        if insecure and ca:
-            raise TlsConfigError("--insecure skips verification: --ca would not be used; give one of them")
-        if insecure and sender == "grpc":
-            raise TlsConfigError("--insecure is not possible with --sender grpc (grpcio always verifies); "
-                                 "use --sender h2 or give the CA with --ca")
-        config.check()
+        return TlsConfig.from_options(tls, ca, cert, key, insecure, server_name, sender)
     except TlsConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    return config
 
 
 def header_options(f: Any) -> Any:

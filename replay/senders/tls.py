@@ -42,6 +42,26 @@ class TlsConfig:
     insecure: bool = False
     server_name: str | None = None
 
+    @classmethod
+    def from_options(cls, tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
+                     insecure: bool = False, server_name: str | None = None, sender: str = "auto") -> TlsConfig | None:
+        """The config of the command-line TLS options (any of them turns TLS on), checked; None without them.
+
+        Raises TlsConfigError (one line) for a bad file, name or combination."""
+        if not (tls or ca or cert or key or insecure or server_name):
+            return None
+        if server_name is not None and (not server_name or len(server_name) > 253
+                                        or any(c.isspace() for c in server_name)):
+            raise TlsConfigError(f"--server-name {server_name!r}: not a host name")
+        if insecure and ca:
+            raise TlsConfigError("--insecure skips verification: --ca would not be used; give one of them")
+        if insecure and sender == "grpc":
+            raise TlsConfigError("--insecure is not possible with --sender grpc (grpcio always verifies); "
+                                 "use --sender h2 or give the CA with --ca")
+        config = cls(ca=ca, cert=cert, key=key, insecure=insecure, server_name=server_name)
+        config.check()
+        return config
+
     def name_for(self, host: str) -> str:
         return self.server_name or host
 
