@@ -333,6 +333,11 @@ def test_the_proxys_tap_logs_each_calls_upstream_leg(tmp_path: Path, monkeypatch
     for raw in replies:
         tap.feed_down(raw)
     assert b"".join(down) == b"".join(replies)     # timing only: the server's bytes pass untouched
+    # Refused at its headers, before the request's body ended: not timed, and nothing left pending.
+    tap.feed_up(frame(FrameType.HEADERS, Flag.END_HEADERS, 5, enc.encode([(":method", "POST"), (":path", "/x")])))
+    tap.feed_down(frame(FrameType.HEADERS, Flag.END_STREAM | Flag.END_HEADERS, 5, server.encode([("grpc-status", "8")])))
+    tap.feed_up(frame(FrameType.DATA, Flag.END_STREAM, 5, b"\x00\x00\x00\x00\x00"))
+    assert not tap._sent and not tap._early and not tap._answered
     legs = read_leg_log(log, 0.0)
     assert [served for _, _, served in legs] == [True, False]
     assert all(0 <= done - sent < 1.0 for sent, done, _ in legs)

@@ -123,6 +123,7 @@ class H2Tap:
         self._legs = _leg_log()               # upstream-leg timing (module doc), when configured
         self._sent: dict[int, float] = {}     # stream -> when its request's END_STREAM went up
         self._answered: set[int] = set()      # streams whose response carried DATA
+        self._early: set[int] = set()         # streams answered before their request ended
 
     # --- client -> server -------------------------------------------------------------------
     def feed_up(self, data: bytes) -> None:
@@ -165,7 +166,10 @@ class H2Tap:
         if fate is None:
             out.append(raw)
             if self._legs is not None and ftype == _DATA and flags & _END_STREAM:
-                self._sent[sid] = time.monotonic()
+                if sid in self._early:
+                    self._early.discard(sid)
+                else:
+                    self._sent[sid] = time.monotonic()
             elif ftype == _RST:
                 self._sent.pop(sid, None)
         elif ftype == _RST and not fate.failed:  # the client gave up on a delayed call: drop what we held
@@ -261,7 +265,10 @@ class H2Tap:
         fate.released = True
         if fate.held:
             if self._legs is not None and any(r[3] == _DATA and r[4] & _END_STREAM for r in fate.held):
-                self._sent[sid] = time.monotonic()
+                if sid in self._early:
+                    self._early.discard(sid)
+                else:
+                    self._sent[sid] = time.monotonic()
             self._push_up_frames(b"".join(fate.held))
             fate.held.clear()
         del self._fates[sid]
@@ -342,8 +349,14 @@ class H2Tap:
         hi, lo, ftype, flags, sid = HEAD.unpack(hdr)
         self._d_left = hi << 16 | lo
         sid &= 0x7FFFFFFF
-        if self._legs is not None and sid in self._sent:
-            self._leg(ftype, flags, sid)
+        if self._legs is not None:
+            if sid in self._sent:
+                self._leg(ftype, flags, sid)
+            elif sid % 2 == 1 and ((ftype in (_DATA, _HEADERS) and flags & _END_STREAM) or ftype == _RST):
+                # Answered before the request ended (a refusal at its headers): never timed.
+                if len(self._early) > 10_000:
+                    self._early.clear()
+                self._early.add(sid)
         if ftype == _HEADERS or ftype == _PUSH_PROMISE or ftype == _CONTINUATION:  # header blocks
             self._d_in_block = not flags & _END_HEADERS
 
