@@ -103,7 +103,8 @@ class PrometheusServer:
         if not self.binary:
             raise RunError("the scenario names Prometheus rules but no `prometheus` binary is on PATH "
                            "(Debian: apt-get install prometheus; scripts/setup.sh installs it)")
-        self._dir = self.folder = tempfile.mkdtemp(prefix="shadowtest-prom-")
+        sweep_stale("shadowtest-prom-")
+        self._dir = self.folder = tempfile.mkdtemp(prefix=f"shadowtest-prom-{os.getpid()}-")
         try:
             self._start()
         except BaseException:
@@ -137,7 +138,8 @@ class PrometheusServer:
                     [self.binary, f"--config.file={folder / 'prometheus.yml'}",
                      f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                      "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    preexec_fn=_die_with_parent)
             if self._wait_ready():
                 self._wait_first_scrape()
                 return
@@ -241,6 +243,39 @@ def _intervals(times: list[float], step: float, end_wall: float, wall_at_t0: flo
         elif end is not None:
             iv[1] = round(end + step, 3)     # it stopped firing by the next evaluation
     return out
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the harness dies, even by kill -9 (it outlives nothing)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def sweep_stale(prefix: str) -> list[str]:
+    """Remove temp folders `<prefix><pid>-*` whose harness process is gone (a run killed with kill -9
+    cannot clean up after itself); folders of live processes are left alone. Returns what it removed."""
+    removed: list[str] = []
+    root = Path(tempfile.gettempdir())
+    try:
+        entries = [e for e in root.iterdir() if e.name.startswith(prefix)][:1000]
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry.name[len(prefix):].split("-", 1)[0]
+        if not pid_text.isdigit() or entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue                      # its run is still going
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(str(entry))
+    return removed
 
 
 def _tail(path: Path, lines: int = 3) -> str:

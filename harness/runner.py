@@ -309,7 +309,10 @@ class Runner:
 
 def _leg_log_path(stack: contextlib.ExitStack) -> str:
     """A private temp file for the proxy's upstream-leg timings (removed with the run)."""
-    folder = tempfile.mkdtemp(prefix="shadowtest-legs-")
+    from harness.prom import sweep_stale
+
+    sweep_stale("shadowtest-legs-")            # left by a run killed with kill -9
+    folder = tempfile.mkdtemp(prefix=f"shadowtest-legs-{os.getpid()}-")
     stack.callback(shutil.rmtree, folder, True)
     return os.path.join(folder, "legs.txt")
 

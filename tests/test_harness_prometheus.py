@@ -7,6 +7,7 @@ series must stay empty in the baseline and show P99High firing in the fault.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -111,3 +112,23 @@ def test_a_chaos_scenario_is_judged_through_a_real_prometheus(tmp_path: Path) ->
     pid = next(int(line.split("(pid ")[1].split(")")[0]) for line in result.log if "prometheus http" in line)
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert runner._prom.folder and not Path(runner._prom.folder).exists()
+
+
+def test_folders_of_killed_runs_are_swept_and_live_ones_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    from harness.prom import sweep_stale
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = tmp_path / f"shadowtest-legs-{gone.stdout.strip()}-abc"
+    alive = tmp_path / f"shadowtest-legs-{os.getpid()}-def"
+    other = tmp_path / "shadowtest-legs-notapid"
+    for d in (dead, alive, other):
+        d.mkdir()
+    (dead / "legs.txt").write_text("1 2 1\n")
+    assert sweep_stale("shadowtest-legs-") == [str(dead)]
+    assert not dead.exists() and alive.exists() and other.exists()
