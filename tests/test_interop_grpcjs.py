@@ -411,7 +411,9 @@ def test_replay_into_a_grpcjs_server_matches_the_recording(tmp_path: Path) -> No
     seen = _json_line(out)["calls"]
     assert sorted((c["method"], c["tag"]) for c in seen) == sorted(rec.expected)
     assert all(c["user_agent"].startswith("shadowtest-h2/") for c in seen), {c["user_agent"] for c in seen}
-    assert all(c["keys"] == ["user-agent", "x-replay-tag"] for c in seen), {tuple(c["keys"]) for c in seen}
+    # the recorded metadata, the sender's user-agent and the replay marker (on by default), nothing else
+    keys = ["user-agent", "x-replay-tag", "x-shadowtest-replay"]
+    assert all(c["keys"] == keys for c in seen), {tuple(c["keys"]) for c in seen}
     assert all(0 < c["deadline_left_ms"] <= 5_100 for c in seen)  # grpc-timeout from --timeout 5
     by_tag = {c["tag"]: c for c in seen}
     assert by_tag["big"]["bytes"] == 2 << 20 and by_tag["gz"]["bytes"] == len(b"zipped")
