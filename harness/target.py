@@ -45,8 +45,9 @@ def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout
     if scenario.proxy:
         from harness.faultrun import NetworkProxy
 
+        calls = any(f.kind.startswith("grpc_") for p in scenario.phases for f in p.faults + scenario.faults)
         proxy = stack.enter_context(NetworkProxy(running.grpc_address, name=f"st-{scenario.name}"[:40],
-                                                 seed=scenario.seed))
+                                                 seed=scenario.seed, call_toxics=calls))
         running.proxy = proxy
         running.traffic_address = proxy.listen
     return running
