@@ -147,7 +147,7 @@ class Runner:
         self.t0 = self.clock.now() + _START_DELAY_S
         followers = self._followers(running, stack)
         traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
-                             timeout_s=max(2.0, s.period_s * 4))
+                             timeout_s=max(2.0, s.period_s * 4), **_tls_and_headers(s))
         traffic.start()
         stack.callback(traffic.stop)
         faults = FaultSession(running, s.seed, self.log)
@@ -379,3 +379,14 @@ def _signals_to_exceptions() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _tls_and_headers(s: Scenario) -> dict[str, Any]:
+    """An external target's TLS settings and shadow metadata, for the traffic's sender."""
+    tls = getattr(s.target, "tls", None)
+    set_headers = getattr(s.target, "set_headers", ())
+    if tls is None and not set_headers:
+        return {}
+    from replay.senders.headers import HeaderPolicy
+
+    return {"tls": tls, "headers": HeaderPolicy(set_headers=tuple(set_headers)) if set_headers else None}

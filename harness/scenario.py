@@ -58,6 +58,8 @@ class ExternalTarget:
     p99_threshold_ms: float = 20.0
     alert_periods: int = 3
     period_s: float = 1.0
+    tls: Any = None                                  # replay.senders.tls.TlsConfig: traffic speaks TLS
+    set_headers: tuple[tuple[str, str], ...] = ()    # metadata added to every call (shadow credentials)
 
 
 Target = AgentTarget | ExternalTarget

@@ -160,7 +160,7 @@ def typed_params(node: Node | None, spec: dict[str, Param], what: str,
     return out
 
 
-def _target(node: Node) -> AgentTarget | ExternalTarget:
+def _target(node: Node, base: Path) -> AgentTarget | ExternalTarget:
     entries = node.mapping("target")
     if len(entries) != 1 or not set(entries) <= {"agent", "external"}:
         node.fail("target: expected exactly one of 'agent' (the bundled agent) or 'external' (your service)")
@@ -174,7 +174,10 @@ def _target(node: Node) -> AgentTarget | ExternalTarget:
             "p99_threshold_ms": Param("number"), "alert_periods": Param("int"), "period_s": Param("number")}
     metrics_node = ext.pop("metrics", None)
     allow_node = ext.pop("allow", None)
-    _unknown(ext, spec | {"metrics": Param("str"), "allow": Param("str")}, "target.external")
+    tls_node = ext.pop("tls", None)
+    headers_node = ext.pop("set_headers", None)
+    _unknown(ext, spec | {"metrics": Param("str"), "allow": Param("str"), "tls": Param("str"),
+                          "set_headers": Param("str")}, "target.external")
     if "address" not in ext:
         ext_node.fail("target.external: missing 'address' (host:port of your gRPC service)")
     values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k)) for k, v in ext.items()}
@@ -183,7 +186,52 @@ def _target(node: Node) -> AgentTarget | ExternalTarget:
     if metrics_node is not None:
         fields = {k: Param("str") for k in MetricNames.__dataclass_fields__}
         names = MetricNames(**typed_params(metrics_node, fields, "target.external.metrics"))
-    return ExternalTarget(metrics=names, **values)
+    tls = _external_tls(tls_node, values["address"], base) if tls_node is not None else None
+    headers = _external_headers(headers_node) if headers_node is not None else ()
+    return ExternalTarget(metrics=names, tls=tls, set_headers=headers, **values)
+
+
+_TLS_KEYS = {"ca": Param("str", help="PEM file of the CAs to trust (default: the system CAs)"),
+             "cert": Param("str", help="client certificate (PEM) for mTLS"),
+             "key": Param("str", help="the client certificate's key"),
+             "insecure": Param("bool", help="do not verify the certificate or name"),
+             "server_name": Param("str", help="the name sent as SNI and verified (default: the address's host)")}
+
+
+def _external_tls(node: Node, address: str, base: Path) -> Any:
+    """`tls: true` or `tls: {ca, cert, key, insecure, server_name}` (files relative to the scenario),
+    checked now: a missing or bad file is an error at its line. The name verified defaults to the
+    address's host, also when the traffic goes through the local fault proxy."""
+    from replay.senders.tls import TlsConfig, TlsConfigError
+    from replay.target import split_target
+
+    if isinstance(node.value(), bool):
+        if not node.boolean("target.external.tls"):
+            return None
+        opts: dict[str, Any] = {}
+    else:
+        opts = typed_params(node, _TLS_KEYS, "target.external.tls")
+        for key in ("ca", "cert", "key"):
+            if key in opts:
+                opts[key] = str((base / opts[key]) if not Path(opts[key]).is_absolute() else Path(opts[key]))
+    opts.setdefault("server_name", split_target(address)[0])
+    try:
+        return TlsConfig.from_options(True, opts.get("ca"), opts.get("cert"), opts.get("key"),
+                                      bool(opts.get("insecure", False)), opts["server_name"])
+    except TlsConfigError as exc:
+        node.fail(f"target.external.tls: {exc}")
+
+
+def _external_headers(node: Node) -> tuple[tuple[str, str], ...]:
+    """`set_headers: {authorization: Bearer shadow, ...}`: gRPC metadata added to every call."""
+    from replay.senders.headers import HeaderError, HeaderPolicy
+
+    entries = node.mapping("target.external.set_headers")
+    pairs = tuple(f"{k}={v.string(f'target.external.set_headers.{k}')}" for k, v in entries.items())
+    try:
+        return HeaderPolicy.from_options(pairs).set_headers
+    except HeaderError as exc:
+        node.fail(f"target.external.set_headers: {exc}")
 
 
 def _external_allowed(addr_node: Node, address: str, allow_node: Node | None) -> None:
@@ -353,20 +401,26 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
         if key not in entries:
             root.fail(f"scenario: missing {key!r} (a scenario needs name, target, traffic and phases)")
     name = entries["name"].string("name")
-    target = _target(entries["target"])
+    target = _target(entries["target"], base or Path("."))
     traffic = _traffic(entries["traffic"], base or Path("."))
     phases = _phases(entries["phases"], traffic)
     expect = _checks(entries["expect"], {p.name for p in phases}) if "expect" in entries else ()
     expect = tuple(declare_rule(c, target) for c in expect)   # alert_rule: the rule the target declares
     run_s = sum(p.duration_s for p in phases)
+    faults = tuple(_fault(f, f"faults[{j}]", run_s, "the run")
+                   for j, f in enumerate(entries["faults"].sequence("faults"))) \
+        if "faults" in entries and entries["faults"].value() else ()
+    if getattr(target, "tls", None) is not None:
+        calls = sorted({f.kind for p in phases for f in p.faults + faults if f.kind.startswith("grpc_")})
+        if calls:
+            entries["target"].fail(f"target.external.tls: {', '.join(calls)} cannot be applied to TLS traffic "
+                                   "(the fault proxy cannot read it); use network faults, or a plaintext target")
     return Scenario(
         name=name, target=target, traffic=traffic, phases=phases, expect=expect,
         seed=entries["seed"].integer("seed", SEED) if "seed" in entries else 0,
         description=entries["description"].string("description") if "description" in entries else "",
         proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,
-        faults=tuple(_fault(f, f"faults[{j}]", run_s, "the run")
-                     for j, f in enumerate(entries["faults"].sequence("faults")))
-        if "faults" in entries and entries["faults"].value() else (),
+        faults=faults,
         prometheus=_prometheus(entries["prometheus"], base) if "prometheus" in entries else None)
 
 
