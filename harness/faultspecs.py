@@ -36,7 +36,8 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
         # Call-level (HTTP/2, gRPC): one draw per call, so a single shared connection is hit in part.
         "grpc_delay": {"delay_ms": Param("int", required=True, help="how long the chosen calls' requests are held"),
                        "jitter_ms": Param("int"), "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
-        "grpc_error": {"status": Param("int", help="gRPC status code 1..16 (default 14, UNAVAILABLE)"),
+        "grpc_error": {"status": Param("grpc_status", help="gRPC status: a code 1..16 or its name "
+                                                         "(default 14, UNAVAILABLE)"),
                        "message": Param("str", help="grpc-message the client gets"),
                        "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
     },

@@ -16,7 +16,7 @@ from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
 from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
-from harness.faultspecs import FAULT_FAMILIES, MAX_TOXIC_MS, fault_bounds, fault_problem
+from harness.faultspecs import FAULT_FAMILIES, GRPC_STATUS, MAX_TOXIC_MS, fault_bounds, fault_problem
 from harness.scenario import (
     AgentTarget,
     CheckSpec,
@@ -121,6 +121,8 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
         return node.number(what, bound)
     if kind == "int":
         return node.integer(what, bound)
+    if kind == "grpc_status":
+        return _grpc_status(node, what, bound)
     if kind == "duration":
         return node.duration(what, bound)
     if kind == "bool":
@@ -139,6 +141,19 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
     if kind == "phase" and phases is not None and value not in phases:
         node.fail(f"{what}: no phase named {value!r}; the phases are: {', '.join(sorted(phases))}")
     return value
+
+
+def _grpc_status(node: Node, what: str, bound: Bound | None) -> int:
+    """A gRPC status code (1..16) or its name, any case: `14`, `UNAVAILABLE`, `unavailable`."""
+    raw = node.scalar(what)
+    if isinstance(raw, str):
+        codes = {name: code for code, name in GRPC_STATUS.items()}
+        code = codes.get(raw.strip().upper())
+        if code is None:
+            node.fail(f"{what}: {raw!r} is not a gRPC status; use a code 1..16 or a name such as UNAVAILABLE, "
+                      "RESOURCE_EXHAUSTED, INTERNAL, DEADLINE_EXCEEDED")
+        return code
+    return node.integer(what, bound)
 
 
 def typed_params(node: Node | None, spec: dict[str, Param], what: str,

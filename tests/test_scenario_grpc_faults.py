@@ -46,6 +46,7 @@ def _load(fault: str) -> Scenario:
     ("grpc_error, status: 0", "phases[1].faults[0].status 0 must be a whole number between 1 and 16 (a gRPC status"),
     ("grpc_error, status: 17", "phases[1].faults[0].status 17 must be a whole number between 1 and 16"),
     ("grpc_error, status: 2.5", "phases[1].faults[0].status 2.5 must be a whole number between 1 and 16"),
+    ("grpc_error, status: UNAVAILABLEX", "phases[1].faults[0].status: 'UNAVAILABLEX' is not a gRPC status; use a code"),
     ("grpc_error, method: 'Decide; rm -rf'",
      "phases[1].faults[0].method 'Decide; rm -rf' must be a gRPC method: /pkg.Service/Method"),
     ("grpc_error, message: 'caf\u00e9'", "phases[1].faults[0].message must be printable ASCII of at most 200"),
@@ -83,6 +84,12 @@ def test_good_faults_map_onto_the_proxys_call_toxics() -> None:
     assert toxic_of(s.phases[1].faults[0]) == {
         "type": "grpc_delay", "stream": "upstream", "toxicity": 1.0,
         "attributes": {"delay": 80, "jitter": 5, "share": 0.5, "method": "Decide"}}
+
+
+def test_a_status_may_be_given_by_name() -> None:
+    for text, code in (("UNAVAILABLE", 14), ("resource_exhausted", 8), ("Internal", 13), ("16", 16)):
+        s = _load(f"grpc_error, status: {text}")
+        assert toxic_of(s.phases[1].faults[0])["attributes"]["status"] == code, text
 
 
 def test_the_bundled_scenario_is_short_and_uses_both() -> None:

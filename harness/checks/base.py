@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 class Param:
     """One argument a check (or fault) accepts in a scenario file.
 
-    `type` is one of: phase, number, int, duration, str, bool, strlist.
+    `type` is one of: phase, number, int, duration, str, bool, strlist, grpc_status (a code 1..16 or
+    its name, e.g. UNAVAILABLE).
     """
 
     type: str
