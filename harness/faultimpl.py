@@ -129,7 +129,8 @@ def _quota(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     from faults.cpu import cpu_quota
 
     pid = _pid(ctx, "a CPU quota")
-    with cpu_quota(pid, cpus=spec.params["pct"] / 100.0) as held:
+    period_us = int(spec.params.get("period_ms", 100)) * 1000
+    with cpu_quota(pid, cpus=spec.params["pct"] / 100.0, period_us=period_us) as held:
         yield f"PID {pid} limited to {held.quota_us}us per {held.period_us}us (cgroup v{held.version} {held.path})"
 
 

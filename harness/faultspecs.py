@@ -45,7 +45,10 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
         "contention": {"workers": Param("int", help="competing busy workers (default: one per CPU)"),
                        "load_pct": Param("int", help="each worker's load, 1..100 (default 100)"),
                        "pin": Param("bool", help="pin the workers to the target's CPUs (default true)")},
-        "quota": {"pct": Param("number", required=True, help="CPU share of one core for the target, 1..100")},
+        "quota": {"pct": Param("number", required=True, help="CPU share of one core for the target, 1..100"),
+                  "period_ms": Param("int", help="the CFS period the share is enforced over (default 100 ms); "
+                                                 "a throttled target waits up to period x (1 - pct), so a "
+                                                 "shorter period spreads the same share into shorter stalls")},
     },
     "process": {
         "pause": {"duration": Param("duration", required=True, help="how long the target stays stopped")},
@@ -66,6 +69,7 @@ _BOUNDS: dict[str, Bound] = {
     "bytes": Bound(0, 1 << 40, "bytes", whole=True),
     "load_pct": Bound(1, 100, "%", whole=True),
     "pct": Bound(1, 100, "% of one core"),
+    "period_ms": Bound(1, 1000, "ms", whole=True, note="(the kernel takes 1 ms to 1 s)"),
     "duration": Bound(0, MAX_DURATION_S, above=True, duration=True),
     "share": Bound(0, 1, note="(the share of calls affected)"),
     "share_pct": Bound(0, 100, "%", note="of the calls"),
@@ -102,6 +106,9 @@ def fault_problem(kind: str, params: dict[str, Any]) -> tuple[str, str] | None:
     to follow 'WHERE.PARAMETER'), or None when they are fine."""
     if "share" in params and "share_pct" in params:
         return "share_pct", ": give share (0..1) or share_pct (0..100), not both"
+    if kind == "quota" and "period_ms" in params and params["pct"] * params["period_ms"] / 100 < 1:
+        return "period_ms", (f" {params['period_ms']} at {params['pct']:g} % gives less than 1 ms of CPU per period, "
+                             "the kernel's smallest quota; use a longer period")
     method = params.get("method")
     if method is not None and not _METHOD_RE.fullmatch(method):
         return "method", (f" {method!r} must be a gRPC method: /pkg.Service/Method, pkg.Service/Method or "

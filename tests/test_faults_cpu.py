@@ -116,3 +116,49 @@ def test_quota_v2_files_on_a_fake_hierarchy(tmp_path: Path, registry: FaultRegis
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.root
+def test_scenario_quota_period_reaches_the_cgroup(busy: int, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`{cpu: quota, pct: 20, period_ms: 10}`: 2 ms per 10 ms in the target's cgroup, so a throttled
+    target stalls at most ~8 ms at a time instead of ~80 ms with the default 100 ms period."""
+    import random
+    from types import SimpleNamespace
+
+    import harness.faultimpl  # noqa: F401  (registers the appliers)
+    from harness.faultapi import APPLIERS, FaultContext
+    from harness.scenario_load import load_scenario_text
+
+    if cgroup_version() == 0:
+        pytest.skip("no cgroup cpu controller on this host")
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
+    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
+            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct: 20, period_ms: 10}]}\n")
+    spec = load_scenario_text(text, "q.yaml").phases[0].faults[0]
+    ctx = FaultContext(running=SimpleNamespace(pid=busy), rng=random.Random(1))
+    with APPLIERS[("cpu", "quota")](spec, ctx) as detail:
+        assert f"PID {busy} limited to 2000us per 10000us" in detail
+        cg = Path(detail.rsplit(" ", 1)[1].rstrip(")"))
+        if cgroup_version() == 1:
+            assert (cg / "cpu.cfs_period_us").read_text().split() == ["10000"]
+            assert (cg / "cpu.cfs_quota_us").read_text().split() == ["2000"]
+        else:
+            assert (cg / "cpu.max").read_text().split() == ["2000", "10000"]
+        time.sleep(0.2)
+        limited = share(busy)
+    assert limited <= 0.2 + 0.08, f"share {limited:.2f} under 2 ms per 10 ms"
+    assert not cg.exists()
+
+
+def test_quota_period_too_short_for_its_share_is_refused_at_its_line() -> None:
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario_text
+
+    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
+            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct: 5, period_ms: 10}]}\n")
+    with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\]\.period_ms 10 at 5 % gives less "
+                                            r"than 1 ms of CPU per period"):
+        load_scenario_text(text, "q.yaml")
+    with pytest.raises(ScenarioError, match=r"period_ms 5000 must be"):
+        load_scenario_text(text.replace("pct: 5, period_ms: 10", "pct: 50, period_ms: 5000"), "q.yaml")
