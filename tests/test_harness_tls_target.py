@@ -6,10 +6,6 @@ TLS bytes as they are."""
 from __future__ import annotations
 
 import contextlib
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,26 +17,13 @@ from harness.live import LiveView
 from harness.runner import Runner, RunOptions
 from harness.scenario import ExternalTarget
 from harness.scenario_load import load_scenario_text
+from tests.nginx import NGINX, PREAMBLE, TEMP_PATHS, running_nginx
 from tests.test_replay_tls import Pki, needs_openssl, pki  # noqa: F401  (pki: the module's fixture)
 
-NGINX = shutil.which("nginx") or (Path("/usr/sbin/nginx") if Path("/usr/sbin/nginx").exists() else None)
-
-_CONF = """
-daemon off;
-master_process off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 64; }}
+_CONF = PREAMBLE + """
 http {{
     log_format calls '$request_uri|$status|$server_protocol|$http_authorization|$http_x_shadowtest_replay';
-    access_log {d}/access.log calls;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    server {{
+    access_log {d}/access.log calls;""" + TEMP_PATHS + """    server {{
         listen 127.0.0.1:{port} ssl http2;
         ssl_certificate {cert};
         ssl_certificate_key {key};
@@ -50,45 +33,15 @@ http {{
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _tls_front(tmp: Path, pki: Pki, upstream: str) -> Iterator[tuple[str, Path]]:  # noqa: F811
     """nginx on a free loopback port: TLS + HTTP/2 in front of `upstream` (h2c gRPC)."""
-    assert NGINX is not None
     d = tmp / "nginx"
     d.mkdir()
-    for _ in range(5):
-        port = _free_port()
-        (d / "nginx.conf").write_text(_CONF.format(d=d, port=port, cert=pki.server_cert, key=pki.server_key,
-                                                   upstream=upstream))
-        proc = subprocess.Popen([str(NGINX), "-p", str(d), "-c", str(d / "nginx.conf")],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-            time.sleep(0.05)
-        else:
-            proc.kill()
-            proc.wait(10)
-            continue
-        break
-    else:
-        pytest.fail(f"nginx did not start: {(d / 'error.log').read_text() if (d / 'error.log').exists() else ''}")
-    try:
+    conf = lambda port: _CONF.format(d=d, port=port, cert=pki.server_cert, key=pki.server_key,  # noqa: E731
+                                     upstream=upstream)
+    with running_nginx(d, conf) as port:
         yield f"127.0.0.1:{port}", d / "access.log"
-    finally:
-        proc.send_signal(signal.SIGQUIT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 SCENARIO = """\

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -30,10 +28,10 @@ from replay.engine import ReplayOptions, ReplayRun
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig
 from replay.testing import SERVICE, write_unary_recording
+from tests.nginx import NGINX, PREAMBLE, TEMP_PATHS, running_nginx
 
 MS = 1_000_000
 BASE = 10_000_000_000
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 needs_nginx = pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI (apt-get install openssl)")
 
@@ -98,23 +96,11 @@ class Nginx:
         return [line.split("|") for line in self.log.read_text().splitlines()]
 
 
-_NGINX_CONF = """
-daemon off;
-master_process off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 64; }}
+_NGINX_CONF = PREAMBLE + """
 http {{
     log_format replay '$request_method|$request_uri|$status|$http_authorization|$content_type|$http_traceparent|'
                       '$http_b3|$http_x_shadowtest_replay|$http_accept_encoding|$http_user_agent|$http_x_team';
-    access_log {d}/access.log replay;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 1000;
+    access_log {d}/access.log replay;""" + TEMP_PATHS + """    keepalive_requests 1000;
     server {{
         listen 127.0.0.1:{port} ssl;
         ssl_certificate {cert};
@@ -131,35 +117,9 @@ def nginx(tmp_path: Path, pki: Pki) -> Iterator[Nginx]:
         pytest.skip("needs nginx (apt-get install nginx; scripts/setup.sh does)")
     d = tmp_path / "nginx"
     d.mkdir()
-    for attempt in range(5):  # a free port can be taken between our probe and nginx's bind: try another
-        port = _free_port()
-        (d / "nginx.conf").write_text(_NGINX_CONF.format(d=d, port=port, cert=pki.server_cert, key=pki.server_key))
-        proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 10
-        up = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                up = True
-                break
-            time.sleep(0.05)
-        if up:
-            break
-        proc.kill()
-        proc.wait(10)
-        if attempt == 4:
-            pytest.fail(f"nginx did not start: {(d / 'error.log').read_text() if (d / 'error.log').exists() else ''}")
-    try:
+    conf = lambda port: _NGINX_CONF.format(d=d, port=port, cert=pki.server_cert, key=pki.server_key)  # noqa: E731
+    with running_nginx(d, conf) as port:
         yield Nginx(f"127.0.0.1:{port}", d / "access.log")
-    finally:
-        proc.send_signal(signal.SIGQUIT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        assert proc.stderr is not None
-        proc.stderr.close()
 
 
 def _http_recording(path: Path, n: int = 4) -> None:

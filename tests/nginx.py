@@ -1,0 +1,75 @@
+"""A Debian nginx started by a test: its own config, pid file and logs in a temp dir, a free loopback
+port, in the foreground (master_process off: one process, ended by its PID)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+
+# What every test's config starts with; `{d}` is the nginx directory.
+PREAMBLE = """
+daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 64; }}
+"""
+TEMP_PATHS = """
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_nginx(d: Path, conf: Callable[[int], str]) -> Iterator[int]:
+    """nginx with the config `conf(port)` written to d/nginx.conf; yields the port once it accepts.
+    A free port can be taken between our probe and nginx's bind: then another is tried."""
+    assert NGINX is not None
+    for _ in range(5):
+        port = free_port()
+        (d / "nginx.conf").write_text(conf(port))
+        proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            time.sleep(0.05)
+        else:
+            proc.kill()
+            proc.wait(10)
+            continue
+        break
+    else:
+        log = d / "error.log"
+        pytest.fail(f"nginx did not start: {log.read_text() if log.exists() else ''}")
+    try:
+        yield port
+    finally:
+        proc.send_signal(signal.SIGQUIT)   # graceful: finishes writing its log
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
