@@ -81,12 +81,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(ca[0], server[0], server[1], client[0], client[1], other)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Nginx:
     address: str
