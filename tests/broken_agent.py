@@ -7,6 +7,7 @@ period recorder), swapped in when the guard is built; the rest is the real agent
 process by `BrokenAgent` (an AgentProcess whose command runs this file). The defects:
 
     alert_late         P99High fires on the (N+1)-th consecutive breach instead of the N-th
+    alert_early        P99High fires on the first breaching period (a rule that forgets "consecutive")
     alert_false        P99High judges the P99 against a twentieth of the threshold (pages on healthy latency)
     p99_is_p95         every period's "P99" is its P95
     limiter_flat       the limiter never changes its rate
@@ -36,7 +37,7 @@ from agent_under_test.launch import AgentProcess, serve_args
 from agent_under_test.limiter import Adjustment, Limiter
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
 
-DEFECTS = ("alert_late", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
+DEFECTS = ("alert_late", "alert_early", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
            "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
 
 
@@ -92,6 +93,12 @@ class _LimiterDefect:
 class _LateAlerts(AlertSet):
     def __init__(self, config: GuardConfig) -> None:
         super().__init__(config.alert_periods + 1, config.resolve_periods, config.error_ratio_threshold,
+                         config.rejected_ratio_threshold, config.min_samples)
+
+
+class _EarlyAlerts(AlertSet):
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__(1, config.resolve_periods, config.error_ratio_threshold,
                          config.rejected_ratio_threshold, config.min_samples)
 
 
@@ -157,6 +164,8 @@ class BrokenGuard(protection.ProtectionGuard):
             self.alerts = _LateAlerts(config)
         if "alert_false" in d:
             self.alerts = _FalseAlerts(config)
+        if "alert_early" in d:
+            self.alerts = _EarlyAlerts(config)
         for defect in ("degrade_never", "degrade_stuck", "flapping"):
             if defect in d:
                 self.tiers = _Tiers(defect, config)

@@ -13,6 +13,7 @@ check that must fail, and the same scenario with the unmodified agent must pass 
     limiter_stuck_low   limiter_recovers
     degrade_stuck       restores
     alert_false         alert_silent        (pages on healthy latency)
+    alert_early         alert_silent        (fires on one breaching period: the bundled short-spike scenario)
     flapping            no_flapping
     limiter_leaky       limiter_obeys       (reports cuts, admits everything)
     errors              error_rate
@@ -132,3 +133,21 @@ def test_flat_limiter_no_degradation_slowness_and_an_inert_fault(tmp_path: Path)
         assert v[check].status == "fail" and why in v[check].summary, (check, v[check].summary, _status(v))
     faults = {f["fault"].split(" ")[0]: f["ok"] for f in v["fault_effective[fault]"].evidence["faults"]}
     assert faults == {"cpu:quota": True, "network:latency": False}, v["fault_effective[fault]"].evidence
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_an_alert_that_fires_on_one_breaching_period_fails_the_bundled_short_spike(tmp_path: Path) -> None:
+    # The scenario as it ships: a 0.4 s CPU stall the agent sees in one or two periods, under a rule that
+    # needs three in a row. The defective agent pages on the spike; alert_rule names the period.
+    from harness.scenario_load import load_scenario
+
+    scenario = load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "short-spike.yaml")
+    with (tmp_path / "live-alert_early.txt").open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
+                                             agent_class=broken("alert_early"))).run()
+    v = {x.id: x for x in result.verdicts}
+    assert v["alert_silent[spike]"].status == "fail", _status(v)
+    assert "false alarm" in v["alert_silent[spike]"].summary
+    assert v["alert_silent[spike]"].evidence["service_breach_periods"], _status(v)   # the spike was seen
+    assert v["alert_rule"].status == "fail" and "the service fired" in v["alert_rule"].summary, _status(v)

@@ -234,3 +234,36 @@ def test_every_bundled_scenario_judges_the_rule_and_the_percentiles() -> None:
     for path in sorted(Path(__file__).parent.parent.glob("scenarios/*.yaml")):
         kinds = [c.kind for c in load_scenario(path).expect]
         assert "alert_rule" in kinds and "percentiles_distinct" in kinds, path.name
+
+
+def test_alert_silent_over_a_short_spike_names_the_breach_and_catches_an_alert_on_one_period() -> None:
+    # Two breaching periods (7, 8) under a rule that needs three: silence is right, and is shown to mean
+    # something; the same spike under a service that fires on one breach is a false alarm.
+    spike = [OK] * 6 + [HOT, HOT] + [OK] * 4
+    v = judge(service(spike), "alert_silent", service_breach=True)
+    assert v.passed and not v.skipped
+    assert v.summary == ("P99High stayed silent from 0.0s to 12.0s; the service's own P99 breached 20 ms in "
+                         "2 period(s) (7, 8; its rule fires on 3 in a row)")
+    assert v.evidence["service_breach_periods"] == [7, 8]
+    v = judge(service(spike, fire_after=1), "alert_silent", service_breach=True)
+    assert not v.passed and v.summary == "P99High fired at 7.0s: a false alarm in 0.0-12.0s"
+
+
+def test_alert_silent_without_the_spike_it_asks_for_has_nothing_to_judge() -> None:
+    v = judge(service([OK] * 10), "alert_silent", service_breach=True)
+    assert v.skipped and v.summary.startswith("nothing to judge: the service's own P99 never exceeded 20 ms")
+    assert judge(service([OK] * 10), "alert_silent").passed     # without the option: a plain silence check
+    assert not judge(service([OK] * 10), "alert_silent").skipped
+
+
+def test_the_bundled_short_spike_is_shorter_than_its_alert_rule() -> None:
+    # The stall must fit in fewer periods than the rule counts (with a period for the queue to drain),
+    # or a correct agent would rightly fire and the scenario would fail at random.
+    from pathlib import Path
+
+    s = load_scenario(Path(__file__).parent.parent / "scenarios" / "short-spike.yaml")
+    silent = [c for c in s.expect if c.kind == "alert_silent"]
+    assert silent and all(c.params.get("service_breach") for c in silent)
+    stalls = [f for ph in s.phases for f in ph.faults if f.for_s is not None]
+    assert stalls and all(f.for_s + s.target.period_s <= (s.target.alert_periods - 1) * s.target.period_s
+                          for f in stalls)

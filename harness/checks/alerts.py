@@ -179,7 +179,9 @@ def _ms(values: list[float | None]) -> str:
 
 class AlertSilent:
     name = "alert_silent"
-    params = {"phase": Param("phase"), "alert": Param("str"), "source": _SOURCE}
+    params = {"phase": Param("phase"), "alert": Param("str"), "source": _SOURCE,
+              "service_breach": Param("bool", help="the window must hold a short breach of the service's own "
+                                                   "P99 (fewer periods than its rule needs), else nothing to judge")}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         alert = spec.params.get("alert", "P99High")
@@ -192,11 +194,26 @@ class AlertSilent:
             alert = f'ALERTS{{alertname="{alert}"}}'
         hits = [(s, e) for s, e in found if s < end and (e is None or e > start)]
         p99s = [p for p in _p99s(tl, start, end) if p is not None]
-        evidence = {"firing": hits, "max_client_p99_ms": max(p99s) if p99s else None, "alert_source": source}
+        evidence: dict[str, Any] = {"firing": hits, "max_client_p99_ms": max(p99s) if p99s else None,
+                                    "alert_source": source}
+        breached: list[int] = []
+        if spec.params.get("service_breach"):
+            # A spike the service itself saw, shorter than its rule: silence then shows the rule counts
+            # consecutive periods; without one, silence proves only that nothing happened.
+            own = [p for p in _own_periods(tl, tl.min_samples) if start - 1e-9 <= p.start_s < end]
+            breached = [p.index for p in own if p.p99_ms is not None and p.p99_ms > tl.threshold_ms]
+            evidence |= {"service_p99_ms": [p.p99_ms for p in own], "service_breach_periods": breached}
         if hits:
             return verdict(spec, False, f"{alert} fired at {hits[0][0]:.1f}s: a false alarm in "
                            f"{start:.1f}-{end:.1f}s", **evidence)
-        return verdict(spec, True, f"{alert} stayed silent from {start:.1f}s to {end:.1f}s", **evidence)
+        if spec.params.get("service_breach") and not breached:
+            return nothing_to_judge(spec, f"the service's own P99 never exceeded {tl.threshold_ms:g} ms in "
+                                    f"{start:.1f}-{end:.1f}s, so its silence does not show that a short "
+                                    "breach is ignored", **evidence)
+        more = (f"; the service's own P99 breached {tl.threshold_ms:g} ms in {len(breached)} period(s) "
+                f"({', '.join(map(str, breached))}; its rule fires on {tl.alert_periods} in a row)"
+                if breached else "")
+        return verdict(spec, True, f"{alert} stayed silent from {start:.1f}s to {end:.1f}s{more}", **evidence)
 
 
 def _tier_at(series: list[tuple[float, str]], t: float, default: str = "full") -> str:
