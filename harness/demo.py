@@ -28,7 +28,8 @@ description: Recorded production traffic replayed at 2x with jitter and CPU cont
 seed: {seed}
 target:
   agent: {{limiter: seed, p99_threshold_ms: 20, alert_periods: 3, resolve_periods: 3, period_s: 1.0,
-          initial_rate: 180, max_rate: 180}}   # near the ~120/s replayed: a cut must shed load
+          initial_rate: 180, max_rate: 180,   # near the ~120/s replayed: a cut must shed load
+          queue_light_depth: 0}}   # only P99High degrades, so `degrades` judges the alert's doing
 traffic: {{recording: "{recording}", speed: 2.0, loop: {loop}}}
 phases:
   - {{name: warmup, duration: 5s}}

@@ -43,6 +43,7 @@ AGENT_OPTIONS: dict[str, Param] = {
     "torch_threads": Param("int"), "seed": Param("int"), "weights": Param("str"), "grace_s": Param("number"),
     "max_message_bytes": Param("int"), "alerts": Param("bool"), "jit": Param("bool"),
     "min_samples": Param("int"), "rejected_ratio_threshold": Param("number"),
+    "queue_light_depth": Param("int"),   # 0: only the P99 alert degrades (no queue-driven light tier)
 }
 _TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults", "prometheus"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry
@@ -67,6 +68,7 @@ AGENT_BOUNDS: dict[str, Bound] = {
     "workers": Bound(0, 64, whole=True), "torch_threads": Bound(0, 256, whole=True), "seed": SEED,
     "grace_s": Bound(0, 3600, "s"), "max_message_bytes": Bound(1, 1 << 30, "bytes", whole=True),
     "min_samples": Bound(1, 1_000_000, "calls", whole=True),
+    "queue_light_depth": Bound(0, 1_000_000, "calls", whole=True),
     "rejected_ratio_threshold": Bound(0, 1, note="(a share of the offered calls)"),
 }
 TRAFFIC_BOUNDS: dict[str, Bound] = {
