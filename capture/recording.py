@@ -1,6 +1,6 @@
 """The recording: one SQLite file that the recorder writes and the replayer reads.
 
-This is the project's one data model for captured traffic (STYLE.md habit 2). The recorder
+This is the project's one data model for captured traffic. The recorder
 (eBPF, pcap, proxy backends), the pcap importer, the decoders, `inspect`, `redact` and the replayer
 all use the dataclasses and the reader/writer defined here; nothing else invents its own shape.
 
