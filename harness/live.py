@@ -115,7 +115,8 @@ class LiveView:
                      f"rejected {s.rejected}  errors {s.errors}")
         for name, values in (("P50", s.p50), ("P95", s.p95), ("P99", s.p99)):
             grid.add_row(name, sparkline(values), _last(values))
-        alert = {"firing": "[bold red]firing[/]", "pending": "[yellow]pending[/]"}.get(s.alert, escape(s.alert))
+        style = "bold red" if "firing" in s.alert else "yellow" if "pending" in s.alert else ""
+        alert = f"[{style}]{escape(s.alert)}[/]" if style else escape(s.alert)
         rate = "-" if s.limiter_rate is None else f"{s.limiter_rate:.0f}/s"
         grid.add_row("limiter", rate, f"alert {alert}   tier {escape(s.tier)}")
         grid.add_row("faults", escape(", ".join(s.faults)) or "none", "")

@@ -341,6 +341,16 @@ def judge(timeline: Timeline, scenario: Scenario) -> list[Verdict]:
     return verdicts
 
 
+def alert_column(events: list[Any]) -> str:
+    """The live view's alert column: every alert not inactive, by name ("P99High:firing,RejectedRatioHigh:
+    pending"), or "inactive". One state for all alerts would show one alert's state under another's name."""
+    states: dict[str, str] = {}
+    for e in events:
+        if e.type == "alert":
+            states[str(e.data.get("alert", "alert"))] = str(e.data.get("to"))
+    return ",".join(f"{name}:{state}" for name, state in sorted(states.items()) if state != "inactive") or "inactive"
+
+
 def live_snapshot(now: float, phase: str, scenario: Scenario, periods: list[Any], events: Any, metrics: Any,
                   faults: list[str]) -> Snapshot:
     """What the live view shows: the last completed periods' client stats and the latest events."""
@@ -350,10 +360,11 @@ def live_snapshot(now: float, phase: str, scenario: Scenario, periods: list[Any]
                     p50=[p.p50_ms for p in periods], p95=[p.p95_ms for p in periods],
                     p99=[p.p99_ms for p in periods], faults=faults)
     if events is not None:
-        latest = {e.type: e for e in list(events.events)}   # the latest of each type
+        seen = list(events.events)
+        latest = {e.type: e for e in seen}   # the latest of each type
         if "limiter" in latest:
             snap.limiter_rate = float(latest["limiter"].data.get("new_rate", 0.0))
-        snap.alert = str(latest["alert"].data.get("to")) if "alert" in latest else "inactive"
+        snap.alert = alert_column(seen)
         snap.tier = str(latest["tier"].data.get("to")) if "tier" in latest else "full"
     if snap.limiter_rate is None and metrics is not None and metrics.samples:
         snap.limiter_rate = metrics.samples[-1].values.get(scenario_rate_name(scenario))

@@ -76,6 +76,24 @@ def test_live_view_plain_lines_once_per_period() -> None:
     assert len(out.getvalue().splitlines()) == 4   # t = 0, 1, 2 and the log line
 
 
+def test_live_alert_column_names_each_alert_it_shows() -> None:
+    # A RejectedRatioHigh going pending must not show as P99High pending (the column once held the
+    # latest alert event's state whatever its alert).
+    from harness.runner import alert_column
+    from harness.timeline import Event
+
+    def move(t: float, alert: str, to: str) -> Event:
+        return Event(t, "alert", {"alert": alert, "to": to})
+
+    assert alert_column([]) == "inactive"
+    assert alert_column([move(1, "RejectedRatioHigh", "pending")]) == "RejectedRatioHigh:pending"
+    events = [move(1, "RejectedRatioHigh", "pending"), move(2, "P99High", "pending"),
+              move(3, "RejectedRatioHigh", "inactive"), move(4, "P99High", "firing"), Event(5, "tier", {"to": "light"})]
+    assert alert_column(events) == "P99High:firing"
+    assert alert_column(events + [move(6, "RejectedRatioHigh", "firing")]) == "P99High:firing,RejectedRatioHigh:firing"
+    assert alert_column(events + [move(6, "P99High", "inactive")]) == "inactive"
+
+
 def test_rich_view_renders_on_a_terminal_like_stream() -> None:
     out = io.StringIO()
     with LiveView("x", stream=out, rich=True) as view:
