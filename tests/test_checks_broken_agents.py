@@ -47,7 +47,7 @@ traffic: {generator: {rate: 100}}
 phases:
   - {name: warmup, duration: 2s}
   - {name: baseline, duration: 2.5s}
-  - {name: fault, duration: 4s, faults: [{cpu: quota, pct: 3}%(extra_fault)s]}   # the agent needs ~10 %% at 100/s
+  - {name: fault, duration: 4s, faults: [{cpu: quota, pct: 8}%(extra_fault)s]}   # the agent needs ~17 %% at 100/s
   - {name: recovery, duration: 5s}
 expect:
   - {alert_silent: {phase: baseline}}
