@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nginx import PREAMBLE  # tests/ is on sys.path under pytest
 
 from capture.backends import RecordOptions
 from capture.record import Recorder
@@ -67,14 +68,7 @@ response = function(status, headers, body)
 end
 """
 
-CONF = """
-daemon off;
-master_process off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 64; }}
-http {{
+CONF = PREAMBLE + """http {{
     log_format st '$request_method $uri $status $body_bytes_sent';
     access_log {d}/access.log st;
     sendfile {sendfile};
