@@ -252,6 +252,34 @@ def test_each_fault_is_judged_on_the_signal_it_alone_moves() -> None:
     assert not v.passed and failed == ["cpu:contention", "cpu:quota"]
 
 
+def test_proxy_added_counts_from_the_actual_send_and_averages_the_middle_of_each_distribution() -> None:
+    toxic = [FaultWindow("network:latency (latency_ms=10)", "fault", "network", "latency", 5.0, 5.0, 10.0)]
+    legs = {"proxy_legs": legs_from([4.5] * 5 + [300.0] * 5 + [4.5] * 5)}   # the target slow in the fault
+
+    def calls(added_ms: float, lag_ms: float, outliers: int = 0) -> list[CallResult]:
+        out = []
+        for i in range(15):
+            fault = 5 <= i < 10
+            for j in range(20):
+                t = i + j * 0.02
+                sent = t + (lag_ms / 1000 if fault else 0.0)
+                leg = (300.0 if fault else 4.5) / 1000
+                extra = (2000.0 if fault and j < outliers else added_ms if fault else 0.5) / 1000
+                out.append(CallResult(t, sent, sent + leg + extra, "/Decide", "ok"))
+        return out
+
+    # The replayer fell 20 ms behind its schedule in the fault; the proxy added nothing (0.5 ms, as
+    # before). From the intended send the client's latency rose 20 ms: that is not the toxic's doing.
+    v = run("fault_effective", timeline(calls=calls(0.5, 20.0), faults=toxic, outside=legs), phase="fault",
+            baseline="baseline")
+    assert not v.passed and "proxy_added 0.5 -> 0.5 ms, needed +2.0" in v.summary, v.summary
+    # The toxic added 10 ms to every call; 1 call in 20 was also stamped 2 s late by a stalled client.
+    # The mean of the middle (P5-P95) leaves those out: 10 ms; a plain mean would say ~110 ms.
+    v = run("fault_effective", timeline(calls=calls(10.0, 0.0, outliers=1), faults=toxic, outside=legs),
+            phase="fault", baseline="baseline")
+    assert v.passed and v.evidence["faults"][0]["during"] == 10.0, v.evidence
+
+
 def test_alert_fires_is_judged_on_the_proxy_leg_not_the_clients_network() -> None:
     # The client sees 50 ms (jitter on the way back); the leg the service sees stays at 5 ms.
     jitter = timeline(BREACH, outside={"proxy_legs": legs_from([5.0] * 15)})

@@ -92,13 +92,14 @@ def leg_periods(tl: Timeline, served_only: bool = True) -> list[LegPeriod] | Non
     return out
 
 
-def leg_latency(tl: Timeline, start: float, end: float, q: float) -> float | None:
-    """Quantile `q` of the upstream leg (served calls finishing in [start, end)), ms; None without data."""
+def leg_values(tl: Timeline, start: float, end: float) -> list[float] | None:
+    """Upstream-leg latencies (ms, sorted) of the served calls finishing in [start, end); None without
+    leg data."""
     legs = proxy_legs(tl)
     if legs is None:
         return None
-    lat = sorted((d - s) * 1000.0 for s, d, served in legs if served and start <= d < end)
-    return round(percentile(lat, q), 3) if lat else None
+    return sorted((d - s) * 1000.0 for s, d, served in legs if served and start <= d < end)
+
 
 
 def sched_rates(tl: Timeline, start: float, end: float) -> tuple[float, float] | None:
