@@ -141,15 +141,17 @@ def test_gradient_reads_the_serving_threads_saturation_and_holds_its_ceiling_nea
                       max_rate=20000.0) as agent:
         time.sleep(2 * PERIOD_S)                                      # idle periods first
         since = max(e["seq"] for e in events(agent))
-        codes, _ = load(agent.grpc_address, rate=300.0, count=900)    # 3 s at 300/s: ~150 calls a period
-        assert codes["OK"] == 900
+        # 3 s at 150/s: ~75 calls a period, a fraction of what the serving thread can take even on a slow
+        # machine (at 300/s a slow CI host's thread neared its busy target and the ceiling, rightly, limited)
+        codes, _ = load(agent.grpc_address, rate=150.0, count=450)
+        assert codes["OK"] == 450, codes
         seen = events(agent, since)
         periods = [e for e in events(agent) if e["type"] == "period"]
         gauge = next(line for line in metrics(agent).splitlines() if line.startswith("agent_loop_saturation "))
     idle = [e["saturation"] for e in periods if e["count"] == 0]
-    busy = [e["saturation"] for e in periods if e["count"] >= 100]
+    busy = [e["saturation"] for e in periods if e["count"] >= 50]
     assert idle and busy and all(0.0 <= s <= 1.05 for s in idle + busy)
-    # Serving 300 calls/s keeps the loop thread measurably busier than waiting for calls does.
+    # Serving 150 calls/s keeps the loop thread measurably busier than waiting for calls does.
     assert min(busy) > max(idle) and min(busy) > 0.02
     # Not limiting, the gradient keeps its ceiling between the load and what the thread could take: far
     # below the 20,000/s it started at, never below the load itself.
