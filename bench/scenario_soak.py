@@ -6,7 +6,8 @@
 
 A chaos gate is only worth its false-failure rate: with a correct agent every run should pass. Prints,
 per scenario, passed runs out of N, and for every check that ever failed (or was skipped: nothing to
-judge) how often and the first summary, so a flaky check is named with its evidence. Needs root (CPU
+judge) how often and the first summary, so a flaky check is named with its evidence, and for each fault
+the spread of how far it moved the signal fault_effective judges it on (the margin to the floor). Needs root (CPU
 quota faults) like `chaos run`. Exit status 0 when every run passed, else 1. Results go in
 bench/RESULTS.md by hand, with the command, the date and the machine's load.
 """
@@ -43,6 +44,7 @@ def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
     skipped: Counter[str] = Counter()
     first: dict[str, str] = {}
     errors: list[str] = []
+    moved: dict[str, list[float]] = {}     # fault_effective: how far each fault moved its signal, per run
     started = time.monotonic()
     for i in range(runs):
         view = LiveView(scenario.name, stream=io.StringIO(), rich=False)
@@ -59,11 +61,16 @@ def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
             elif not v.passed:
                 failures[v.id] += 1
                 first.setdefault(v.id, v.summary)
+            for f in (v.evidence.get("faults") or []) if isinstance(v.evidence, dict) else []:
+                if isinstance(f, dict) and "moved" in f:
+                    moved.setdefault(f"{v.id} {str(f.get('fault', '?')).split(' ')[0]} {f.get('signal')}",
+                                     []).append(f["moved"])
         bad = [v.id for v in result.verdicts if not v.passed]
         print(f"  {scenario.name} run {i + 1}/{runs}: {'PASSED' if result.passed else 'FAILED ' + ', '.join(bad)}"
               f"  (load {os.getloadavg()[0]:.1f})", flush=True)
     return {"scenario": scenario.name, "file": str(path), "runs": runs, "passed": passed, "scale": scale,
             "failures": dict(failures), "skipped": dict(skipped), "first_failure": first, "errors": errors,
+            "moved": {k: {"min": min(v), "median": sorted(v)[len(v) // 2], "max": max(v)} for k, v in moved.items()},
             "wall_s": round(time.monotonic() - started, 1)}
 
 
@@ -95,6 +102,8 @@ def main() -> int:
             print(f"    first {check}: {summary}")
         if r["skipped"]:
             print(f"    skipped (nothing to judge): {r['skipped']}")
+        for key, m in r["moved"].items():
+            print(f"    {key} moved: min {m['min']:g}, median {m['median']:g}, max {m['max']:g}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0 if all(r["passed"] == r["runs"] for r in results) else 1
