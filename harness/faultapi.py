@@ -19,6 +19,9 @@ class FaultContext:
     running: Any            # harness.target.Running
     rng: random.Random
     applied_at: float | None = None   # set by an applier that knows exactly when its fault took effect
+    # The target's CPU use, % of one core, over the last `window_s` seconds (None: not measured yet or
+    # not our process); the runner fills it from its scheduler samples.
+    cpu_use: Callable[[float], float | None] | None = None
 
 
 class Applier(Protocol):

@@ -129,9 +129,29 @@ def _quota(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     from faults.cpu import cpu_quota
 
     pid = _pid(ctx, "a CPU quota")
-    period_us = int(spec.params.get("period_ms", 100)) * 1000
-    with cpu_quota(pid, cpus=spec.params["pct"] / 100.0, period_us=period_us) as held:
-        yield f"PID {pid} limited to {held.quota_us}us per {held.period_us}us (cgroup v{held.version} {held.path})"
+    period_ms = int(spec.params.get("period_ms", 100))
+    pct, why = quota_pct(spec.params, ctx, period_ms)
+    with cpu_quota(pid, cpus=pct / 100.0, period_us=period_ms * 1000) as held:
+        yield (f"PID {pid} limited to {held.quota_us}us per {held.period_us}us{why} "
+               f"(cgroup v{held.version} {held.path})")
+
+
+QUOTA_USE_WINDOW_S = 2.0     # pct_of_use: the target's CPU use over this long before the fault
+
+
+def quota_pct(params: dict[str, Any], ctx: FaultContext, period_ms: int) -> tuple[float, str]:
+    """The quota in % of one core: `pct` as given, or `pct_of_use` of what the target used in the last
+    QUOTA_USE_WINDOW_S (at least the kernel's 1 ms a period); and a note saying how it was reached."""
+    if "pct" in params:
+        return float(params["pct"]), ""
+    use = ctx.cpu_use(QUOTA_USE_WINDOW_S) if ctx.cpu_use is not None else None
+    if use is None:
+        raise RunError(f"cpu: quota pct_of_use needs the target's CPU use over the {QUOTA_USE_WINDOW_S:g} s "
+                       "before the fault, which was not measured yet (start the fault later with `after:`, "
+                       "or give pct)")
+    floor = 100.0 / period_ms                      # 1 ms of CPU a period, the kernel's smallest quota
+    pct = min(100.0, max(floor, use * float(params["pct_of_use"]) / 100.0))
+    return pct, f" ({params['pct_of_use']:g}% of the {use:.1f}% of a core it used in the last {QUOTA_USE_WINDOW_S:g} s)"
 
 
 @register("process", "pause")

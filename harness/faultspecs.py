@@ -45,7 +45,10 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
         "contention": {"workers": Param("int", help="competing busy workers (default: one per CPU)"),
                        "load_pct": Param("int", help="each worker's load, 1..100 (default 100)"),
                        "pin": Param("bool", help="pin the workers to the target's CPUs (default true)")},
-        "quota": {"pct": Param("number", required=True, help="CPU share of one core for the target, 1..100"),
+        "quota": {"pct": Param("number", help="CPU share of one core for the target, 1..100 (or pct_of_use)"),
+                  "pct_of_use": Param("number", help="instead of pct: this share of the CPU the target used in "
+                                                     "the 2 s before the fault, 1..100 (the same squeeze on a "
+                                                     "fast machine and a slow one)"),
                   "period_ms": Param("int", help="the CFS period the share is enforced over (default 100 ms); "
                                                  "a throttled target waits up to period x (1 - pct), so a "
                                                  "shorter period spreads the same share into shorter stalls")},
@@ -69,6 +72,7 @@ _BOUNDS: dict[str, Bound] = {
     "bytes": Bound(0, 1 << 40, "bytes", whole=True),
     "load_pct": Bound(1, 100, "%", whole=True),
     "pct": Bound(1, 100, "% of one core"),
+    "pct_of_use": Bound(1, 100, "% of the target's recent CPU use"),
     "period_ms": Bound(1, 1000, "ms", whole=True, note="(the kernel takes 1 ms to 1 s)"),
     "duration": Bound(0, MAX_DURATION_S, above=True, duration=True),
     "share": Bound(0, 1, note="(the share of calls affected)"),
@@ -106,7 +110,9 @@ def fault_problem(kind: str, params: dict[str, Any]) -> tuple[str, str] | None:
     to follow 'WHERE.PARAMETER'), or None when they are fine."""
     if "share" in params and "share_pct" in params:
         return "share_pct", ": give share (0..1) or share_pct (0..100), not both"
-    if kind == "quota" and "period_ms" in params and params["pct"] * params["period_ms"] / 100 < 1:
+    if kind == "quota" and "pct" in params and "pct_of_use" in params:
+        return "pct_of_use", ": give pct (of one core) or pct_of_use (of the target's recent use), not both"
+    if kind == "quota" and "period_ms" in params and "pct" in params and params["pct"] * params["period_ms"] / 100 < 1:
         return "period_ms", (f" {params['period_ms']} at {params['pct']:g} % gives less than 1 ms of CPU per period, "
                              "the kernel's smallest quota; use a longer period")
     method = params.get("method")

@@ -151,6 +151,8 @@ class Runner:
         traffic.start()
         stack.callback(traffic.stop)
         faults = FaultSession(running, s.seed, self.log)
+        if "cpu" in followers:
+            faults.ctx.cpu_use = followers["cpu"].recent_pct
         stack.callback(faults.close)
         interrupted = None
         with self.view:

@@ -344,6 +344,9 @@ def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
     for name, param in kinds[kind].items():
         if param.required and name not in params:
             node.fail(f"{what} ({family}: {kind}): missing {name!r} ({param.help or param.type})")
+    if family == "cpu" and kind == "quota" and "pct" not in params and "pct_of_use" not in params:
+        node.fail(f"{what} (cpu: quota): missing 'pct' (CPU share of one core, 1..100) or 'pct_of_use' "
+                  "(share of the target's recent CPU use, 1..100)")
     if "size_variation" in params and params["size_variation"] >= params["average_size"]:
         entries["size_variation"].fail(f"{what}.size_variation {entries['size_variation'].text} must be less "
                                        f"than average_size {params['average_size']} (Toxiproxy's slicer)")

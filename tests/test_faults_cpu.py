@@ -162,3 +162,77 @@ def test_quota_period_too_short_for_its_share_is_refused_at_its_line() -> None:
         load_scenario_text(text, "q.yaml")
     with pytest.raises(ScenarioError, match=r"period_ms 5000 must be"):
         load_scenario_text(text.replace("pct: 5, period_ms: 10", "pct: 50, period_ms: 5000"), "q.yaml")
+
+
+@pytest.mark.root
+def test_quota_as_a_share_of_the_targets_recent_use(busy: int, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`{cpu: quota, pct_of_use: 50}`: half of what the target used in the 2 s before (here 40 % of a
+    core, as the runner's scheduler samples would say): 20 % of one core, and the detail says why."""
+    import random
+    from types import SimpleNamespace
+
+    import harness.faultimpl  # noqa: F401  (registers the appliers)
+    from harness.errors import RunError
+    from harness.faultapi import APPLIERS, FaultContext
+    from harness.scenario_load import load_scenario_text
+
+    if cgroup_version() == 0:
+        pytest.skip("no cgroup cpu controller on this host")
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
+    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
+            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct_of_use: 50}]}\n")
+    spec = load_scenario_text(text, "q.yaml").phases[0].faults[0]
+    asked: list[float] = []
+
+    def use(window_s: float) -> float:
+        asked.append(window_s)
+        return 40.0
+
+    ctx = FaultContext(running=SimpleNamespace(pid=busy), rng=random.Random(1), cpu_use=use)
+    with APPLIERS[("cpu", "quota")](spec, ctx) as detail:
+        assert f"PID {busy} limited to 20000us per 100000us (50% of the 40.0% of a core it used in the last 2 s)" \
+            in detail, detail
+        time.sleep(0.3)
+        limited = share(busy)
+    assert asked == [2.0] and limited <= 0.2 + 0.08, f"share {limited:.2f} under 20 ms per 100 ms"
+    # Never under the kernel's 1 ms a period: 1 % of a target that used 40 % is 0.4 %, held at 1 %.
+    tiny = load_scenario_text(text.replace("pct_of_use: 50", "pct_of_use: 1"), "q.yaml").phases[0].faults[0]
+    with APPLIERS[("cpu", "quota")](tiny, ctx) as detail:
+        assert "limited to 1000us per 100000us (1% of the 40.0%" in detail, detail
+    # Nothing measured yet (the fault starts with the run): one line that says what to do.
+    blind = FaultContext(running=SimpleNamespace(pid=busy), rng=random.Random(1), cpu_use=lambda w: None)
+    with pytest.raises(RunError, match=r"pct_of_use needs the target's CPU use over the 2 s before the fault.*after:"):
+        with APPLIERS[("cpu", "quota")](spec, blind):
+            pass
+
+
+def test_quota_needs_exactly_one_of_pct_and_pct_of_use_in_range() -> None:
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario_text
+
+    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
+            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, QUOTA}]}\n")
+    with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\] \(cpu: quota\): missing 'pct' .* "
+                                            r"or 'pct_of_use'"):
+        load_scenario_text(text.replace("QUOTA", "period_ms: 100"), "q.yaml")
+    with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\]\.pct_of_use: give pct .* not both"):
+        load_scenario_text(text.replace("QUOTA", "pct: 5, pct_of_use: 50"), "q.yaml")
+    for bad in ("0", "150", "-5"):
+        with pytest.raises(ScenarioError, match=r"pct_of_use .*must be"):
+            load_scenario_text(text.replace("QUOTA", f"pct_of_use: {bad}"), "q.yaml")
+    spec = load_scenario_text(text.replace("QUOTA", "pct_of_use: 45"), "q.yaml").phases[0].faults[0]
+    assert spec.params == {"pct_of_use": 45.0}
+
+
+def test_recent_cpu_use_comes_from_the_scheduler_samples() -> None:
+    from harness.observe import CpuFollower
+
+    f = CpuFollower(None, 0.0)
+    assert f.recent_pct(2.0) is None                     # nothing sampled
+    f.sched = [(0.0, 1.0, 0.0), (0.5, 1.05, 0.0)]
+    assert f.recent_pct(2.0) is None                     # not 2 s of samples yet
+    f.sched = [(t * 0.5, 1.0 + t * 0.5 * 0.2, 0.0) for t in range(9)]   # 20 % of a core, 0..4 s
+    assert f.recent_pct(2.0) == 20.0
+    f.sched += [(4.5, f.sched[-1][1] + 0.5 * 0.8, 0.0)]  # the last half second at 80 %
+    assert f.recent_pct(2.0) == pytest.approx((0.2 * 1.5 + 0.8 * 0.5) / 2.0 * 100, abs=0.01)

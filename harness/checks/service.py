@@ -230,9 +230,14 @@ def mid_mean(values: list[float]) -> float:
 
 
 def _quota_pct(w: FaultWindow) -> float:
+    """The quota in force, % of one core: from what the applier reported it set ("limited to Qus per
+    Pus"), else the label's pct (a pct_of_use quota is known only once applied)."""
     import re
 
-    m = re.search(r"pct=([0-9.]+)", w.label)
+    m = re.search(r"limited to (\d+)us per (\d+)us", w.detail)
+    if m and int(m.group(2)) > 0:
+        return round(int(m.group(1)) / int(m.group(2)) * 100.0, 2)
+    m = re.search(r"\bpct=([0-9.]+)", w.label)
     return float(m.group(1)) if m else 100.0
 
 
