@@ -141,15 +141,14 @@ class CpuFollower(_Poller):
     def recent_pct(self, window_s: float) -> float | None:
         """The target's CPU use (% of one core) over about the last `window_s` seconds, from its
         scheduler samples; None with fewer than two samples that far apart."""
+        from harness.checks.truth import sched_rate_between
+
         sched = list(self.sched)
         if len(sched) < 2:
             return None
-        t1, cpu1, _ = sched[-1]
-        older = [x for x in sched if x[0] <= t1 - window_s]
-        if not older:
-            return None
-        t0, cpu0, _ = older[-1]
-        return round((cpu1 - cpu0) / (t1 - t0) * 100.0, 2) if t1 > t0 else None
+        older = [x for x in sched if x[0] <= sched[-1][0] - window_s]
+        rates = sched_rate_between(older[-1], sched[-1]) if older else None
+        return rates[0] if rates else None
 
     def poll(self) -> None:
         target = None

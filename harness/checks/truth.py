@@ -101,14 +101,18 @@ def leg_values(tl: Timeline, start: float, end: float) -> list[float] | None:
     return sorted((d - s) * 1000.0 for s, d, served in legs if served and start <= d < end)
 
 
-
 def sched_rates(tl: Timeline, start: float, end: float) -> tuple[float, float] | None:
     """The target's (CPU %, run-queue wait ms per s) over [start, end) from its scheduler stats; None
     when fewer than two samples fall in the window."""
     samples = [s for s in tl.outside.get("sched", []) if start <= s[0] <= end]
-    if len(samples) < 2:
-        return None
-    (t0, cpu0, wait0), (t1, cpu1, wait1) = samples[0], samples[-1]
+    return sched_rate_between(samples[0], samples[-1]) if len(samples) >= 2 else None
+
+
+def sched_rate_between(first: tuple[float, float, float],
+                       last: tuple[float, float, float]) -> tuple[float, float] | None:
+    """(CPU %, run-queue wait ms per s) between two cumulative (t, CPU s, wait s) samples; None when
+    they are not in time order."""
+    (t0, cpu0, wait0), (t1, cpu1, wait1) = first, last
     span = t1 - t0
     if span <= 0:
         return None
