@@ -61,10 +61,9 @@ def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
             elif not v.passed:
                 failures[v.id] += 1
                 first.setdefault(v.id, v.summary)
-            for f in (v.evidence.get("faults") or []) if isinstance(v.evidence, dict) else []:
+            for f in v.evidence.get("faults") or []:      # fault_effective's per-fault results
                 if isinstance(f, dict) and "moved" in f:
-                    moved.setdefault(f"{v.id} {str(f.get('fault', '?')).split(' ')[0]} {f.get('signal')}",
-                                     []).append(f["moved"])
+                    moved.setdefault(f"{v.id} {f['fault'].split(' ')[0]} {f['signal']}", []).append(f["moved"])
         bad = [v.id for v in result.verdicts if not v.passed]
         print(f"  {scenario.name} run {i + 1}/{runs}: {'PASSED' if result.passed else 'FAILED ' + ', '.join(bad)}"
               f"  (load {os.getloadavg()[0]:.1f})", flush=True)

@@ -118,6 +118,12 @@ def test_quota_v2_files_on_a_fake_hierarchy(tmp_path: Path, registry: FaultRegis
         sleeper.wait()
 
 
+def quota_scenario(params: str) -> str:
+    """A one-phase scenario (line 5: its fault) holding `{cpu: quota, PARAMS}`."""
+    return ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
+            f"phases:\n  - {{name: p, duration: 2s, faults: [{{cpu: quota, {params}}}]}}\n")
+
+
 @pytest.mark.root
 def test_scenario_quota_period_reaches_the_cgroup(busy: int, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,9 +139,7 @@ def test_scenario_quota_period_reaches_the_cgroup(busy: int, tmp_path: Path,
     if cgroup_version() == 0:
         pytest.skip("no cgroup cpu controller on this host")
     monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
-    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
-            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct: 20, period_ms: 10}]}\n")
-    spec = load_scenario_text(text, "q.yaml").phases[0].faults[0]
+    spec = load_scenario_text(quota_scenario("pct: 20, period_ms: 10"), "q.yaml").phases[0].faults[0]
     ctx = FaultContext(running=SimpleNamespace(pid=busy), rng=random.Random(1))
     with APPLIERS[("cpu", "quota")](spec, ctx) as detail:
         assert f"PID {busy} limited to 2000us per 10000us" in detail
@@ -155,8 +159,7 @@ def test_quota_period_too_short_for_its_share_is_refused_at_its_line() -> None:
     from harness.errors import ScenarioError
     from harness.scenario_load import load_scenario_text
 
-    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
-            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct: 5, period_ms: 10}]}\n")
+    text = quota_scenario("pct: 5, period_ms: 10")
     with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\]\.period_ms 10 at 5 % gives less "
                                             r"than 1 ms of CPU per period"):
         load_scenario_text(text, "q.yaml")
@@ -180,9 +183,7 @@ def test_quota_as_a_share_of_the_targets_recent_use(busy: int, tmp_path: Path,
     if cgroup_version() == 0:
         pytest.skip("no cgroup cpu controller on this host")
     monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
-    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
-            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, pct_of_use: 50}]}\n")
-    spec = load_scenario_text(text, "q.yaml").phases[0].faults[0]
+    spec = load_scenario_text(quota_scenario("pct_of_use: 50"), "q.yaml").phases[0].faults[0]
     asked: list[float] = []
 
     def use(window_s: float) -> float:
@@ -197,7 +198,7 @@ def test_quota_as_a_share_of_the_targets_recent_use(busy: int, tmp_path: Path,
         limited = share(busy)
     assert asked == [2.0] and limited <= 0.2 + 0.08, f"share {limited:.2f} under 20 ms per 100 ms"
     # Never under the kernel's 1 ms a period: 1 % of a target that used 40 % is 0.4 %, held at 1 %.
-    tiny = load_scenario_text(text.replace("pct_of_use: 50", "pct_of_use: 1"), "q.yaml").phases[0].faults[0]
+    tiny = load_scenario_text(quota_scenario("pct_of_use: 1"), "q.yaml").phases[0].faults[0]
     with APPLIERS[("cpu", "quota")](tiny, ctx) as detail:
         assert "limited to 1000us per 100000us (1% of the 40.0%" in detail, detail
     # Nothing measured yet (the fault starts with the run): one line that says what to do.
@@ -211,17 +212,15 @@ def test_quota_needs_exactly_one_of_pct_and_pct_of_use_in_range() -> None:
     from harness.errors import ScenarioError
     from harness.scenario_load import load_scenario_text
 
-    text = ("name: q\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\n"
-            "phases:\n  - {name: p, duration: 2s, faults: [{cpu: quota, QUOTA}]}\n")
     with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\] \(cpu: quota\): missing 'pct' .* "
                                             r"or 'pct_of_use'"):
-        load_scenario_text(text.replace("QUOTA", "period_ms: 100"), "q.yaml")
+        load_scenario_text(quota_scenario("period_ms: 100"), "q.yaml")
     with pytest.raises(ScenarioError, match=r"q\.yaml:5: phases\[0\]\.faults\[0\]\.pct_of_use: give pct .* not both"):
-        load_scenario_text(text.replace("QUOTA", "pct: 5, pct_of_use: 50"), "q.yaml")
+        load_scenario_text(quota_scenario("pct: 5, pct_of_use: 50"), "q.yaml")
     for bad in ("0", "150", "-5"):
         with pytest.raises(ScenarioError, match=r"pct_of_use .*must be"):
-            load_scenario_text(text.replace("QUOTA", f"pct_of_use: {bad}"), "q.yaml")
-    spec = load_scenario_text(text.replace("QUOTA", "pct_of_use: 45"), "q.yaml").phases[0].faults[0]
+            load_scenario_text(quota_scenario(f"pct_of_use: {bad}"), "q.yaml")
+    spec = load_scenario_text(quota_scenario("pct_of_use: 45"), "q.yaml").phases[0].faults[0]
     assert spec.params == {"pct_of_use": 45.0}
 
 
