@@ -36,6 +36,12 @@ Schema (version 1), queryable with plain `sqlite3 FILE`:
 `gaps` was added within version 1 (files without it have no gap positions, only counters in meta); it
 is where `export` marks gaps and `inspect` counts them. Deleted rows are zeroed (secure_delete).
 
+Row checksums (within version 1): chunks, calls and messages have a `crc` column, the CRC-32 of the
+row's columns (capture/rowcrc.py). Readers leave out a row whose crc does not match (bytes damaged
+on disk) and say so in `problems`; rows with crc NULL (older files) are read unchecked. Every commit
+also writes meta `rows_written` ({chunks, calls, messages}: rows the file should hold), so a reader
+of a damaged file can say how many calls were lost (capture/integrity.py).
+
 Method groups (connections joined mid-stream): a call whose request header fields referred to HPACK
 dynamic-table entries inserted before the recording joined has `method_ref`, e.g. "hpack:5,4,3"
 (the pre-join ordinals of those entries, see capture/decode/h2grpc.py). Calls of one flow with the
@@ -77,6 +83,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from capture.errors import CorruptRecordingError, RecordingError
+from capture.rowcrc import call_crc, chunk_crc, message_crc, row_matches
 
 SCHEMA_VERSION = 1
 # calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
@@ -118,7 +125,7 @@ CREATE TABLE IF NOT EXISTS flows (
 CREATE TABLE IF NOT EXISTS chunks (
     id INTEGER PRIMARY KEY, flow_id INTEGER NOT NULL REFERENCES flows(id),
     direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')),
-    ts_ns INTEGER NOT NULL, data BLOB NOT NULL);
+    ts_ns INTEGER NOT NULL, data BLOB NOT NULL, crc INTEGER);
 CREATE INDEX IF NOT EXISTS chunks_by_flow ON chunks(flow_id, id);
 CREATE INDEX IF NOT EXISTS chunks_by_time ON chunks(ts_ns);
 CREATE TABLE IF NOT EXISTS calls (
@@ -127,12 +134,12 @@ CREATE TABLE IF NOT EXISTS calls (
     request_metadata TEXT NOT NULL DEFAULT '[]', response_metadata TEXT NOT NULL DEFAULT '[]',
     status INTEGER, status_message TEXT, request_ts_ns INTEGER NOT NULL,
     response_ts_ns INTEGER, end_ts_ns INTEGER, method_unknown INTEGER NOT NULL DEFAULT 0,
-    method_ref TEXT);
+    method_ref TEXT, crc INTEGER);
 CREATE INDEX IF NOT EXISTS calls_by_time ON calls(request_ts_ns, id);
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY, call_id INTEGER NOT NULL REFERENCES calls(id),
     direction TEXT NOT NULL CHECK (direction IN ('c2s', 's2c')), seq INTEGER NOT NULL,
-    ts_ns INTEGER NOT NULL, data BLOB NOT NULL, compressed INTEGER NOT NULL DEFAULT 0);
+    ts_ns INTEGER NOT NULL, data BLOB NOT NULL, compressed INTEGER NOT NULL DEFAULT 0, crc INTEGER);
 CREATE INDEX IF NOT EXISTS messages_by_call ON messages(call_id, direction, seq);
 """
 _METHOD_MAP_TABLE = """CREATE TABLE IF NOT EXISTS method_map (
@@ -142,6 +149,8 @@ _SCHEMA += """CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY, flow_id INTEGER NOT NULL, direction TEXT NOT NULL,
     chunks_before INTEGER NOT NULL, nbytes INTEGER, how TEXT);
 """
+# Tables whose rows carry a CRC-32 (capture/rowcrc.py), and whose row counts meta.rows_written keeps.
+_CRC_TABLES = ("chunks", "calls", "messages")
 # After the calls table has its method_ref column (files from before it get it by ALTER TABLE). A
 # partial index: the recorder's ordinary calls (method known) never touch it.
 _REF_INDEX = "CREATE INDEX IF NOT EXISTS calls_unknown_by_ref ON calls(flow_id, method_ref) WHERE method IS NULL"
@@ -158,6 +167,18 @@ def _ensure_method_ref(db: sqlite3.Connection) -> None:
     if "method_ref" not in _columns(db, "calls"):
         db.execute("ALTER TABLE calls ADD COLUMN method_ref TEXT")
     db.execute(_REF_INDEX)
+
+
+def _ensure_crc(db: sqlite3.Connection) -> None:
+    """Give tables from before row checksums their crc column (their old rows stay NULL: unchecked)."""
+    for table in _CRC_TABLES:
+        if "crc" not in _columns(db, table):
+            db.execute(f"ALTER TABLE {table} ADD COLUMN crc INTEGER")
+
+
+def _written_counts(db: sqlite3.Connection) -> dict[str, int]:
+    """Rows already in a file the writer appends to (the start of meta.rows_written)."""
+    return {t: int(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]) for t in _CRC_TABLES}
 
 
 @dataclass(frozen=True)
@@ -283,6 +304,10 @@ class RecordingWriter:
             self._db.execute("PRAGMA secure_delete=ON")    # rows removed (a redone decode) leave no bytes
             self._db.executescript(_SCHEMA)
             _ensure_method_ref(self._db)
+            _ensure_crc(self._db)
+            # How many rows this file should hold, kept in meta at every commit: a reader of a damaged
+            # copy compares it with what it could read to say how many calls were lost.
+            self._written = _written_counts(self._db)
             self._db.commit()
         except sqlite3.Error as exc:
             raise RecordingError(f"cannot initialise {self.path}: {exc}") from exc
@@ -290,10 +315,10 @@ class RecordingWriter:
         self._last_commit = time.monotonic()
         # Rows waiting for the next commit, in arrival order. Call ids are ours to give (the
         # messages need them before the calls are inserted): one past the largest in the file.
-        self._chunk_rows: list[tuple[int, str, int, bytes]] = []
+        self._chunk_rows: list[tuple[int, str, int, bytes, int]] = []
         self._gap_rows: list[tuple[int, str, int, int | None, str | None]] = []
         self._call_rows: list[tuple[Any, ...]] = []
-        self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
+        self._message_rows: list[tuple[int, str, int, int, bytes, int, int]] = []
         self._map_rows: dict[tuple[int, str], tuple[str, str]] = {}
         self._next_call_id = 1 + int(self._db.execute("SELECT coalesce(max(id), 0) FROM calls").fetchone()[0])
         self._meta_json: dict[tuple[tuple[str, str], ...], str] = {}
@@ -330,7 +355,8 @@ class RecordingWriter:
 
     def add_chunk_data(self, flow_id: int, direction: Direction, ts_ns: int, data: bytes) -> None:
         """`add_chunk` without building a Chunk first (the recorder's per-syscall path)."""
-        self._chunk_rows.append((flow_id, direction, ts_ns, bytes(data)))
+        data = bytes(data)
+        self._chunk_rows.append((flow_id, direction, ts_ns, data, chunk_crc(flow_id, direction, ts_ns, data)))
         self._maybe_commit()
 
     def add_gap(self, flow_id: int, direction: Direction, chunks_before: int, nbytes: int | None,
@@ -352,13 +378,15 @@ class RecordingWriter:
                 and method is not None:
             self._map_rows[(call.flow_id, call.method_ref)] = (method, call.method_how)
             method = None
-        self._call_rows.append(
-            (call_id, call.flow_id, call.protocol, method, call.kind, call.stream_id,
-             self._json(call.request_metadata), self._json(call.response_metadata), call.status,
-             call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
-             int(call.method_unknown), call.method_ref))
-        self._message_rows += [(call_id, m.direction, m.seq, m.ts_ns, bytes(m.data), int(m.compressed))
-                               for m in (*call.requests, *call.responses)]
+        row = (call.flow_id, call.protocol, method, call.kind, call.stream_id,
+               self._json(call.request_metadata), self._json(call.response_metadata), call.status,
+               call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
+               int(call.method_unknown), call.method_ref)
+        self._call_rows.append((call_id, *row, call_crc(*row)))
+        for m in (*call.requests, *call.responses):
+            data, flag = bytes(m.data), int(m.compressed)
+            self._message_rows.append((call_id, m.direction, m.seq, m.ts_ns, data, flag,
+                                       message_crc(call_id, m.direction, m.seq, m.ts_ns, data, flag)))
         self._maybe_commit()
         return call_id
 
@@ -380,6 +408,7 @@ class RecordingWriter:
         self._call_rows, self._message_rows = [], []
         self._db.execute("DELETE FROM messages")
         self._db.execute("DELETE FROM calls")
+        self._written["calls"] = self._written["messages"] = 0
         self._maybe_commit()
 
     def meta_value(self, key: str, default: Any = None) -> Any:
@@ -410,8 +439,12 @@ class RecordingWriter:
 
     def _write_rows(self) -> None:
         db = self._db
+        written = self._written
+        written["chunks"] += len(self._chunk_rows)
+        written["calls"] += len(self._call_rows)
+        written["messages"] += len(self._message_rows)
         if self._chunk_rows:
-            db.executemany("INSERT INTO chunks(flow_id, direction, ts_ns, data) VALUES (?,?,?,?)",
+            db.executemany("INSERT INTO chunks(flow_id, direction, ts_ns, data, crc) VALUES (?,?,?,?,?)",
                            self._chunk_rows)
             self._chunk_rows = []
         if self._gap_rows:
@@ -422,15 +455,16 @@ class RecordingWriter:
             db.executemany(
                 "INSERT INTO calls(id, flow_id, protocol, method, kind, stream_id, request_metadata,"
                 " response_metadata, status, status_message, request_ts_ns, response_ts_ns, end_ts_ns,"
-                " method_unknown, method_ref) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._call_rows)
+                " method_unknown, method_ref, crc) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._call_rows)
             self._call_rows = []
         if self._map_rows:
             db.executemany(_UPSERT_MAP, [(f, r, m, h) for (f, r), (m, h) in self._map_rows.items()])
             self._map_rows = {}
         if self._message_rows:
-            db.executemany("INSERT INTO messages(call_id, direction, seq, ts_ns, data, compressed)"
-                           " VALUES (?,?,?,?,?,?)", self._message_rows)
+            db.executemany("INSERT INTO messages(call_id, direction, seq, ts_ns, data, compressed, crc)"
+                           " VALUES (?,?,?,?,?,?,?)", self._message_rows)
             self._message_rows = []
+        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('rows_written', ?)", (json.dumps(written),))
 
     def flush(self) -> None:
         """Write the queued rows and commit; after this a SIGKILL loses none of it."""
@@ -491,6 +525,8 @@ def _metadata(text: str) -> list[tuple[str, str]]:
 
 
 _CALLS_SQL = "SELECT * FROM calls ORDER BY request_ts_ns, id"
+_CALL_BY_ID_SQL = "SELECT * FROM calls WHERE id = ?"
+_CALL_IDS_SQL = "SELECT id FROM calls INDEXED BY calls_by_time"
 _BATCH_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id IN ({}) ORDER BY call_id, direction, seq"
 _CALL_MESSAGES_SQL = "SELECT * FROM messages WHERE call_id = ? ORDER BY direction, seq"
 # No ORDER BY: a sort reads every row before the first comes back, so damage would lose them all;
@@ -517,6 +553,7 @@ class Recording:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.problems: list[str] = []
+        self._hit_damage = False     # the last _rows() stopped at damaged data
         if not self.path.exists():
             raise RecordingError(f"{self.path}: no such recording")
         try:
@@ -535,12 +572,18 @@ class Recording:
             raise RecordingError(f"{self.path}: schema version {version!r}, this shadowtest reads "
                                  f"{SCHEMA_VERSION}")
         # Files from before method groups have neither calls.method_ref nor method_map.
+        # Ids of rows whose crc did not match, by table (messages: by call id); a set, so reading
+        # the file again (a replay's loops) does not count a row twice.
+        self._left_out: dict[str, set[object]] = {}
+        self._left_out_line: dict[str, int] = {}     # where in `problems` each table's count is said
         try:
+            # Tables whose rows carry a crc (capture/rowcrc.py); files from before it have none.
+            self._checked = frozenset(t for t in _CRC_TABLES if "crc" in _columns(self._db, t))
             self._has_ref = "method_ref" in _columns(self._db, "calls")
             has_map = bool(_columns(self._db, "method_map"))
             rows = self._db.execute("SELECT flow_id, ref, method, how FROM method_map").fetchall() if has_map else []
         except sqlite3.DatabaseError as exc:
-            self._has_ref, rows = False, []
+            self._has_ref, rows, self._checked = False, [], frozenset()
             self.problems.append(f"cannot read the method map: {exc}")
         self._method_map: dict[tuple[int | None, str], tuple[str, str]] = {
             (r[0], r[1]): (r[2], r[3]) for r in rows}
@@ -564,6 +607,33 @@ class Recording:
             if hit is not None:
                 return hit
         return self._method_map.get((flow_id, ref)) or self._method_map.get((None, ref))
+
+    def _intact(self, table: str, r: sqlite3.Row) -> bool:
+        """False (and counted in `problems`) for a row whose crc does not match its columns: bytes
+        damaged on disk. Such a row is left out, never read as if it were what was recorded."""
+        if table not in self._checked or row_matches(table, r):
+            return True
+        if table != "messages":      # messages are counted by call (_with_messages)
+            self._leave_out(table, [_row_id(r)])
+        return False
+
+    def _leave_out(self, table: str, ids: Iterable[object]) -> None:
+        seen = self._left_out.setdefault(table, set())
+        seen.update(ids)
+        n = len(seen)
+        line = {"calls": f"{n} call(s) left out: their row failed its checksum (bytes damaged on disk)",
+                "messages": f"{n} call(s) left out: a message of theirs failed its checksum (bytes damaged on disk)",
+                "chunks": f"{n} chunk(s) left out: they failed their checksum (bytes damaged on disk)"}[table]
+        if table in self._left_out_line:
+            self.problems[self._left_out_line[table]] = line
+        else:
+            self._left_out_line[table] = len(self.problems)
+            self.problems.append(line)
+
+    @property
+    def left_out(self) -> dict[str, int]:
+        """Rows left out so far because their checksum failed, by table (calls, messages, chunks)."""
+        return {table: len(ids) for table, ids in self._left_out.items()}
 
     def _damaged(self, table: str, r: sqlite3.Row, exc: Exception) -> CorruptRecordingError:
         return CorruptRecordingError(f"{self.path} is damaged: row {_row_id(r)} of {table} is unreadable ({exc})")
@@ -595,8 +665,42 @@ class Recording:
         try:
             yield from self._db.execute(sql, args)
         except sqlite3.DatabaseError as exc:
-            # Salvage: everything yielded before the damage stands; say what was cut off.
-            self.problems.append(f"stopped reading at damaged data ({exc}) in: {sql.split(' FROM ')[1][:40]}")
+            # Salvage: everything yielded before the damage stands; say what was cut off (once).
+            line = f"stopped reading at damaged data ({exc}) in: {sql.split(' FROM ')[1][:40]}"
+            if line not in self.problems:
+                self.problems.append(line)
+            self._hit_damage = True
+
+    def _call_rows(self) -> Iterator[sqlite3.Row]:
+        """The calls rows in time order; when damage stops the scan, the calls it did not reach one by one
+        by id: a lookup descends from the table's root, so rows on intact pages past the damage still read
+        (a cut file's first leaf is often a late page: a scan alone would salvage nothing)."""
+        self._hit_damage = False
+        seen: set[int] = set()
+        for r in self._rows(_CALLS_SQL):
+            seen.add(r["id"])
+            yield r
+        if not self._hit_damage:
+            return
+        for call_id in sorted(self._call_ids() - seen):
+            try:
+                row = self._db.execute(_CALL_BY_ID_SQL, (call_id,)).fetchone()
+            except sqlite3.DatabaseError:
+                continue                  # on a damaged page: lost (calls_lost counts it)
+            if row is not None:
+                yield row
+
+    def _call_ids(self) -> set[int]:
+        """Ids the calls table should hold: from its time index, as far as it reads, and 1 to the count
+        its writer committed (meta.rows_written)."""
+        ids: set[int] = set()
+        try:
+            ids.update(int(r[0]) for r in self._db.execute(_CALL_IDS_SQL))
+        except sqlite3.DatabaseError:
+            pass
+        written = (self.meta.get("rows_written") or {}).get("calls")
+        top = max(ids | {written if isinstance(written, int) else 0})
+        return ids | set(range(1, top + 1))
 
     def flows(self) -> Iterator[Flow]:
         for r in self._rows("SELECT * FROM flows ORDER BY id"):
@@ -612,6 +716,8 @@ class Recording:
         if flow_id is not None:
             sql, args = "SELECT * FROM chunks WHERE flow_id = ? ORDER BY id", (flow_id,)
         for r in self._rows(sql, args):
+            if not self._intact("chunks", r):
+                continue
             try:
                 _ints(r, "ts_ns")
             except TypeError as exc:
@@ -624,7 +730,9 @@ class Recording:
         recordings read fast (a reader that must not stall for long, like the replayer reading
         ahead between sends, asks for small batches)."""
         batch: list[Call] = []
-        for r in self._rows(_CALLS_SQL):
+        for r in self._call_rows():
+            if not self._intact("calls", r):
+                continue
             batch.append(self._call(r))
             if len(batch) >= batch_size:
                 yield from self._with_messages(batch, with_messages)
@@ -640,7 +748,11 @@ class Recording:
                                     tuple(by_id)).fetchall()
         except sqlite3.DatabaseError:
             rows = self._salvage_messages(calls)
+        damaged: set[int] = set()    # calls with a message that failed its checksum: left out whole
         for m in rows:
+            if not self._intact("messages", m):
+                damaged.add(m["call_id"])
+                continue
             try:
                 _ints(m, "seq", "ts_ns")
                 call = by_id[m["call_id"]]
@@ -649,7 +761,10 @@ class Recording:
             (call.requests if m["direction"] == "c2s" else call.responses).append(Message(
                 direction=m["direction"], seq=m["seq"], ts_ns=m["ts_ns"], data=m["data"],
                 compressed=bool(m["compressed"])))
-        return calls
+        if not damaged:
+            return calls
+        self._leave_out("messages", damaged)
+        return [c for c in calls if c.id not in damaged]
 
     def _salvage_messages(self, calls: list[Call]) -> list[sqlite3.Row]:
         """Messages of `calls` from a damaged file: call by call through the index (intact pages still
@@ -692,7 +807,7 @@ class Recording:
         """The first `limit` calls (request time order) of one group, with their messages."""
         if not self._has_ref:
             return []
-        calls = [self._call(r) for r in self._rows(_GROUP_CALLS_SQL, (flow_id, ref, limit))]
+        calls = [self._call(r) for r in self._rows(_GROUP_CALLS_SQL, (flow_id, ref, limit)) if self._intact("calls", r)]
         return self._with_messages(calls, True)
 
     def gaps(self) -> list[tuple[int, Direction, int, int | None, str | None]]:
@@ -732,6 +847,25 @@ class Recording:
         """(first, last) request time over all calls, or None for a recording without calls."""
         r = self._db.execute("SELECT min(request_ts_ns), max(request_ts_ns) FROM calls").fetchone()
         return None if r[0] is None else (int(r[0]), int(r[1]))
+
+    def call_protocols(self) -> frozenset[str]:
+        """The protocols of the calls and flows in the file (grpc, http2, http1, tcp, tls), as far as
+        they can be read."""
+        found: set[str] = set()
+        for sql in ("SELECT DISTINCT protocol FROM calls", "SELECT DISTINCT protocol FROM flows"):
+            try:
+                found.update(str(r[0]) for r in self._db.execute(sql))
+            except sqlite3.DatabaseError:
+                pass
+        return frozenset(found)
+
+    def chunk_time_range_ns(self) -> tuple[int, int] | None:
+        """(first, last) chunk timestamp (bytes seen), or None without chunks or when it cannot be read."""
+        try:
+            r = self._db.execute("SELECT min(ts_ns), max(ts_ns) FROM chunks").fetchone()
+        except sqlite3.DatabaseError:
+            return None
+        return None if r[0] is None or not isinstance(r[0], int) or not isinstance(r[1], int) else (r[0], r[1])
 
     def close(self) -> None:
         self._db.close()

@@ -12,6 +12,7 @@ and is marked as a rollback-journal database so that reading it creates no WAL f
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import struct
 import tempfile
@@ -87,11 +88,38 @@ def _repaired_copy(path: str) -> str | None:
     return tmp
 
 
-def open_salvaged(path: str | os.PathLike[str]) -> Recording:
+def _wal_copy(path: str) -> str:
+    """A copy of `path` and its WAL (mode 0600): SQLite reads the WAL's frames up to its damage from the
+    copy, and the original keeps its WAL (opening it would fold in the intact part and delete the rest)."""
+    fd, tmp = tempfile.mkstemp(prefix="shadowtest-salvage-", suffix=".rec")
+    try:
+        with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+            shutil.copyfileobj(src, out, _BLOCK)
+        wal_fd = os.open(f"{tmp}-wal", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(wal_fd, "wb") as out, open(f"{path}-wal", "rb") as src:
+            shutil.copyfileobj(src, out, _BLOCK)
+    except BaseException:
+        _remove(Path(tmp))
+        raise
+    return tmp
+
+
+def open_salvaged(path: str | os.PathLike[str], *, wal_damaged: bool = False) -> Recording:
     """`Recording(path)`, or, when the file is damaged, a reader over what is intact.
 
+    wal_damaged: FILE-wal fails its checksums (capture.integrity): read a copy of the file and its WAL.
     Raises RecordingError when the file does not exist, CorruptRecordingError when nothing in it
     can be read (the message says so)."""
+    if wal_damaged:
+        try:
+            wal_copy = _wal_copy(str(path))
+        except OSError as err:
+            raise CorruptRecordingError(f"{path} is damaged and cannot be salvaged: {err}") from err
+        try:
+            return SalvagedRecording(wal_copy, str(path), "its WAL is damaged")
+        except BaseException:
+            _remove(Path(wal_copy))
+            raise
     try:
         return Recording(path)
     except CorruptRecordingError as exc:

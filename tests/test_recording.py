@@ -290,11 +290,33 @@ def _damage(path: Path, statement: str) -> None:
     ("UPDATE messages SET ts_ns = 'soon' WHERE seq = 0 AND direction = 's2c'", "row .* of messages"),
 ])
 def test_a_damaged_row_is_a_corrupt_recording_error_naming_it(tmp_path: Path, statement: str, says: str) -> None:
+    """A row without a checksum (a file from before them) whose value cannot be read: a one-line error."""
     path = tmp_path / "r.rec"
     _write_sample(path)
     _damage(path, statement)
+    table = statement.split()[1]
+    _damage(path, f"UPDATE {table} SET crc = NULL")
     with Recording(path) as rec, pytest.raises(CorruptRecordingError, match=says):
         list(rec.calls())
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE calls SET request_metadata = '[[\"x-k\", ' WHERE request_ts_ns = 300",
+    "UPDATE calls SET request_metadata = '[[\"x-k\", \"2\"]]' WHERE request_ts_ns = 300",   # plausible
+    "UPDATE calls SET request_ts_ns = 'yesterday' WHERE request_ts_ns = 300",
+    "UPDATE messages SET data = X'00' WHERE ts_ns = 310",
+])
+def test_a_row_failing_its_checksum_is_left_out_and_said(tmp_path: Path, statement: str) -> None:
+    """Rows carry a CRC: a changed value, plausible or not, is left out (never read as recorded) and the
+    reader's problems say how many calls it lost."""
+    path = tmp_path / "r.rec"
+    _write_sample(path)
+    with Recording(path) as rec:
+        whole = len(list(rec.calls()))
+    _damage(path, statement)
+    with Recording(path) as rec:
+        assert len(list(rec.calls())) == whole - 1
+        assert any("1 call(s) left out" in p and "checksum" in p for p in rec.problems), rec.problems
 
 
 def test_bad_meta_json_is_a_corrupt_recording_error_and_leaves_no_side_files(tmp_path: Path) -> None:
@@ -310,5 +332,9 @@ def test_bad_chunk_timestamp_is_a_corrupt_recording_error(tmp_path: Path) -> Non
     path = tmp_path / "r.rec"
     _write_sample(path)
     _damage(path, "UPDATE chunks SET ts_ns = 'x' WHERE data = X'776f726c64'")
+    with Recording(path) as rec:                       # with its checksum: left out, and said
+        assert len(list(rec.chunks())) == rec.count("chunks") - 1
+        assert any("1 chunk(s) left out" in p for p in rec.problems), rec.problems
+    _damage(path, "UPDATE chunks SET crc = NULL")      # as in a file from before checksums
     with Recording(path) as rec, pytest.raises(CorruptRecordingError, match="of chunks is unreadable"):
         list(rec.chunks())
