@@ -25,9 +25,10 @@ from typing import Any, BinaryIO
 
 from capture.decode.streammask import FlowMasker
 from capture.errors import PcapError
+from capture.integrity import calls_lost, open_for
+from capture.output import atomic_output
 from capture.recording import Flow, Recording
 from capture.redact import Redactor, rules_from_specs
-from capture.salvage import open_salvaged
 
 _LINKTYPE_RAW = 101
 _SEG = 16000          # payload bytes per synthesized segment (well under the IPv4 64 KiB limit)
@@ -208,19 +209,21 @@ def _fin(out: BinaryIO, st: _FlowState, ts: int) -> int:
     return 2
 
 
-def export_file(recording_path: str, output: str, *, overwrite: bool = False) -> dict[str, Any]:
+def export_file(recording_path: str, output: str, *, overwrite: bool = False, salvage: bool = False) -> dict[str, Any]:
     """Export the recording at `recording_path` to the pcapng file `output` (mode 0600).
 
-    Raises RecordingError for an unreadable recording, PcapError when `output` cannot be written.
-    A damaged recording is exported up to the damage; the returned dict's `problems` says so."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (0 if overwrite else os.O_EXCL)
-    with open_salvaged(recording_path) as rec:
+    A damaged recording (capture.integrity) is refused unless `salvage`: then its intact part is
+    exported and the result says what was lost (`problems`, `calls_lost`: None when unknown). The
+    file appears whole or not at all (capture.output). Raises RecordingError for an unreadable or
+    refused recording, PcapError when `output` cannot be written."""
+    rec, found = open_for(recording_path, "export", salvage=salvage)
+    with rec, atomic_output(output, overwrite=overwrite, error=PcapError) as tmp:
         try:
-            fd = os.open(output, flags, 0o600)   # holds production data: owner-only
-        except FileExistsError as exc:
-            raise PcapError(f"{output} already exists (pass --force to replace it)") from exc
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # holds production data: owner-only
         except OSError as exc:
             raise PcapError(f"cannot write {output}: {exc.strerror}") from exc
         with os.fdopen(fd, "wb") as out:
             counts = export_pcapng(rec, out)
-        return {**counts, "problems": list(rec.problems)}
+        lost = 0 if found.intact else calls_lost(rec, found)
+        problems = list(dict.fromkeys(found.problems + rec.problems))
+    return {**counts, "problems": problems, "calls_lost": lost}

@@ -5,7 +5,10 @@
         --> FlowSink (chunks, decoded calls, redaction) --> RecordingWriter
 
 Timestamps are the capture's own (wall clock, nanoseconds): meta.clock = "capture-wall".
-A file cut short or damaged mid-way is imported up to the damage; `problems` says where it stopped.
+A file cut short or damaged mid-way is imported up to the damage; `problems` says where it stopped
+(and meta.import_problems, so the recording itself says it is partial). With `strict` (the CLI without
+--salvage) such an import writes nothing. The recording appears whole or not at all (capture.output):
+an import that fails leaves no file.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol, cast
 
 from capture.errors import PcapError
+from capture.output import atomic_output
 from capture.packets import parse
 from capture.reassembly import Reassembler, ReassemblyStats
 from capture.recording import RecordingWriter
@@ -163,22 +167,33 @@ def _check_magic(path: str) -> None:
 
 
 def import_capture(path: str, output: str, *, port: int | None = None, redactor: Redactor | None = None,
-                   overwrite: bool = False) -> ImportResult:
+                   overwrite: bool = False, strict: bool = False) -> ImportResult:
     """Import `path` into a new recording `output`.
 
     Args:
         port: keep only connections with this port (and treat it as the service side).
         redactor: rules applied to the imported calls and chunks, on each flow's reassembled stream
             (default: the default credential rules; `Redactor([])` for none).
+        strict: a damaged (cut, corrupt) capture is a PcapError and nothing is written.
 
-    Raises PcapError (unreadable file) or RecordingError (output). A damaged capture is imported up
-    to the damage and the result's `problems` say so (the recording's meta too).
+    Raises PcapError (unreadable file, or damaged with `strict`) or RecordingError (output). Otherwise
+    a damaged capture is imported up to the damage and the result's `problems` say so (the recording's
+    meta too). Nothing is left at `output` when it raises.
     """
     _check_magic(path)   # before creating the output: a wrong input leaves nothing behind
+    with atomic_output(output, overwrite=overwrite) as tmp:
+        result = _import_into(path, str(tmp), port, redactor)
+        if strict and result.problems:
+            raise PcapError(f"{path} is damaged: {result.problems[0]}; nothing written to {output}: pass "
+                            f"--salvage to keep the {result.packets} packets before the damage (the recording "
+                            "then says it is partial)")
+    return result
+
+
+def _import_into(path: str, output: str, port: int | None, redactor: Redactor | None) -> ImportResult:
     result = ImportResult()
     accept = (lambda s: port in (s.src[1], s.dst[1])) if port else None
-    writer = RecordingWriter(output, overwrite=overwrite,
-                             meta={"clock": "capture-wall", "source": os.path.basename(path), "backend": "import"})
+    writer = RecordingWriter(output, meta={"clock": "capture-wall", "source": os.path.basename(path), "backend": "import"})
     sink = FlowSink(writer, redactor if redactor is not None else Redactor())
     reasm = Reassembler(sink, {port} if port else None, accept)
     first_ts = None

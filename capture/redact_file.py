@@ -3,38 +3,60 @@
 Copies the recording into a new file: calls go through the rules; raw chunks get the same
 in-place, same-length masks as at record time, on each flow's reassembled stream
 (capture/decode/streammask.py); meta lists every rule ever applied (record time + now).
+
+A damaged source (capture.integrity) is refused unless `salvage`; a salvaged copy says so in its meta
+(`salvaged`: from, calls_lost, problems), so `inspect` and `replay` see the loss in the copy too. The
+copy appears whole or not at all (capture.output).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from capture.decode.streammask import FlowMasker
+from capture.integrity import Integrity, open_for
+from capture.output import atomic_output
 from capture.recording import Chunk, Recording, RecordingWriter
 from capture.redact import Redactor, rules_from_specs
-from capture.salvage import open_salvaged
 
 
-def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool = False) -> dict[str, int]:
-    """Write a redacted copy of `src` to `dst`; returns counts (flows, chunks, calls, calls_changed).
+def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool = False,
+                     salvage: bool = False) -> dict[str, Any]:
+    """Write a redacted copy of `src` to `dst`; returns counts (flows, chunks, calls, calls_changed),
+    `problems` (what the source lost, one line each) and `calls_lost` (0 for an intact source, None
+    when unknown).
 
-    Raises RecordingError / CorruptRecordingError for `src`, RecordingError for `dst`. A damaged
-    source is copied up to the damage; `problems` in the result says what was cut off."""
-    with open_salvaged(src) as rec:
+    Raises RecordingError / CorruptRecordingError for `src` (a damaged one without `salvage`),
+    RecordingError for `dst`."""
+    rec, found = open_for(src, "redact", salvage=salvage)
+    with rec, atomic_output(dst, overwrite=overwrite) as tmp:
         meta = dict(rec.meta)
         before = list(meta.get("redaction_rules", []) or [])
         # the file's own rules again (chunks an older version masked chunk by chunk), then the new ones
         redactor = Redactor(rules_from_specs(before) + [r for r in redactor.rules if r.spec not in before])
         meta["redaction_rules"] = before + [s for s in redactor.specs if s not in before]
-        with RecordingWriter(dst, meta=meta, overwrite=overwrite) as out:
+        with RecordingWriter(tmp, meta=meta) as out:
             ids, protos = _copy_flows(rec, out)
-            counts = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor)}
+            counts: dict[str, Any] = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor)}
             counts |= _copy_calls(rec, out, ids, redactor)
             for fid, direction, at, nbytes, how in rec.gaps():
                 out.add_gap(ids.get(fid, fid), direction, at, nbytes, how)
-        counts["problems"] = len(rec.problems)
+            counts["problems"] = list(dict.fromkeys(found.problems + rec.problems))
+            counts["calls_lost"] = 0 if found.intact else _salvaged(rec, found, src, counts, out)
     return counts
+
+
+def _salvaged(rec: Recording, found: Integrity, src: str, counts: dict[str, Any], out: RecordingWriter) -> int | None:
+    """The calls a salvaged copy lost (those the source's writer committed minus those copied, plus what
+    an earlier salvage lost; None when unknown), stated in the copy's meta."""
+    written = (rec.meta.get("rows_written") or {}).get("calls")
+    earlier = (rec.meta.get("salvaged") or {}).get("calls_lost", 0)
+    lost = None if found.loss_unknown or not isinstance(written, int) or earlier is None \
+        else max(0, written - counts["calls"]) + int(earlier)
+    out.set_meta({"salvaged": {"from": str(src), "calls_lost": lost, "problems": counts["problems"][:10]}})
+    return lost
 
 
 def _copy_flows(rec: Recording, out: RecordingWriter) -> tuple[dict[int, int], dict[int, tuple[str, bool]]]:
@@ -78,8 +100,9 @@ def _copy_calls(rec: Recording, out: RecordingWriter, ids: dict[int, int], redac
     return {"calls": calls, "calls_changed": changed}
 
 
-def redact_in_place(path: str, redactor: Redactor) -> dict[str, int]:
-    """Redact `path` itself: write a copy beside it, then atomically replace the original."""
+def redact_in_place(path: str, redactor: Redactor) -> dict[str, Any]:
+    """Redact `path` itself: write a copy beside it, then atomically replace the original. A damaged
+    file is refused (never salvaged in place: the damaged original would be gone)."""
     tmp = str(Path(path).with_name(Path(path).name + ".redacting"))
     counts = redact_recording(path, tmp, redactor, overwrite=True)
     for suffix in ("-wal", "-shm"):

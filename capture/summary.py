@@ -7,6 +7,10 @@ problem names the fix) when it belongs to a group (its request headers were seen
 group fixes it), to a connection recorded from its start, or to a file written before method
 groups; calls of a joined connection whose request headers were never seen (in flight when the
 recording began) are counted in `unknown_method_ungrouped` only. `replay` sends none of them (not_sent: unknown_method).
+
+`duration_s` means the same for every backend: first to last timestamp of the traffic the file
+holds (chunks: bytes seen; calls: request, response, end and each message). How long the recorder
+ran is `capture_duration_s` (live backends' meta; None for imports and killed recorders).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from capture.decode.h2grpc import MAX_MESSAGE
 from capture.decode.tls import client_hello_sni
 from capture.deferred import calls_pending, pending_message
+from capture.integrity import Integrity, loss_text
 from capture.recording import (
     BODY_NOT_CAPTURED,
     CALL_DAMAGED,
@@ -43,9 +48,10 @@ def _percentile(sorted_vals: list[int], q: float) -> int:
     return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
-def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
+def summarize(rec: Recording, buckets: int = 40, integrity: Integrity | None = None) -> dict[str, Any]:
     """Counts, methods, statuses, rate over time, payload sizes, loss and mid-stream joins.
 
+    integrity: `capture.integrity.check` of the file; its damage is listed first among the problems.
     Payload sizes are kept as one int per message: fine for recordings of millions of calls."""
     methods: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
@@ -59,6 +65,7 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
     hidden = 0                      # calls whose recorded trailers HPACK made unreadable (joined)
     body_gaps = unknown_outcome = 0  # HTTP/1 calls with a body lost in a gap / after one it could not resync
     damaged = no_status = 0         # calls open during a gap; calls that ended without a status
+    last = 0                        # the latest timestamp of any call (request, response, end, message)
     for call in rec.calls():
         methods[call.method or "<unknown>"] += 1
         statuses[str(call.status)] += 1
@@ -77,8 +84,10 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         times.append(call.request_ts_ns)
         req_sizes += [len(m.data) for m in call.requests]
         resp_sizes += [len(m.data) for m in call.responses]
+        last = max(last, call.request_ts_ns, call.response_ts_ns or 0, call.end_ts_ns or 0,
+                   *(m.ts_ns for m in call.requests), *(m.ts_ns for m in call.responses))
     groups = rec.method_groups()
-    span = _span(rec, times)
+    span = _traffic_span(rec, min(times, default=None), last if times else None)
     meta = rec.meta
     out: dict[str, Any] = {
         "file": str(rec.path), "backend": meta.get("backend"), "host": meta.get("host"),
@@ -87,7 +96,8 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
         "methods": dict(methods.most_common()), "statuses": dict(statuses.most_common()),
         "chunks": rec.count("chunks"), "lost_events": int(meta.get("lost_events", 0) or 0),
         "truncated_events": int(meta.get("truncated_events", 0) or 0), "unknown_method_calls": unknown,
-        "duration_s": span / 1e9, "redaction_rules": meta.get("redaction_rules", []),
+        "duration_s": span / 1e9, "capture_duration_s": _capture_duration(meta),
+        "redaction_rules": meta.get("redaction_rules", []),
         "request_bytes": _sizes(req_sizes), "response_bytes": _sizes(resp_sizes),
         "rate_per_s": _rate(times, buckets),
         "complete": False,
@@ -96,7 +106,8 @@ def summarize(rec: Recording, buckets: int = 40) -> dict[str, Any]:
                            "kinds": g.kinds, "method": g.method, "how": g.how} for g in groups],
         "unresolved_method_calls": unresolved, "unknown_method_ungrouped": ungrouped,
         "tls": meta.get("tls"),   # TLS plaintext capture (capture/ebpf/tls.py): on/off, counts
-        "problems": (list(rec.problems) + list(meta.get("import_problems", []) or []) + _undecoded(rec)
+        "problems": (_file_damage(rec, integrity) + list(meta.get("import_problems", []) or []) + _salvaged(meta)
+                     + _undecoded(rec)
                      + _unknown_peers(meta) + _oversized(meta) + _discarded(meta) + _hidden_statuses(hidden)
                      + _gapped_calls(body_gaps, unknown_outcome) + _encrypted(meta)
                      + _unresolved(rec, unresolved, groups)),
@@ -245,11 +256,34 @@ def _undecoded(rec: Recording) -> list[str]:
     return [pending_message(rec.path, rec.meta)] if calls_pending(rec.meta) else []
 
 
-def _span(rec: Recording, times: list[int]) -> int:
-    dur = rec.meta.get("capture_duration_s")
-    if isinstance(dur, (int, float)) and dur > 0:
-        return int(dur * 1e9)
-    return (max(times) - min(times)) if times else 0
+def _traffic_span(rec: Recording, first_call: int | None, last_call: int | None) -> int:
+    """Nanoseconds from the first to the last timestamp of the traffic: chunks and calls alike, so an
+    eBPF recording, a proxy one and a pcap import of the same traffic say the same duration."""
+    ends = [t for t in (first_call, last_call) if t is not None]
+    chunks = rec.chunk_time_range_ns()
+    if chunks is not None:
+        ends += list(chunks)
+    return (max(ends) - min(ends)) if ends else 0
+
+
+def _capture_duration(meta: dict[str, Any]) -> float | None:
+    """How long the recorder ran (live backends, stopped cleanly); None for imports and killed recorders."""
+    dur = meta.get("capture_duration_s")
+    return float(dur) if isinstance(dur, (int, float)) and not isinstance(dur, bool) else None
+
+
+def _file_damage(rec: Recording, integrity: Integrity | None) -> list[str]:
+    """What `capture.integrity.check` found wrong with the file, then what the reader hit."""
+    found = list(integrity.damage) if integrity is not None else []
+    return found + [p for p in rec.problems if p not in found]
+
+
+def _salvaged(meta: dict[str, Any]) -> list[str]:
+    """A file written by `--salvage` from a damaged recording: the calls that copy lost."""
+    salvaged = meta.get("salvaged")
+    if not isinstance(salvaged, dict):
+        return []
+    return [f"written with --salvage from a damaged recording ({loss_text(salvaged.get('calls_lost'))})"]
 
 
 def _sizes(vals: list[int]) -> dict[str, int]:

@@ -101,9 +101,15 @@ def test_truncated_capture_is_salvaged_and_said_so(tmp_path: Path) -> None:
     data = (tmp_path / "d.pcap").read_bytes()
     (tmp_path / "cut.pcap").write_bytes(data[:len(data) * 2 // 3])
     result = CliRunner().invoke(cli, ["import", str(tmp_path / "cut.pcap"), "-o", str(tmp_path / "cut.rec")])
-    assert result.exit_code == 1
-    assert "ends inside packet" in result.output and "truncated" in result.output
+    assert result.exit_code == 1                      # damaged: nothing written without --salvage
+    assert "ends inside packet" in result.output and "truncated" in result.output and "--salvage" in result.output
+    assert not (tmp_path / "cut.rec").exists()
+    result = CliRunner().invoke(cli, ["import", str(tmp_path / "cut.pcap"), "-o", str(tmp_path / "cut.rec"),
+                                      "--salvage"])
+    assert result.exit_code == 0 and "truncated" in result.output and "partial" in result.output, result.output
     assert 0 < len(_requests(tmp_path / "cut.rec")) < 6
+    inspected = CliRunner().invoke(cli, ["inspect", str(tmp_path / "cut.rec"), "--json"])
+    assert inspected.exit_code == 1 and '"complete": false' in inspected.output   # the recording says it
 
 
 def test_not_a_capture_gives_a_clear_error(tmp_path: Path) -> None:

@@ -13,27 +13,34 @@ import click
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="pcapng file to write")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True)
-def command(file: str, output: str, force: bool, as_json: bool) -> None:
+@click.option("--salvage", is_flag=True, help="export the intact part of a damaged recording (the loss is stated)")
+def command(file: str, output: str, force: bool, as_json: bool, salvage: bool) -> None:
     """Export a recording as pcapng with synthesized TCP/IP framing and the original timestamps.
 
     Wireshark decodes gRPC on a non-standard port once told it is HTTP/2 ("Decode As"). Bytes the
     recording does not hold (gaps) show as "previous segment not captured", with a packet comment
     saying how many bytes are missing. The file's redaction rules are applied once more.
 
+    A damaged recording is refused (exit 1, nothing written) unless --salvage: then its intact part is
+    exported, the calls lost to damage are stated, and the exit is 0. OUTPUT appears whole or not at all.
+
     \b
     Examples:
       shadowtest export prod.rec -o prod.pcapng
       tshark -r prod.pcapng -d tcp.port==50051,http2 -Y grpc
     """
+    from capture.integrity import loss_text
     from capture.pcap_export import export_file
 
-    counts = export_file(file, output, overwrite=force)
+    counts = export_file(file, output, overwrite=force, salvage=salvage)
     if as_json:
         click.echo(json.dumps(counts, indent=2))
     else:
         gaps = f", {counts['gaps_marked']} gap(s) marked" if counts.get("gaps_marked") else ""
+        lost = f" (salvaged: {loss_text(counts['calls_lost'])})" if counts["problems"] else ""
         click.echo(f"exported {counts['flows']} flows, {counts['chunks']} chunks as {counts['packets']} packets"
-                   f"{gaps} -> {output}")
+                   f"{gaps} -> {output}{lost}")
         for p in counts["problems"]:
             click.echo(f"problem: {p}", err=True)
-    sys.exit(1 if counts["problems"] else 0)
+    # without --salvage a damaged file was refused above; with it, the loss is stated and accepted
+    sys.exit(0)

@@ -17,12 +17,17 @@ import click
 @click.option("--default-redaction/--no-default-redaction", default=True, show_default=True)
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--salvage", is_flag=True,
+              help="keep what a damaged (cut, corrupt) capture holds before the damage; the recording says it is partial")
 def command(capture_file: str, output: str, port: int | None, redact: tuple[str, ...], default_redaction: bool,
-            force: bool, as_json: bool) -> None:
+            force: bool, as_json: bool, salvage: bool) -> None:
     """Import a tcpdump/Wireshark capture (pcap or pcapng) with TCP reassembly.
 
-    Out-of-order segments and retransmissions are handled; holes are reported as gaps. A truncated or
-    damaged capture is imported up to the damage (exit 1, saying where it stopped).
+    Out-of-order segments and retransmissions are handled; holes are reported as gaps (the recording
+    is written and says so; exit 1). A truncated or damaged capture writes nothing (exit 1, saying
+    where it is damaged) unless --salvage: then it is imported up to the damage, the recording's meta
+    says so (inspect and replay see it), and the exit is 0 unless there are gaps too. OUTPUT appears
+    whole or not at all.
 
     \b
     Examples:
@@ -32,7 +37,7 @@ def command(capture_file: str, output: str, port: int | None, redact: tuple[str,
     from capture.pcap_import import import_capture
     from capture.record import build_redactor
 
-    imported = import_capture(capture_file, output, port=port, overwrite=force,
+    imported = import_capture(capture_file, output, port=port, overwrite=force, strict=not salvage,
                               redactor=build_redactor(default_redaction, list(redact)))
     result = imported.as_dict()
     if as_json:
@@ -43,4 +48,8 @@ def command(capture_file: str, output: str, port: int | None, redact: tuple[str,
                    f"{result['gaps']} gaps ({result['gap_bytes']} bytes) -> {output}")
         for p in imported.all_problems:
             click.echo(f"problem: {p}", err=True)
-    sys.exit(1 if imported.all_problems else 0)
+        if imported.problems:
+            click.echo(f"salvaged: the capture is damaged; {output} holds the {result['packets']} packets before "
+                       "the damage and says it is partial", err=True)
+    # damage was refused above or accepted with --salvage; gaps in the traffic still fail the import
+    sys.exit(1 if imported.reassembly.problems else 0)

@@ -25,8 +25,11 @@ _FIX = ("to name the rest: pass the service's descriptors (--descriptors FILE.pr
               help="per reflection call, seconds")
 @click.option("--json", "as_json", is_flag=True, help="print the groups as JSON")
 @click.option("--dry-run", is_flag=True, help="show what would be assigned; write nothing")
+@click.option("--salvage", is_flag=True,
+              help="infer from the intact part of a damaged recording (the calls lost are reported; a file whose "
+                   "pages are damaged is not written to)")
 def command(file: Path, specs: tuple[str, ...], mapping: tuple[str, ...], allow: tuple[str, ...], timeout_s: float,
-            as_json: bool, dry_run: bool) -> None:
+            as_json: bool, dry_run: bool, salvage: bool) -> None:
     """Infer the methods of FILE's calls whose `:path` was lost (connections joined mid-stream).
 
     Each group (the calls of one connection that share one lost `:path`) is matched against every
@@ -36,6 +39,7 @@ def command(file: Path, specs: tuple[str, ...], mapping: tuple[str, ...], allow:
     with the methods that fit it.
 
     Exit 0 when every group's method is known afterwards, 1 when some remain unknown, 2 on a usage error.
+    A damaged recording is refused (exit 1) unless --salvage.
 
     \b
     Examples:
@@ -48,10 +52,19 @@ def command(file: Path, specs: tuple[str, ...], mapping: tuple[str, ...], allow:
 
     if not specs and not mapping:
         raise click.UsageError("nothing to infer from: pass --descriptors SRC and/or --method-map [FLOW:]REF=METHOD")
+    from capture.integrity import calls_lost, loss_text, open_for
+
     manual = _parse_map(mapping)
     sources, notes = _load_sources(specs, allow, timeout_s)
-    rec = _open(file)
+    rec, found = open_for(file, "infer", salvage=salvage)
     try:
+        if not found.intact:
+            notes.append(f"{file} is damaged ({found.problems[0]}): read its intact part, "
+                         f"{loss_text(calls_lost(rec, found))}")
+            if not found.writable and not dry_run:
+                notes.append(f"nothing written to {file}: its pages are damaged (name the groups for a replay "
+                             "with --method-map, or write a salvaged copy with `shadowtest redact --salvage` first)")
+                dry_run = True
         groups = rec.method_groups()
         if unmatched := unmatched_map_keys(groups, manual):
             raise click.BadParameter(f"no group {', '.join(unmatched)} in {file} (see `shadowtest infer {file} "
@@ -96,12 +109,6 @@ def _load_sources(specs: tuple[str, ...], allow: tuple[str, ...], timeout_s: flo
                 raise click.BadParameter(str(exc), param_hint="--descriptors") from exc
             notes.append(f"reflection not available: {exc}")
     return sources, notes
-
-
-def _open(file: Path) -> Any:
-    from capture.recording import Recording
-
-    return Recording(file)
 
 
 def _emit(file: Path, states: list[Any], notes: list[str], unknown: list[Any], as_json: bool, dry_run: bool) -> None:

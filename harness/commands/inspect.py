@@ -20,12 +20,13 @@ from harness.console import is_terminal, make_console
 def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
     """Summarise a recording: flows, calls per method, rate over time, payload sizes, loss, joins.
 
-    Exit 0 for a sound recording, 1 when it is damaged (what was readable is still shown). Every
+    Exit 0 for a sound recording, 1 when it is damaged (cut off, a damaged WAL or page, a row that fails
+    its checksum, written from a damaged source; what was readable is still shown). Every
     problem is listed, also those that leave the file usable but incomplete (gaps, lost or truncated
     events, damaged calls, calls without a status, bodies not captured, TLS flows): `complete` is
     then false, and `--strict` exits 1 for them too.
     JSON keys include flows, calls, methods, lost_events, truncated_events, unknown_method_calls,
-    duration_s, joined_flows, rate_per_s, request_bytes, response_bytes, calls_pending, problems.
+    duration_s (first to last timestamp of the traffic), capture_duration_s (how long the recorder ran), joined_flows, rate_per_s, request_bytes, response_bytes, calls_pending, problems.
     A `--decode later` file (or a killed at-stop one) has no calls until `shadowtest record --finish`:
     that is listed as a problem, with the command to run.
 
@@ -40,11 +41,13 @@ def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
       shadowtest inspect prod.rec --json | jq .methods
       shadowtest inspect prod.rec --calls 5
     """
+    from capture.integrity import check
     from capture.salvage import open_salvaged
     from capture.summary import summarize
 
-    with open_salvaged(file) as rec:
-        report = summarize(rec)
+    integrity = check(file)      # cut, WAL, pages, row checksums: what reading alone would not see
+    with open_salvaged(file, wal_damaged=integrity.wal_damaged) as rec:
+        report = summarize(rec, integrity=integrity)
         calls = [_call_row(c) for _, c in zip(range(show_calls), rec.calls(), strict=False)]
         blocking = report.pop("blocking_problems", len(report["problems"]))
         damaged = bool(rec.problems) or blocking > 0
@@ -79,7 +82,7 @@ def _group_text(g: dict[str, Any]) -> str:
 def _plain(r: dict[str, Any]) -> None:
     from capture.summary import sparkline
 
-    for key in ("file", "backend", "flows", "joined_flows", "calls", "duration_s", "lost_events",
+    for key in ("file", "backend", "flows", "joined_flows", "calls", "duration_s", "capture_duration_s", "lost_events",
                 "truncated_events", "unknown_method_calls", "protocols", "statuses", "request_bytes",
                 "response_bytes", "redaction_rules"):
         click.echo(f"{key}: {r[key]}")
