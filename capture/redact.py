@@ -4,23 +4,26 @@ Rules are small objects registered by kind (`header`, `body-regex`, `json-field`
 
     header:NAME[,NAME...]     mask metadata/header values (glob patterns: `*-token`)
     body-regex:PATTERN        replace regex matches in request/response bodies with '*' (same length)
-    json-field:PATH           mask a field of JSON bodies (dotted path, e.g. `user.ssn`)
+    json-field:PATH           mask a field of JSON bodies (dotted path, e.g. `user.ssn`), with '*'
 
-`DEFAULT_RULES` mask authorization, cookies and API-key/token style headers; they apply at record time
-unless `--no-default-redaction`. Masking keeps lengths where bytes are masked in place, so the raw
-chunks stay a valid byte stream (HTTP/1.1 header lines, HPACK literals) for replay and export.
+`DEFAULT_RULES` apply at record time unless `--no-default-redaction`: `default:credential-headers`
+masks authorization, cookies and API-key/token style headers; `default:credential-fields` masks the
+values of credential-named query parameters (HTTP/1 request target, HTTP/2 :path), form fields and
+JSON keys at any depth (the names: capture/fields.py). Masking keeps lengths where bytes are masked in
+place, so the raw chunks stay a valid byte stream (HTTP/1.1 header lines and bodies, HPACK literals,
+DATA frames) for replay and export.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from capture.errors import CaptureError
+from capture.fields import FieldPolicy, body_kind, mask_body, mask_target
 from capture.recording import Call, Message
 
 MASK = "<redacted>"
@@ -86,25 +89,39 @@ class BodyRegexRule:
 
 
 @dataclass
-class JsonFieldRule:
-    path: tuple[str, ...]
+class FieldRule:
+    """Secret fields (capture/fields.py): in the query of a call's method/path and in its JSON and
+    form bodies, masked with '*' of the same length, as the raw chunks are (so a call decoded from
+    masked chunks is the call masked here). `default:credential-fields`: credential names anywhere."""
+
+    policy: FieldPolicy
     spec: str = ""
 
-    def mask(self, data: bytes) -> bytes:
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            return data            # not JSON (protobuf, binary): this rule does not apply
-        node = doc
-        for key in self.path[:-1]:
-            node = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or self.path[-1] not in node:
-            return data
-        node[self.path[-1]] = MASK
-        return json.dumps(doc, separators=(",", ":")).encode()
-
     def apply(self, call: Call) -> bool:
-        return _map_messages(call, self.mask)
+        return mask_call_fields(call, self.policy)
+
+
+def mask_call_fields(call: Call, policy: FieldPolicy) -> bool:
+    """Mask `policy`'s fields in `call` in place; True when something changed. gRPC and raw TCP bodies
+    are never read as text (protobuf, or bytes of unknown shape); compressed bodies cannot be."""
+    changed = False
+    if policy.names and call.method and "?" in call.method:
+        method = mask_target(call.method, policy)
+        changed, call.method = method != call.method, method
+    if call.protocol not in ("http1", "http2"):
+        return changed
+    for attr, meta in (("requests", call.request_metadata), ("responses", call.response_metadata)):
+        msgs: list[Message] = getattr(call, attr)
+        if not msgs:
+            continue
+        kind = _body_kind(meta)
+        out = []
+        for m in msgs:
+            data = m.data if m.compressed else mask_body(m.data, kind, policy)
+            changed |= data != m.data
+            out.append(m if data == m.data else Message(m.direction, m.seq, m.ts_ns, data, m.compressed))
+        setattr(call, attr, out)
+    return changed
 
 
 def _map_messages(call: Call, fn: Callable[[bytes], bytes]) -> bool:
@@ -117,6 +134,11 @@ def _map_messages(call: Call, fn: Callable[[bytes], bytes]) -> bool:
             out.append(Message(m.direction, m.seq, m.ts_ns, data, m.compressed))
         setattr(call, attr, out)
     return changed
+
+
+def _body_kind(meta: list[tuple[str, str]]) -> str | None:
+    headers = {k.lower(): v for k, v in meta if k.lower() in ("content-type", "content-encoding")}
+    return body_kind(headers.get("content-type"), headers.get("content-encoding"))
 
 
 def parse_rule(spec: str) -> Rule:
@@ -133,12 +155,13 @@ def parse_rule(spec: str) -> Rule:
             return BodyRegexRule(re.compile(arg.encode()), spec)
         except re.error as exc:
             raise CaptureError(f"redaction rule {spec!r}: bad regex: {exc}") from exc
-    if kind == "json-field":
-        return JsonFieldRule(tuple(arg.split(".")), spec)
+    if kind == "json-field":           # the value at that key path of JSON bodies (arrays are transparent)
+        return FieldRule(FieldPolicy(paths=frozenset({tuple(arg.split("."))})), spec)
     raise CaptureError(f"unknown redaction rule kind {kind!r} in {spec!r}: use header, body-regex or json-field")
 
 
-DEFAULT_RULES: tuple[Rule, ...] = (HeaderRule(DEFAULT_HEADER_PATTERNS, "default:credential-headers"),)
+DEFAULT_RULES: tuple[Rule, ...] = (HeaderRule(DEFAULT_HEADER_PATTERNS, "default:credential-headers"),
+                                   FieldRule(FieldPolicy(names=True), "default:credential-fields"))
 
 
 def rules_from_specs(specs: list[object]) -> list[Rule]:
@@ -170,6 +193,13 @@ class Redactor:
     def header_rule(self) -> HeaderRule | None:
         pats = tuple(p for r in self.rules if isinstance(r, HeaderRule) for p in r.patterns)
         return HeaderRule(pats) if pats else None
+
+    def field_policy(self) -> FieldPolicy | None:
+        """The secret fields of all field rules together (None: no field rule), for the raw chunks."""
+        policies = [r.policy for r in self.rules if isinstance(r, FieldRule)]
+        if not policies:
+            return None
+        return FieldPolicy(any(p.names for p in policies), frozenset().union(*(p.paths for p in policies)))
 
     def call(self, call: Call) -> bool:
         changed = False

@@ -50,7 +50,7 @@ def test_default_rules_mask_credentials_in_calls_and_raw_http2_chunks(tmp_path: 
         meta = dict(calls[0].request_metadata)
         assert {meta[k] for k in ("authorization", "x-api-key", "cookie", "x-session-token")} == {"<redacted>"}
         assert meta["x-trace"] == "keep-me"
-        assert rec.meta["redaction_rules"] == ["default:credential-headers"]
+        assert rec.meta["redaction_rules"] == ["default:credential-headers", "default:credential-fields"]
         # raw chunks: same lengths, still valid HTTP/2, and the secrets are gone from them too
         assert [len(c.data) for c in rec.chunks()] == [len(d) for _, d in parts]
         again = _redecode(rec)
@@ -79,10 +79,10 @@ def test_user_rules_on_http1_headers_json_fields_and_body_regex(tmp_path: Path) 
         call = next(rec.calls())
         raw = b"".join(c.data for c in rec.chunks())
     doc = json.loads(call.requests[0].data)
-    assert doc["user"] == {"ssn": "<redacted>", "name": "ann"}
+    assert doc["user"] == {"ssn": "***********", "name": "ann"}     # same length, as in the raw chunks
     assert dict(call.request_metadata)["x-session"] == "<redacted>"
     assert dict(call.response_metadata)["set-cookie"] == "<redacted>"
-    for secret in (b"abc\r\n", b"Zm9v", b"id=42", b"4111111111111111"):
+    for secret in (b"abc\r\n", b"Zm9v", b"id=42", b"4111111111111111", b"123-45-6789"):
         assert secret not in raw
     assert len(raw) == len(req) + len(resp)
 
@@ -98,7 +98,8 @@ def test_redact_command_applies_rules_later_and_records_them(tmp_path: Path) -> 
     with Recording(dst) as rec:
         meta = dict(next(rec.calls()).request_metadata)
         assert meta["x-trace"] == meta["authorization"] == "<redacted>"
-        assert rec.meta["redaction_rules"] == ["default:credential-headers", "header:x-trace"]
+        assert rec.meta["redaction_rules"] == ["default:credential-headers", "default:credential-fields",
+                                               "header:x-trace"]
         assert set(dict(_redecode(rec)[0].request_metadata)["x-trace"]) == {"*"}
 
 

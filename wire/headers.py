@@ -19,6 +19,8 @@ from typing import Any, TypeVar, cast
 
 import hpack
 from hpack.hpack import decode_huffman, decode_integer, encode_integer
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
 
 from wire.h2 import ErrorCode, H2Error
@@ -181,6 +183,8 @@ class DecodedBlock:
     # direction is the same, unknown, entry however many entries were inserted since.
     refs: list[int] = field(default_factory=list)
     invalid: int = 0          # references that cannot be a pre-join entry (index 0, or all were evicted)
+    # With `path_spans`: (offset in the block, bytes) to write over a :path literal's string (same length)
+    rewrites: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 _STATIC_LEN = HeaderTable.STATIC_TABLE_LENGTH   # 61: dynamic indices start at 62
@@ -222,6 +226,7 @@ class TolerantDecoder:
         self.table = HeaderTable()
         self.prejoin_gone = False   # our table evicted an entry: the peer's has no pre-join entry left
         self._mask: Callable[[str], bool] | None = None
+        self._path_spans: Callable[[bytes], list[tuple[int, int]]] | None = None
         # Blocks that only reference the table (no insertions) decode the same while the table
         # is unchanged: gRPC repeats such blocks (":status 200", "grpc-status 0") on every call.
         self._version = 0
@@ -265,17 +270,22 @@ class TolerantDecoder:
             raise HpackBlockError("header block ends inside a string")
         return (decode_huffman(raw) if huffman else raw), start + length
 
-    def decode(self, block: bytes, mask: Callable[[str], bool] | None = None) -> DecodedBlock:
+    def decode(self, block: bytes, mask: Callable[[str], bool] | None = None,
+               path_spans: Callable[[bytes], list[tuple[int, int]]] | None = None) -> DecodedBlock:
         """Decode one complete header block (HEADERS + CONTINUATION payloads joined).
 
         With `mask`, literal values whose header name it accepts are listed in `out.spans` as
-        (length-prefix offset, value start, value end) so the caller can blank them in place."""
+        (length-prefix offset, value start, value end) so the caller can blank them in place.
+        With `path_spans` (a :path value -> the spans of it to blank, e.g. its query's secrets), a
+        literal :path gets `out.rewrites` that blank those parts and keep the rest (see _masked_path).
+        Both callables must be the same on every call of one decoder (blocks are memoised)."""
         key = (block, self._version)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         out = DecodedBlock()
         self._mask = mask
+        self._path_spans = path_spans
         data = memoryview(block)
         pos = 0
         try:
@@ -332,6 +342,8 @@ class TolerantDecoder:
             _, used = decode_integer(data[value_at:], 7)
             out.spans.append((value_at, value_at + used, pos))
             value = b"*" * (pos - value_at - used)   # what a reader of the masked bytes will see
+        elif self._path_spans is not None and name == b":path":
+            value = self._masked_path(data, value_at, pos, value, out)
         if name is None:
             self._unresolved(out, ordinal)
             if index_it:
@@ -342,3 +354,60 @@ class TolerantDecoder:
             self._add(name, value)
         out.headers.append((name.decode("latin-1"), value.decode("latin-1")))
         return pos
+
+    def _masked_path(self, data: memoryview, value_at: int, end: int, value: bytes, out: DecodedBlock) -> bytes:
+        """Blank parts of a literal :path in place (same byte length); returns what a reader of the masked
+        bytes decodes, which is what enters the table. A plain literal keeps its length: the parts become
+        '*'. A Huffman-coded one is coded again with each part a shorter run of '*' (8 bits each, where
+        the secret's characters took 5-7), so the string's length stays; decoded it is never longer
+        than before, so the table evicts no entry the peer still refers to. Where that cannot fit, the
+        whole value is blanked as a masked header value is."""
+        assert self._path_spans is not None
+        spans = self._path_spans(value)
+        if not spans:
+            return value
+        _, used = decode_integer(data[value_at:], 7)
+        start = value_at + used
+        if not data[value_at] & 0x80:
+            new = _blank(value, [(s, e, e - s) for s, e in spans])
+            out.rewrites.append((start, new))
+            return new
+        fitted = _refit_huffman(value, spans, end - start)
+        if fitted is None:
+            out.spans.append((value_at, start, end))
+            return b"*" * (end - start)
+        new, coded = fitted
+        out.rewrites.append((start, coded))
+        return new
+
+
+_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+_STAR_BITS = REQUEST_CODES_LENGTH[0x2A]        # '*'
+
+
+def _blank(value: bytes, runs: list[tuple[int, int, int]]) -> bytes:
+    """`value` with each (start, end, n) replaced by n '*'."""
+    out, at = bytearray(), 0
+    for s, e, n in runs:
+        out += value[at:s] + b"*" * n
+        at = e
+    return bytes(out + value[at:])
+
+
+def _refit_huffman(value: bytes, spans: list[tuple[int, int]], length: int) -> tuple[bytes, bytes] | None:
+    """(new value, its Huffman code of exactly `length` bytes) with each span a run of '*' no longer
+    than the span, or None. Padding must stay under 8 bits (RFC 7541 5.2), so the runs are sized to
+    fill the code to within 7 bits of its end."""
+    bits = [sum(REQUEST_CODES_LENGTH[b] for b in value[s:e]) for s, e in spans]
+    kept = sum(REQUEST_CODES_LENGTH[b] for b in value) - sum(bits)
+    runs = [min(e - s, b // _STAR_BITS) for (s, e), b in zip(spans, bits, strict=True)]
+    slack = 8 * length - kept - _STAR_BITS * sum(runs)
+    for i, (s, e) in enumerate(spans):
+        while slack >= 8 and runs[i] < e - s:
+            runs[i] += 1
+            slack -= _STAR_BITS
+    if not 0 <= slack < 8:
+        return None
+    new = _blank(value, [(s, e, n) for (s, e), n in zip(spans, runs, strict=True)])
+    coded = bytes(_HUFFMAN.encode(new))
+    return (new, coded) if len(coded) == length else None

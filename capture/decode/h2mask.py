@@ -14,34 +14,47 @@ END_HEADERS, and a value split between two fragments is blanked in both. What ca
 blanked rather than stored: a block over MAX_HEADER_BLOCK, a block still open when the flow ends or
 bytes are lost, a CONTINUATION with no block open (joined mid-block), the payload of a HEADERS frame
 cut off by a gap. Chunks of a joined flow before the first frame boundary get the raw-TCP patterns.
+
+Credential fields (capture/fields.py, with a FieldPolicy): a request's literal :path has its query's
+secret values blanked (wire.headers.TolerantDecoder path_spans: same string length, Huffman coded
+again where it was); DATA frames of a stream whose headers say JSON or form (without a content type,
+or with one HPACK hid from a joined capture: by the body's first byte, capture.fields.SniffScanner) go
+through that stream's scanner, which carries its state from one frame to the next. gRPC streams
+(application/grpc*) are never scanned: their headers cost one memoised look per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from capture.fields import FORM, BodyScanner, FieldPolicy, Span, body_kind, query_spans, scanner
 from capture.redact import mask_patterns
 from wire.h2 import HEAD, PREFACE, Flag, FrameType, frame_lengths_plausible, strip_or_none
-from wire.headers import HpackBlockError, TolerantDecoder
+from wire.headers import DecodedBlock, HpackBlockError, TolerantDecoder
 
 _DATA, _HEADERS, _CONTINUATION = int(FrameType.DATA), int(FrameType.HEADERS), int(FrameType.CONTINUATION)
 _MASKED_TYPES = frozenset((_DATA, _HEADERS, _CONTINUATION))
 _PADDED, _PRIORITY, _END_HEADERS = int(Flag.PADDED), int(Flag.PRIORITY), int(Flag.END_HEADERS)
+_END_STREAM = int(Flag.END_STREAM)
+_TRAILERS = "trailers"          # a header block without :method or :status: the body's scanner stays
+_STREAMS_CAP = 4096             # streams with a body scanner; beyond it the oldest are forgotten (never ended)
 _PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
 _BLOCK_TYPES = frozenset((_HEADERS, _CONTINUATION, _PUSH_PROMISE))
 MAX_HEADER_BLOCK = 1 << 20      # as the decoder's: a larger block is blanked, not held
-# (payload start, payload end, new payload or None, header value spans to blank)
-_Edit = tuple[int, int, bytes | None, list[tuple[int, int, int]]]
+# (payload start, payload end, new payload or None, header value spans to blank, block rewrites)
+_Edit = tuple[int, int, bytes | None, list[tuple[int, int, int]], list[tuple[int, bytes]]]
 
 
 def _apply(buf: bytearray, edit: _Edit) -> None:
     """Mask one frame in place; every length stays as it was."""
-    lo, hi, body, spans = edit
+    lo, hi, body, spans, rewrites = edit
     if body is not None:
         buf[lo:hi] = body                                  # body rules keep lengths
     for prefix_at, vstart, vend in spans:
         buf[lo + prefix_at] &= 0x7F                        # drop the Huffman flag
         buf[lo + vstart:lo + vend] = b"*" * (vend - vstart)
+    for at, new in rewrites:
+        buf[lo + at:lo + at + len(new)] = new
 
 
 def _blank(buf: bytearray, lo: int, hi: int) -> None:
@@ -52,9 +65,14 @@ class H2ChunkMasker:
     """One direction of one flow: feed chunks, get back (ts_ns, masked bytes) ready to store."""
 
     def __init__(self, header_mask: Callable[[str], bool], body_mask: Callable[[bytes], bytes] | None,
-                 c2s: bool, joined: bool) -> None:
+                 c2s: bool, joined: bool, fields: FieldPolicy | None = None) -> None:
         self.header_mask = header_mask
         self.body_mask = body_mask
+        self.fields = fields or None
+        # a request's :path query (credential names only: json-field rules are about bodies)
+        self.path_spans: Callable[[bytes], list[Span]] | None = (
+            self._path_spans if c2s and fields is not None and fields.names else None)
+        self.bodies: dict[int, BodyScanner] = {}     # stream id -> its body's scanner
         self.hpack = TolerantDecoder()
         self.held: list[tuple[int, bytearray]] = []
         self.buf = bytearray()          # concatenation of held chunks
@@ -161,28 +179,34 @@ class H2ChunkMasker:
         block, self.block = self.block, None
         if not block:
             return
-        spans = None
+        decoded = None
         if complete:
             try:
-                spans = self.hpack.decode(b"".join(bytes(self.buf[lo:hi]) for lo, hi in block),
-                                          self.header_mask).spans
+                decoded = self.hpack.decode(b"".join(bytes(self.buf[lo:hi]) for lo, hi in block),
+                                            self.header_mask, self.path_spans)
             except HpackBlockError:
-                spans = None
-        if spans is None:
+                decoded = None
+        if decoded is None:
             for lo, hi in block:
                 _blank(self.buf, lo, hi)
             return
+        self._headers_seen(self.buf, self.block_at, decoded)
         starts, at = [], 0                # block offset of each fragment
         for lo, hi in block:
             starts.append(at)
             at += hi - lo
-        for prefix_at, vstart, vend in spans:
+        for prefix_at, vstart, vend in decoded.spans:
             for (lo, hi), s in zip(block, starts, strict=True):
                 if s <= prefix_at < s + hi - lo:
                     self.buf[lo + prefix_at - s] &= 0x7F
                 a, b = max(vstart, s), min(vend, s + hi - lo)
                 if a < b:
                     self.buf[lo + a - s:lo + b - s] = b"*" * (b - a)
+        for at, new in decoded.rewrites:
+            for (lo, hi), s in zip(block, starts, strict=True):
+                a, b = max(at, s), min(at + len(new), s + hi - lo)
+                if a < b:
+                    self.buf[lo + a - s:lo + b - s] = new[a - at:b - at]
 
     @staticmethod
     def _payload(buf: bytes | bytearray, start: int, end: int) -> tuple[int, int] | None:
@@ -238,11 +262,11 @@ class H2ChunkMasker:
         """What masking the frame at buf[start:end] changes, or None. A header block is decoded
         here exactly once (decoding updates the HPACK table)."""
         ftype, flags = buf[start + 3], buf[start + 4]
-        if ftype not in _MASKED_TYPES or (ftype == _DATA and not self.body_mask):
+        if ftype not in _MASKED_TYPES or (ftype == _DATA and not self.body_mask and not self.bodies):
             return None
         block = strip_or_none(ftype, flags, bytes(buf[start + 9:end]))
         if block is None:          # malformed padding: a peer rejects the frame, the decoder skips it
-            return None if ftype == _DATA else (start + 9, end, b"*" * (end - start - 9), [])
+            return None if ftype == _DATA else (start + 9, end, b"*" * (end - start - 9), [], [])
         lo = start + 9
         if ftype != _CONTINUATION and flags & _PADDED:
             lo += 1                                            # the pad length
@@ -250,14 +274,52 @@ class H2ChunkMasker:
             lo += 5                                            # stream dependency and weight
         hi = lo + len(block)
         if ftype == _DATA:
-            assert self.body_mask is not None
-            masked = self.body_mask(block)
-            return None if masked == block else (lo, hi, masked, [])
+            masked = self._data(buf, start, block)
+            return None if masked == block else (lo, hi, masked, [], [])
         try:                                                   # HEADERS with END_HEADERS
-            spans = self.hpack.decode(block, self.header_mask).spans
+            decoded = self.hpack.decode(block, self.header_mask, self.path_spans)
         except HpackBlockError:
-            return (lo, hi, b"*" * (hi - lo), [])   # undecodable: blanked, it may hold anything
-        return (lo, hi, None, spans) if spans else None
+            return (lo, hi, b"*" * (hi - lo), [], [])   # undecodable: blanked, it may hold anything
+        self._headers_seen(buf, start, decoded)
+        return (lo, hi, None, decoded.spans, decoded.rewrites) if decoded.spans or decoded.rewrites else None
+
+    # ---- credential fields (capture/fields.py) -------------------------------------------------------
+    def _path_spans(self, path: bytes) -> list[Span]:
+        assert self.fields is not None
+        return query_spans(path, self.fields.param) if b"?" in path else []
+
+    def _headers_seen(self, buf: bytes | bytearray, start: int, decoded: DecodedBlock) -> None:
+        """A request's or response's headers (the frame at buf[start]): the scanner of its body, if any."""
+        if self.fields is None:
+            return
+        if decoded.view is None:          # this decoder's blocks are ours alone: memoise the verdict
+            decoded.view = _body_kind(decoded.headers)
+        kind = decoded.view
+        if kind == _TRAILERS or (kind is None and not self.bodies) or buf[start + 3] != _HEADERS:
+            return                        # gRPC: nothing to scan and no stream to forget
+        sid = int.from_bytes(buf[start + 5:start + 9], "big") & 0x7FFFFFFF
+        self.bodies.pop(sid, None)
+        if kind is None or buf[start + 4] & _END_STREAM or (kind == FORM and not self.fields.names):
+            return
+        if len(self.bodies) >= _STREAMS_CAP:
+            del self.bodies[next(iter(self.bodies))]
+        self.bodies[sid] = scanner(kind, self.fields)
+
+    def _data(self, buf: bytes | bytearray, start: int, payload: bytes) -> bytes:
+        """A DATA frame's payload with its stream's secret fields and the body rules' matches masked."""
+        sid = int.from_bytes(buf[start + 5:start + 9], "big") & 0x7FFFFFFF
+        scan = self.bodies.get(sid)
+        if scan is not None:
+            spans: list[Span] = []
+            scan.feed(payload, 0, len(payload), spans)
+            if buf[start + 4] & _END_STREAM:
+                del self.bodies[sid]
+            if spans:
+                out = bytearray(payload)
+                for s, e in spans:
+                    out[s:e] = b"*" * (e - s)
+                payload = bytes(out)
+        return self.body_mask(payload) if self.body_mask is not None else payload
 
     def _release(self) -> list[tuple[int, bytes]]:
         """Give back every held chunk that lies wholly before the incomplete frame at `pos`."""
@@ -295,3 +357,21 @@ class H2ChunkMasker:
         self.buf.clear()
         self.pos = 0
         return out
+
+
+def _body_kind(headers: list[tuple[str, str]]) -> str | None:
+    """capture.fields.body_kind for the body that follows these headers (SNIFF without a content
+    type, or when HPACK hid it from a joined capture); _TRAILERS for a block without :method or
+    :status (trailers: the body's scanner stays)."""
+    head = False
+    ctype = encoding = None
+    for name, value in headers:
+        if name in (":method", ":status"):
+            head = True
+        elif name == "content-type":
+            ctype = value
+        elif name == "content-encoding":
+            encoding = value
+    if not head:
+        return _TRAILERS
+    return body_kind(ctype, encoding)

@@ -6,7 +6,9 @@ must work on the reassembled stream of each direction, not chunk by chunk:
     FlowMasker (one per flow)
       protocol not known yet --> chunks held (both directions, bounded) until the decoder knows
       http1  --> LineMasker: `Name: value` lines, a line may start in one chunk and end in a later one
-      grpc / http2 --> H2ChunkMasker: HPACK blocks, also over HEADERS + CONTINUATION (capture/decode/h2mask.py)
+                 + H1FieldMasker: the request target's query, form and JSON bodies (capture/decode/h1mask.py)
+      grpc / http2 --> H2ChunkMasker: HPACK blocks, also over HEADERS + CONTINUATION, the :path query,
+                 form and JSON DATA (capture/decode/h2mask.py)
       tcp    --> LineMasker + PatternMasker (bearer/basic tokens, api-key/token/secret/cookie = value)
       tls    --> nothing to mask: the payload is encrypted
 
@@ -25,7 +27,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from capture.decode.h1mask import H1FieldMasker
 from capture.decode.h2mask import H2ChunkMasker
+from capture.fields import FieldPolicy
 from capture.recording import Direction
 from capture.redact import BodyRegexRule, Redactor, mask_patterns
 
@@ -179,33 +183,43 @@ class PatternMasker:
 class _Direction:
     """The masker of one direction for one protocol: feed -> [(ts, bytes)], flush -> the rest."""
 
-    def __init__(self, proto: str, direction: Direction, joined: bool,
-                 header: Callable[[str], bool], body: Callable[[bytes], bytes] | None) -> None:
+    def __init__(self, proto: str, direction: Direction, joined: bool, header: Callable[[str], bool],
+                 body: Callable[[bytes], bytes] | None, fields: FieldPolicy | None = None) -> None:
         self.proto = proto
         self.body = body
         self.line: LineMasker | None = None
         self.pattern: PatternMasker | None = None
         self.h2: H2ChunkMasker | None = None
+        self.h1: H1FieldMasker | None = None
         if proto in ("grpc", "http2"):
-            self.h2 = H2ChunkMasker(header, body, direction == "c2s", joined)
+            self.h2 = H2ChunkMasker(header, body, direction == "c2s", joined, fields)
         elif proto != "tls":
             self.line = LineMasker(header, joined)
             if proto != "http1":
                 self.pattern = PatternMasker()
+            elif fields:
+                self.h1 = H1FieldMasker(fields, direction == "c2s", joined)
 
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
         if self.h2 is not None:
             return self.h2.feed(ts_ns, data)
         if self.line is None:
             return [(ts_ns, data)]
-        data = self.line.feed(data)
-        if self.body is not None:
-            data = self.body(data)
+        if self.h1 is not None:           # first: LineMasker blanks a joined stream's first line
+            return [(ts, self._lines(chunk)) for ts, chunk in self.h1.feed(ts_ns, data)]
+        data = self._lines(data)
         return self.pattern.feed(ts_ns, data) if self.pattern is not None else [(ts_ns, data)]
+
+    def _lines(self, data: bytes) -> bytes:
+        assert self.line is not None
+        data = self.line.feed(data)
+        return self.body(data) if self.body is not None else data
 
     def flush(self) -> list[tuple[int, bytes]]:
         if self.h2 is not None:
             return self.h2.flush()
+        if self.h1 is not None:
+            return [(ts, self._lines(chunk)) for ts, chunk in self.h1.flush()]
         return self.pattern.flush() if self.pattern is not None else []
 
 
@@ -221,6 +235,7 @@ class FlowMasker:
         self.header: Callable[[str], bool] = rule.matches if rule else (lambda _n: False)
         has_body = any(isinstance(r, BodyRegexRule) for r in redactor.rules)
         self.body = redactor.body if has_body else None
+        self.fields = redactor.field_policy()
         self.active = bool(redactor.rules)
         self.joined = joined
         self.proto: str | None = None
@@ -251,7 +266,7 @@ class FlowMasker:
         if m is None:
             assert self.proto is not None
             m = self.dirs[direction] = _Direction(self.proto, direction, self.joined or direction in self.rejoined,
-                                                  self.header, self.body)
+                                                  self.header, self.body, self.fields)
         return m
 
     def gap(self, direction: Direction) -> list[tuple[Direction, int, bytes]]:

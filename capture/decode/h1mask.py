@@ -1,0 +1,310 @@
+"""Mask credential fields in one direction of an HTTP/1 byte stream, however the reads cut it.
+
+    head   the request line's query string: its secret values (capture/fields.py PairScanner) as the
+           bytes come; the head itself is collected (at most HEAD_CAP) until its blank line, for
+           Content-Type, Content-Encoding, Content-Length, Transfer-Encoding and the status
+    body   Content-Length, chunked (sizes, CRLFs and trailers stepped over) or, for a response
+           without either, to the end of the connection: a form or JSON body (or one without a
+           content type that starts with '{' or '[') through its scanner, any other body skipped
+    lost   a stream joined (or resumed after a gap) mid-message, a head over HEAD_CAP, a chunk-size line
+           that is not one, a protocol switch (101): the raw-TCP patterns
+           (capture/decode/streammask.py PatternMasker) until a later read starts a message again
+
+Header values are LineMasker's (streammask.py); this masker leaves them alone. Every mask is in place
+and keeps lengths, so the masked stream frames exactly as the original. A response to HEAD says
+Content-Length yet sends no body: a response "body" that starts with "HTTP/1." is taken for the next
+response instead (the directions are not paired: their reads need not arrive in order).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from capture.fields import FORM, BodyScanner, FieldPolicy, PairScanner, Span, body_kind, mask_spans, scanner
+
+if TYPE_CHECKING:
+    from capture.decode.streammask import PatternMasker
+
+HEAD_CAP = 64 * 1024         # a longer head is not one we can frame: the direction goes "lost"
+_SIZE_LINE_CAP = 1024
+_PRE_BYTES = 17              # enough for "[A-Z]{1,16} " or "HTTP/1.": whether a joined stream starts a message
+_MESSAGE_START = re.compile(rb"^(?:[A-Z]{1,16} |HTTP/1\.)")
+# A response "body" that starts so is the next response: its request was HEAD (maybe not seen yet: the
+# two directions' reads need not come in order), or the body was never sent.
+_RESPONSE = b"HTTP/1."
+_TARGET_STOP = re.compile(rb"[? \r\n]")
+_QUERY_STOP = re.compile(rb"[ #\r\n]")
+_FRAMING = re.compile(rb"(?im)^(content-type|content-encoding|content-length|transfer-encoding)[ \t]*:[ \t]*"
+                      rb"([^\r\n]*)")
+_HEAD_END = b"\r\n\r\n"
+
+# modes
+_HEAD, _BODY, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _TO_CLOSE, _LOST = range(8)
+# where the request line is: the method, the path, the query, after the target
+_METHOD, _PATH, _QUERY, _LINE_DONE = range(4)
+
+
+class H1FieldMasker:
+    """One direction: chunks in, (ts_ns, masked chunk) out; held only while a joined stream's first
+    bytes are too few to tell whether they start a message, or by the raw-TCP patterns when lost."""
+
+    def __init__(self, policy: FieldPolicy, request: bool, joined: bool) -> None:
+        self.policy = policy
+        self.request = request
+        self.mode = _HEAD
+        self.head = bytearray()
+        self.line = _METHOD
+        self.query: PairScanner | None = None
+        self.body: BodyScanner | None = None
+        self.left = 0                     # body or chunk bytes still to come
+        self.size_line = bytearray()
+        self.trailer_line = 0             # bytes of the current trailer line (0: at its start)
+        self.probe: bytearray | None = None     # a response body's first bytes while they may be _RESPONSE
+        self.pattern: PatternMasker | None = None
+        self.pre: list[tuple[int, bytes]] | None = [] if joined else None
+
+    # ---- chunks in, chunks out -------------------------------------------------------------------
+    def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        if self.pre is not None:
+            return self._joined(ts_ns, data)
+        out: list[tuple[int, bytes]] = []
+        if self.mode == _LOST:
+            if not _MESSAGE_START.match(data):
+                assert self.pattern is not None
+                return self.pattern.feed(ts_ns, data)
+            out, self.pattern = self.pattern.flush() if self.pattern else [], None   # a message starts: resync
+            self._restart()
+        spans: list[Span] = []
+        self._scan(data, spans)
+        chunk = mask_spans(data, spans) if spans else data
+        if self.mode == _LOST:            # went lost inside this chunk: patterns from here on
+            self.pattern = _pattern_masker()
+            return out + self.pattern.feed(ts_ns, chunk)
+        return out + [(ts_ns, chunk)]
+
+    def flush(self) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        if self.pre:
+            pre, self.pre = self.pre, None
+            self._lose()                  # too few bytes ever came to tell: patterns
+            for ts, d in pre:
+                out += self.feed(ts, d)
+        elif self.pre is not None:
+            self.pre = None
+        if self.pattern is not None:
+            out += self.pattern.flush()
+        return out
+
+    def _joined(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        """A joined stream: its first bytes, held until there are enough to see whether they start a
+        message (then they are read from there) or not (then the raw-TCP patterns apply)."""
+        assert self.pre is not None
+        self.pre.append((ts_ns, data))
+        first = b"".join(d for _, d in self.pre)
+        if len(first) < _PRE_BYTES and b"\n" not in first:
+            return []
+        pre, self.pre = self.pre, None
+        if not _MESSAGE_START.match(first):
+            self._lose()
+        out: list[tuple[int, bytes]] = []
+        for ts, d in pre:
+            out += self.feed(ts, d) if self.mode != _LOST else self._lost_feed(ts, d)
+        return out
+
+    def _lost_feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        assert self.pattern is not None
+        return self.pattern.feed(ts_ns, data)
+
+    def _lose(self) -> None:
+        self.mode = _LOST
+        self.pattern = self.pattern or _pattern_masker()
+        self.head.clear()
+        self.body = self.query = self.probe = None
+
+    def _restart(self) -> None:
+        self.mode, self.line, self.body, self.query, self.probe = _HEAD, _METHOD, None, None, None
+        self.head.clear()
+
+    # ---- the state machine -----------------------------------------------------------------------
+    def _scan(self, data: bytes, spans: list[Span]) -> None:
+        pos, end = 0, len(data)
+        while pos < end and self.mode != _LOST:
+            if self.probe is not None:
+                pos = self._probe(data, pos, end)
+            elif self.mode == _HEAD:
+                pos = self._head(data, pos, end, spans)
+            elif self.mode in (_BODY, _CHUNK_DATA):
+                n = min(self.left, end - pos)
+                if self.body is not None:
+                    self.body.feed(data, pos, pos + n, spans)
+                pos += n
+                self.left -= n
+                if not self.left:
+                    self.mode = _CHUNK_END if self.mode == _CHUNK_DATA else _HEAD
+                    if self.mode == _HEAD:
+                        self._restart()
+            elif self.mode == _TO_CLOSE:
+                if self.body is not None:
+                    self.body.feed(data, pos, end, spans)
+                pos = end
+            elif self.mode == _CHUNK_SIZE:
+                pos = self._chunk_size(data, pos, end)
+            elif self.mode == _CHUNK_END:             # the CRLF after a chunk's data
+                nl = data.find(b"\n", pos, end)
+                pos = end if nl < 0 else nl + 1
+                if nl >= 0:
+                    self.mode = _CHUNK_SIZE
+            else:
+                pos = self._trailers(data, pos, end)
+
+    def _probe(self, data: bytes, pos: int, end: int) -> int:
+        """A response body's first bytes: if they are `_RESPONSE`, the body is not there (a HEAD or an
+        unsent body) and a head starts. Bytes that may still be one are held in `probe` (they hold no
+        secret: they are a prefix of `_RESPONSE`); once they cannot be, they go through the body."""
+        assert self.probe is not None
+        k = min(len(_RESPONSE) - len(self.probe), end - pos)
+        seen = self.probe + data[pos:pos + k]
+        if _RESPONSE.startswith(seen):
+            if len(seen) < len(_RESPONSE):
+                self.probe = seen
+                return pos + k
+            self.probe = None
+            self._restart()
+            self.head += seen
+            return pos + k
+        pending, self.probe = bytes(self.probe), None
+        if pending:
+            self._scan(pending, [])       # framing state only: a prefix of _RESPONSE is no secret
+        return pos
+
+    def _head(self, data: bytes, pos: int, end: int, spans: list[Span]) -> int:
+        if not self.head:                             # blank lines before a message are allowed
+            while pos < end and data[pos] in b"\r\n":
+                pos += 1
+            if pos == end:
+                return end
+        stop = self._head_end(data, pos, end)
+        if self.request and self.policy.names and self.line != _LINE_DONE:
+            self._request_line(data, pos, stop, spans)
+        self.head += data[pos:stop]
+        if len(self.head) > HEAD_CAP:
+            self._lose()
+            return end
+        if self.head.endswith(_HEAD_END):
+            self._head_done()
+        return stop
+
+    def _head_end(self, data: bytes, pos: int, end: int) -> int:
+        """Where this head ends in data[pos:end] (just after its blank line), or `end`."""
+        kept = min(3, len(self.head))
+        if kept:                                      # the blank line may straddle the last read
+            k = (bytes(self.head[-kept:]) + data[pos:pos + 3]).find(_HEAD_END)
+            if k >= 0:
+                return pos + k + len(_HEAD_END) - kept
+        stop = data.find(_HEAD_END, pos, end)
+        return end if stop < 0 else stop + len(_HEAD_END)
+
+    def _request_line(self, data: bytes, pos: int, end: int, spans: list[Span]) -> None:
+        """Follow the request line as it comes: the query string's secret values go to `spans`."""
+        while pos < end and self.line != _LINE_DONE:
+            if self.line == _METHOD:
+                sp = data.find(b" ", pos, end)
+                nl = data.find(b"\n", pos, end if sp < 0 else sp)
+                if nl >= 0:
+                    self.line = _LINE_DONE            # not a request line
+                elif sp >= 0:
+                    self.line, pos = _PATH, sp + 1
+                else:
+                    return
+            elif self.line == _PATH:
+                m = _TARGET_STOP.search(data, pos, end)
+                if m is None:
+                    return
+                if data[m.start()] == 0x3F:           # '?'
+                    self.line, self.query, pos = _QUERY, PairScanner(self.policy.param), m.end()
+                else:
+                    self.line = _LINE_DONE
+            else:
+                assert self.query is not None
+                m = _QUERY_STOP.search(data, pos, end)
+                self.query.feed(data, pos, end if m is None else m.start(), spans)
+                if m is None:
+                    return
+                self.line, self.query = _LINE_DONE, None
+
+    def _head_done(self) -> None:
+        head = bytes(self.head)
+        self.head.clear()
+        self.line, self.query = _METHOD, None
+        fields = {m.group(1).lower(): m.group(2).strip() for m in _FRAMING.finditer(head)}
+        kind = body_kind(_text(fields.get(b"content-type")), _text(fields.get(b"content-encoding")))
+        if not self.request and not self._response_has_body(head):
+            return
+        if kind is not None and (kind != FORM or self.policy.names):
+            self.body = scanner(kind, self.policy)
+        if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+            self.mode = _CHUNK_SIZE
+        else:
+            length = fields.get(b"content-length", b"")
+            if length.isdigit():
+                self.left = int(length)
+                self.mode = _BODY if self.left else _HEAD
+            elif not self.request:
+                self.mode = _TO_CLOSE
+        if self.mode == _HEAD:
+            self.body = None
+        elif not self.request:
+            self.probe = bytearray()
+
+    def _response_has_body(self, head: bytes) -> bool:
+        """False for a status without a body, and for 101 (what follows is not HTTP/1: the raw-TCP
+        patterns from here on)."""
+        code = head[9:12]
+        status = int(code) if head.startswith(_RESPONSE) and code.isdigit() else 0
+        if status == 101:
+            self._lose()
+            return False
+        return not (100 <= status < 200 or status in (204, 304))
+
+    def _chunk_size(self, data: bytes, pos: int, end: int) -> int:
+        nl = data.find(b"\n", pos, end)
+        self.size_line += data[pos:end if nl < 0 else nl]
+        if len(self.size_line) > _SIZE_LINE_CAP:
+            self._lose()
+            return end
+        if nl < 0:
+            return end
+        digits = bytes(self.size_line).split(b";", 1)[0].strip()
+        self.size_line.clear()
+        try:
+            self.left = int(digits, 16)
+        except ValueError:
+            self._lose()
+            return end
+        self.mode = _CHUNK_DATA if self.left else _TRAILERS
+        self.trailer_line = 0
+        return nl + 1
+
+    def _trailers(self, data: bytes, pos: int, end: int) -> int:
+        """Trailer lines (LineMasker masks their values) up to the empty line that ends the message."""
+        while pos < end:
+            nl = data.find(b"\n", pos, end)
+            stop = end if nl < 0 else nl
+            self.trailer_line += stop - pos - data.count(b"\r", pos, stop)    # CRs do not make a line
+            if nl < 0:
+                return end
+            if self.trailer_line == 0:
+                self._restart()
+                return nl + 1
+            self.trailer_line, pos = 0, nl + 1
+        return end
+
+
+def _pattern_masker() -> PatternMasker:
+    from capture.decode.streammask import PatternMasker  # here: streammask imports this module
+    return PatternMasker()
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
