@@ -108,7 +108,7 @@ class PairScanner:
             if self.in_value:
                 amp = data.find(b"&", pos, end)
                 stop = end if amp < 0 else amp
-                if self.masked and stop > pos:
+                if self.masked:               # an empty value too (replay's --set-field fills it)
                     spans.append((pos, stop))
                 if amp < 0:
                     return
@@ -168,7 +168,8 @@ class JsonScanner:
     Tolerant: it never raises; a body whose first byte (after blanks) is not '{' or '[' is not
     scanned (not JSON, or nothing that has keys), and each later top-level value must start so too.
     With `subtree` False only values at an exact secret key count (replay's --set-field looks a
-    path up that way); `kinds` then tells strings (True) from scalars (False) in `feed`'s spans."""
+    path up that way) on a whole body: each string is then one span (its content, empty or escaped
+    alike) and `kinds` tells strings (True) from scalars (False)."""
 
     def __init__(self, policy: FieldPolicy, subtree: bool = True) -> None:
         self.policy = policy
@@ -178,6 +179,7 @@ class JsonScanner:
         self.value_secret = False          # the value after the current key
         self.key_path: tuple[str, ...] = ()
         self.in_string = False
+        self.string_from = 0               # where the string's content starts (whole bodies only)
         self.string_key = False
         self.string_secret = False
         self.escape = False
@@ -232,6 +234,7 @@ class JsonScanner:
             self.in_string = True
             self.string_key = self.expect_key and bool(self.stack) and self.stack[-1].is_object
             self.string_secret = not self.string_key and secret
+            self.string_from = m.end()
             self.key = bytearray() if self.string_key else None
         elif c in (_LBRACE, _LBRACKET):
             self._push(c == _LBRACE, secret)
@@ -260,29 +263,33 @@ class JsonScanner:
         self.value_secret = False
 
     def _string(self, data: bytes | bytearray, pos: int, end: int, spans: list[Span]) -> int:
+        masking = self.string_secret and self.kinds is None      # a lookup takes the string whole at its end
         if self.escape:                              # the byte after a backslash
             self.escape = False
-            if self.string_secret:
+            if masking:
                 self._span(spans, pos, pos + 1, True)
             self._key_add(data, pos, pos + 1)
             return pos + 1
         m = _STRING_RUN.match(data, pos, end)
         assert m is not None
         e = m.end()
-        if self.string_secret:
+        if masking:
             self._span(spans, pos, e, True)
         self._key_add(data, pos, e)
         if e == end:
             return e
         if data[e] == _BACKSLASH:
             self.escape = True
-            if self.string_secret:
+            if masking:
                 self._span(spans, e, e + 1, True)
             self._key_add(data, e, e + 1)
             return e + 1
         self.in_string = False                       # the closing quote
         if self.string_key:
             self._key_done()
+        elif self.string_secret and self.kinds is not None:
+            spans.append((self.string_from, e))
+            self.kinds.append(True)
         return e + 1
 
     def _key_add(self, data: bytes | bytearray, s: int, e: int) -> None:
@@ -395,12 +402,19 @@ def mask_body(data: bytes, kind: str | None, policy: FieldPolicy) -> bytes:
     return mask_spans(data, spans)
 
 
+def target_query_spans(raw: bytes, secret: Callable[[bytes], bool]) -> list[Span]:
+    """query_spans of a call's method: a request target, or "VERB target" as HTTP calls have it."""
+    q = raw.find(b"?")
+    if q < 0:
+        return []
+    end = raw.find(b" ", q)
+    return query_spans(raw, secret, raw.rfind(b" ", 0, q) + 1, len(raw) if end < 0 else end)
+
+
 def mask_target(text: str, policy: FieldPolicy) -> str:
-    """A request target or an HTTP/1 call's "METHOD target" with its query's secret values masked."""
+    """A call's method ("VERB target" or a target) with its query's secret values masked."""
     if "?" not in text or not policy.names:
         return text
     raw = text.encode("utf-8", "surrogateescape")
-    space = raw.find(b" ", 0, raw.find(b"?"))                      # "GET /p?q": the target after it
-    end = raw.find(b" ", raw.find(b"?"))
-    spans = query_spans(raw, policy.param, space + 1, len(raw) if end < 0 else end)
+    spans = target_query_spans(raw, policy.param)
     return mask_spans(raw, spans).decode("utf-8", "surrogateescape") if spans else text

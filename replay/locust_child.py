@@ -30,12 +30,16 @@ _PROGRESS_S = 0.5
 def _options(cfg: dict[str, Any]) -> Any:
     from replay.engine import ReplayOptions
     from replay.schedule import ScheduleOptions
+    from replay.shadow import ShadowValues
 
     w, s = cfg.get("window"), cfg["shard"]
     window = (float(w[0]), float(w[1])) if w else None
+    shadow = cfg.get("shadow") or {}
     sched = ScheduleOptions(speed=float(cfg.get("speed", 1.0)), loop=int(cfg.get("loop", 1)), window=window,
                             methods=frozenset(cfg.get("methods") or ()), shard=(int(s[0]), int(s[1])),
-                            shard_by=str(cfg.get("shard_by", "call")))
+                            shard_by=str(cfg.get("shard_by", "call")),
+                            shadow=ShadowValues(tuple((str(k), str(v)) for k, v in shadow.get("query", ())),
+                                                tuple((str(k), str(v)) for k, v in shadow.get("field", ()))))
     lead_ns = int((float(cfg["start_wall"]) - time.time()) * 1e9)
     tls, headers = None, None
     if cfg.get("tls"):

@@ -104,6 +104,11 @@ def _add_arguments(parser: Any) -> None:
     g.add_argument("--shadow-server-name", default=None, metavar="NAME", help="TLS: the name sent as SNI and verified")
     g.add_argument("--shadow-set-header", action="append", default=[], metavar="NAME=VALUE",
                    help="add or replace this header / gRPC metadata on every call (repeatable)")
+    g.add_argument("--shadow-set-query", action="append", default=[], metavar="NAME=VALUE",
+                   help="HTTP calls: give query parameter NAME this value where recorded (a masked key; repeatable)")
+    g.add_argument("--shadow-set-field", action="append", default=[], metavar="PATH=VALUE",
+                   help="HTTP calls: give the JSON field at dotted PATH (or form field PATH) this value where "
+                        "recorded (repeatable)")
     g.add_argument("--shadow-drop-header", action="append", default=[], metavar="GLOB",
                    help="do not replay recorded headers whose name matches (repeatable)")
     g.add_argument("--shadow-no-marker", action="store_true", default=False,
@@ -160,7 +165,7 @@ def _config(opts: Any, target: str) -> dict[str, Any]:
             "timeout_s": opts.shadow_timeout, "window": _window(opts.shadow_window),
             "methods": [m for m in opts.shadow_method.split(",") if m], "max_in_flight": opts.shadow_max_in_flight,
             "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": opts.shadow_shard_by,
-            "tls": _tls(opts), "headers": _headers(opts)}
+            "tls": _tls(opts), "headers": _headers(opts), "shadow": _shadow(opts)}
 
 
 def _tls(opts: Any) -> dict[str, Any] | None:
@@ -179,6 +184,13 @@ def _headers(opts: Any) -> dict[str, Any]:
                                        keep_trace_context=opts.shadow_keep_trace_context)
     return {"set": [list(kv) for kv in policy.set_headers], "drop": list(policy.drop), "marker": policy.marker,
             "keep_trace_context": policy.keep_trace_context}
+
+
+def _shadow(opts: Any) -> dict[str, Any]:
+    """--shadow-set-query/--shadow-set-field as JSON; checked here (ShadowError is a ValueError: exit 2)."""
+    from replay.shadow import ShadowValues
+    values = ShadowValues.from_options(tuple(opts.shadow_set_query), tuple(opts.shadow_set_field))
+    return {"query": [list(kv) for kv in values.queries], "field": [list(kv) for kv in values.fields]}
 
 
 def _schedule(cfg: dict[str, Any]) -> Any:
@@ -232,7 +244,8 @@ class _Master:
             _exit(2, str(exc).replace("--allow-target", "--shadow-allow-target"))
         except (PlanError, ValueError, SenderError) as exc:  # SenderError: a TLS option (one line)
             msg = str(exc)
-            for opt in ("tls", "ca", "cert", "key", "insecure", "server-name", "set-header", "drop-header"):
+            for opt in ("tls", "ca", "cert", "key", "insecure", "server-name", "set-header", "drop-header",
+                        "set-query", "set-field"):
                 msg = msg.replace(f"--{opt} ", f"--shadow-{opt} ").replace(f"--{opt}/", f"--shadow-{opt}/")
             _exit(2, msg)
         try:

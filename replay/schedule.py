@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call, call_damage
 from replay.errors import PlanError
+from replay.shadow import ShadowValues
 
 MIN_SPEED, MAX_SPEED = 0.1, 100.0
 SHARD_BY = ("call", "connection")
@@ -82,6 +83,8 @@ class ScheduleOptions:
     method_map: ((flow_id or None, ref, method), ...) from `--method-map`: names groups of calls whose
     method the recording could not see, for this replay only (applied where the recording is read,
     replay/plan.py; see replay/method_map.py).
+    shadow: `--set-query` / `--set-field` values, set in each planned HTTP call's path and body here,
+    where they are built, so every sender and worker sends the same (see replay/shadow.py).
     """
 
     speed: float = 1.0
@@ -94,6 +97,7 @@ class ScheduleOptions:
     shard: tuple[int, int] = (0, 1)
     shard_by: str = "call"
     method_map: tuple[tuple[int | None, str, str], ...] = ()
+    shadow: ShadowValues = ShadowValues()
 
     def validate(self) -> None:
         """Raise PlanError for options that cannot produce a sensible plan."""
@@ -137,15 +141,20 @@ class _Copies:
 
 
 def _planned(call: Call, index: int, due_ns: int, conn: str, speed: float, loop: int,
-             copy: int) -> PlannedCall:
+             copy: int, shadow: ShadowValues | None) -> PlannedCall:
     msgs = [PlannedMessage(int(max(0, m.ts_ns - call.request_ts_ns) / speed), bytes(m.data), m.compressed)
             for m in call.requests]
+    method = call.method
+    if shadow is not None:        # --set-query / --set-field (None without: nothing per call)
+        method = shadow.method(call.protocol, method)
+        msgs = [PlannedMessage(m.offset_ns, shadow.body(call.protocol, call.request_metadata, m.data), m.compressed)
+                for m in msgs]
     # Keep stream order even if the recorder's timestamps went backwards: offsets never decrease.
     for i in range(1, len(msgs)):
         if msgs[i].offset_ns < msgs[i - 1].offset_ns:
             msgs[i] = PlannedMessage(msgs[i - 1].offset_ns, msgs[i].data, msgs[i].compressed)
     return PlannedCall(index=index, due_ns=due_ns, connection=conn, protocol=call.protocol,
-                       method=call.method, kind=call.kind, messages=msgs,
+                       method=method, kind=call.kind, messages=msgs,
                        metadata=list(call.request_metadata), flow_id=call.flow_id, call_id=call.id,
                        loop=loop, copy=copy, expected_status=call.status,
                        status_hidden=call.status is None and call.status_message == STATUS_HIDDEN,
@@ -173,6 +182,7 @@ def build_plan(source: Callable[[], Iterable[Call]], opts: ScheduleOptions,
     conn_ordinal: dict[str, int] = {}
     worker, workers = opts.shard
     by_call = opts.shard_by == "call"
+    shadow = opts.shadow or None
     index, base, period = 0, None, 0
     win = (round(opts.window[0] * 1e9), round(opts.window[1] * 1e9)) if opts.window else None
     for loop in range(opts.loop):
@@ -193,7 +203,7 @@ def build_plan(source: Callable[[], Iterable[Call]], opts: ScheduleOptions,
                 conn = f"f{call.flow_id}" + (f"#{copy}" if copy else "")
                 ordinal = index if by_call else conn_ordinal.setdefault(conn, len(conn_ordinal))
                 if ordinal % workers == worker:
-                    yield _planned(call, index, due, conn, opts.speed, loop, copy)
+                    yield _planned(call, index, due, conn, opts.speed, loop, copy, shadow)
                 index += 1
         if loop == 0:
             period = _loop_period(win, first, last, count)
