@@ -14,7 +14,8 @@ by the time a value starts its name is known. They return the spans of secret va
 them in place with '*' of the same length (MASK_BYTE), so a body keeps its length, an HTTP/1
 Content-Length or chunk size and an HTTP/2 DATA frame stay right. A JSON string keeps its quotes
 (`"password":"******"` is still JSON); a number under a credential name becomes '*'s too (same
-length, so a JSON parser rejects that body: replay's --set-field gives it a value).
+length, so a JSON parser rejects that body: replay's --set-field gives it a value); true, false and
+null stay as they are.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ _STRING_RUN = re.compile(rb'[^"\\]*')
 _SCALAR_RUN = re.compile(rb'[^\s"{}\[\],:]*')
 _NOT_SPACE = re.compile(rb"[^ \t\r\n]")
 _QUOTE, _BACKSLASH, _LBRACE, _RBRACE, _LBRACKET, _RBRACKET, _COMMA, _COLON = b'"\\{}[],:'
+_LITERAL_START = frozenset(b"tfn")     # true, false, null: no secret, and masking them would break the JSON
 DEPTH_CAP = 512          # deeper JSON stops being scanned (and no one nests credentials that deep)
 
 
@@ -163,7 +165,7 @@ class _Frame:
 
 class JsonScanner:
     """Secret values of JSON text fed in pieces: strings (their content, between the quotes) and
-    numbers or other bare scalars under a secret key or inside a secret object/array.
+    numbers (bare scalars other than true/false/null) under a secret key or inside a secret object/array.
 
     Tolerant: it never raises; a body whose first byte (after blanks) is not '{' or '[' is not
     scanned (not JSON, or nothing that has keys), and each later top-level value must start so too.
@@ -184,7 +186,8 @@ class JsonScanner:
         self.string_secret = False
         self.escape = False
         self.key: bytearray | None = None
-        self.in_scalar = False             # inside a secret bare scalar that reached the end of a piece
+        self.in_scalar = False             # inside a bare scalar (secret position) that reached the end of a piece
+        self.scalar_masked = False         # ...and not true/false/null (masked)
         self.started = False               # inside a top-level value
         self.dead = False
         self.kinds: list[bool] | None = None if subtree else []     # for --set-field (whole bodies only)
@@ -196,7 +199,8 @@ class JsonScanner:
             elif self.in_scalar:
                 m = _SCALAR_RUN.match(data, pos, end)
                 assert m is not None
-                self._span(spans, pos, m.end(), False)
+                if self.scalar_masked:
+                    self._span(spans, pos, m.end(), False)
                 pos = m.end()
                 self.in_scalar = pos == end
             elif not self.started:
@@ -248,7 +252,9 @@ class JsonScanner:
         elif c == _COLON:
             self.expect_key = False
         else:                                        # a bare scalar (only searched for when secret)
-            self._span(spans, m.start(), m.end(), False)
+            self.scalar_masked = c not in _LITERAL_START   # a number (or a '*' run the recorder left)
+            if self.scalar_masked:
+                self._span(spans, m.start(), m.end(), False)
             self.in_scalar = m.end() == end
         return m.end()
 

@@ -203,3 +203,104 @@ def test_redact_and_export_clean_a_file_stored_with_split_secrets(tmp_path: Path
     pcap = (tmp_path / "old.pcapng").read_bytes()
     for form in (TOKEN, coded[6:]):
         assert not any(form[i:i + 6] in pcap for i in range(len(form) - 5))
+
+
+# ---- credential fields (default:credential-fields, json-field) ------------------------------------------
+def test_credential_field_names_mask_what_they_should_and_leave_the_rest() -> None:
+    from capture.fields import is_credential_name
+
+    for name in ("password", "Passwd", "pwd", "api_key", "apiKey", "X-Api-Key", "client_secret", "access_token",
+                 "refresh_token", "id_token", "csrf_token", "x-amz-security-token", "X-Amz-Signature", "session_id",
+                 "sid", "private_key", "aws_secret_access_key", "new_password", "password_confirmation",
+                 "user[password]", "credentials"):
+        assert is_credential_name(name), name
+    for name in ("key", "sort_key", "pageToken", "next_page_token", "nextToken", "continuationToken",
+                 "prompt_tokens", "user", "grant_type", "id", "monkey", "keyboard", "passenger_count"):
+        assert not is_credential_name(name), name
+
+
+def test_json_bodies_masked_at_any_depth_numbers_escapes_and_subtrees() -> None:
+    from capture.fields import JSON, FieldPolicy, mask_body
+
+    body = (b'{"a": [{"b": {"Password": "x\\"y\\\\z"}}], "pin": 1, "token": -12.5e3, "ok": true, '
+            b'"session": {"id": "s1", "n": [7, "v"], "on": false}, "nextPageToken": "cur", "tokens": 5}')
+    assert mask_body(body, JSON, FieldPolicy(names=True)) == (
+        b'{"a": [{"b": {"Password": "*******"}}], "pin": 1, "token": *******, "ok": true, '
+        b'"session": {"id": "**", "n": [*, "*"], "on": false}, "nextPageToken": "cur", "tokens": 5}')
+    # json-field paths: exact key path, arrays transparent, the whole value below it
+    assert mask_body(b'{"u": [{"ssn": "123"}, {"ssn": {"x": "9"}}], "ssn": "keep"}', JSON,
+                     FieldPolicy(paths=frozenset({("u", "ssn")}))) == b'{"u": [{"ssn": "***"}, {"ssn": {"x": "*"}}], "ssn": "keep"}'
+    assert mask_body(b'not json "password": "x"', JSON, FieldPolicy(names=True)) == b'not json "password": "x"'
+
+
+def _h1(parts: list[tuple[str, bytes]], tmp_path: Path, rules: list[str] | None = None,
+        default: bool = True) -> tuple[bytes, list]:
+    path = tmp_path / "f.rec"
+    _record(path, parts, rules or [], default)
+    with Recording(path) as rec:
+        return b"".join(c.data for c in rec.chunks()), list(rec.calls())
+
+
+def test_grpc_and_compressed_bodies_are_never_scanned(tmp_path: Path) -> None:
+    """A protobuf message whose bytes happen to read `"password": "x"`, and a gzip body labelled JSON,
+    pass untouched: masking them would corrupt them (and gRPC costs nothing extra)."""
+    proto = b'\x0a\x10{"password": "x"}'
+    parts = h2_conversation([GrpcCall(M, [proto], [proto])])
+    raw, calls = _h1(parts, tmp_path)
+    assert raw.count(proto) == 2 and calls[0].requests[0].data == proto
+    gz = b'\x1f\x8b{"password": "hunter22"}'
+    req = b"POST /x HTTP/1.1\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(gz)
+    raw, calls = _h1([("c2s", req + gz), ("s2c", b"HTTP/1.1 204 No Content\r\n\r\n")], tmp_path / "..")
+    assert gz in raw and calls[0].requests[0].data == gz
+
+
+def test_http2_huffman_path_is_coded_again_to_the_same_length(tmp_path: Path) -> None:
+    """A Huffman-coded :path with a secret in its query: the masked block is valid HPACK that a strict
+    decoder reads (the query value now '*'s, the rest as sent), of the same length, and the table
+    entry it made still resolves for the next request that refers to it."""
+    import hpack
+
+    from wire.h2 import PREFACE, Flag, FrameType, frame
+
+    enc = hpack.Encoder()
+    path = "/v1/search?q=shoes&access_token=aB3dE5fG7hJ9kL1mN3pQ&page=2"
+    c2s = PREFACE + frame(int(FrameType.SETTINGS), 0, 0, b"")
+    for sid in (1, 3):          # the second request refers to the first one's table entry
+        block = enc.encode([(":method", "GET"), (":scheme", "http"), (":path", path), (":authority", "a")],
+                           huffman=True)
+        c2s += frame(int(FrameType.HEADERS), int(Flag.END_HEADERS | Flag.END_STREAM), sid, block)
+    s2c = b"".join(frame(int(FrameType.HEADERS), int(Flag.END_HEADERS | Flag.END_STREAM), sid, b"\x88")
+                   for sid in (1, 3))
+    parts = [("c2s", c2s[i:i + 5]) for i in range(0, len(c2s), 5)] + [("s2c", s2c)]
+    raw, calls = _h1(parts, tmp_path)
+    assert len(raw) == len(c2s) + len(s2c)
+    stored = raw[:len(c2s)]
+    dec = hpack.Decoder()
+    pos, paths = len(PREFACE) + 9, []
+    while pos < len(stored):
+        n = int.from_bytes(stored[pos:pos + 3], "big")
+        paths.append(dict(dec.decode(stored[pos + 9:pos + 9 + n]))[":path"])
+        pos += 9 + n
+    masked = paths[0]
+    assert paths == [masked, masked] and len(masked) <= len(path)
+    head, _, tail = masked.partition("access_token=")
+    assert head == "/v1/search?q=shoes&" and tail.endswith("&page=2") and set(tail[:-7]) == {"*"}
+    assert all(c.method == f"GET {path}".replace("aB3dE5fG7hJ9kL1mN3pQ", "*" * 20) for c in calls)
+
+
+def test_json_field_rule_masks_the_chunks_too_and_redact_defaults_clean_an_old_file(tmp_path: Path) -> None:
+    body = b'{"user": {"ssn": "123-45-6789"}, "password": "hunter2hunter2"}'
+    req = (b"POST /p?api_key=QWERTYUIOPAS HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+           % len(body)) + body
+    parts = [("c2s", req[i:i + 3]) for i in range(0, len(req), 3)] + [("s2c", b"HTTP/1.1 204 No Content\r\n\r\n")]
+    raw, _ = _h1(parts, tmp_path, ["json-field:user.ssn"], default=False)
+    assert b"123-45-6789" not in raw and b"hunter2hunter2" in raw and b"QWERTYUIOPAS" in raw
+    src, dst = tmp_path / "f.rec", tmp_path / "clean.rec"
+    res = CliRunner().invoke(cli, ["redact", str(src), "-o", str(dst), "--defaults"])
+    assert res.exit_code == 0, res.output
+    with Recording(dst) as rec:
+        raw = b"".join(c.data for c in rec.chunks())
+        [call] = list(rec.calls())
+    for secret in (b"123-45-6789", b"hunter2hunter2", b"QWERTYUIOPAS"):
+        assert secret not in raw and secret not in call.requests[0].data + call.method.encode()
+    assert call.method == "POST /p?api_key=************" and len(raw) == len(req) + 27
