@@ -304,3 +304,26 @@ def test_json_field_rule_masks_the_chunks_too_and_redact_defaults_clean_an_old_f
     for secret in (b"123-45-6789", b"hunter2hunter2", b"QWERTYUIOPAS"):
         assert secret not in raw and secret not in call.requests[0].data + call.method.encode()
     assert call.method == "POST /p?api_key=************" and len(raw) == len(req) + 27
+
+
+def test_pcap_import_masks_credential_fields(tmp_path: Path) -> None:
+    """A capture taken elsewhere (here: a recording kept in clear, exported) imports masked by default."""
+    from capture.pcap_export import export_file
+    from capture.pcap_import import import_capture
+
+    body = b"grant_type=password&password=ZXCVBNMASDFG&user=ann"
+    req = (b"POST /t?sid=QWERTYUIOPLK HTTP/1.1\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    rbody = b'{"id_token": "POIUYTREWQLKJ"}'
+    resp = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(rbody) + rbody
+    _record(tmp_path / "clear.rec", [("c2s", req[:40]), ("c2s", req[40:]), ("s2c", resp)], [], default=False)
+    export_file(str(tmp_path / "clear.rec"), str(tmp_path / "clear.pcapng"))
+    assert b"ZXCVBNMASDFG" in (tmp_path / "clear.pcapng").read_bytes()
+    import_capture(str(tmp_path / "clear.pcapng"), str(tmp_path / "in.rec"))
+    blob = (tmp_path / "in.rec").read_bytes()
+    for secret in (b"ZXCVBNMASDFG", b"QWERTYUIOPLK", b"POIUYTREWQLKJ"):
+        assert secret not in blob
+    with Recording(tmp_path / "in.rec") as rec:
+        [call] = list(rec.calls())
+    assert call.method == "POST /t?sid=" + "*" * 12 and call.requests[0].data == body.replace(b"ZXCVBNMASDFG", b"*" * 12)
+    assert call.responses[0].data == b'{"id_token": "*************"}'
