@@ -38,6 +38,7 @@ class RecordOptions:
     ring_pages: int = 8192             # eBPF ring buffer size in pages (32 MiB: absorbs bursts)
     decode: str = "live"               # live | at-stop | later: decode calls while recording, at stop, or by --finish
     tls: str = "auto"                  # auto | on | off: TLS plaintext from uprobes on the system libssl (eBPF)
+    tls_ring_pages: int = 8192         # the TLS program's ring buffer in pages (32 MiB; see capture/ebpf/tls.py)
 
 
 class Backend(Protocol):

@@ -156,8 +156,9 @@ class FlowSink:
             name = call.method or "<unknown>"
             self.stats.methods[name] = self.stats.methods.get(name, 0) + 1
 
-    def gap(self, key: Hashable, direction: Direction, nbytes: int) -> None:
-        """Bytes of one direction never arrived (pcap holes): decoders resynchronise after it."""
+    def gap(self, key: Hashable, direction: Direction, nbytes: int | None) -> None:
+        """`nbytes` of one direction never arrived (pcap holes, records a full ring lost; None: how
+        many is unknown): decoders resynchronise after it."""
         with self._lock:
             st = self._flows.get(key)
             if st is not None:

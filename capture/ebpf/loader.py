@@ -24,12 +24,15 @@ from __future__ import annotations
 import collections
 import ctypes
 import ipaddress
+import itertools
 import os
+import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
@@ -44,11 +47,21 @@ BIG_IOVS = 512     # iovecs of a larger one (copy_big; grpc passes at most 260, 
 MAX_BYTES_LIMIT = 64 << 20   # per syscall; the ring must hold a few such syscalls between drains
 POLL_S = 0.1              # ring drain period (see _poll)
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
+# A record's time is taken a few instructions before it is committed to the ring; a progress mark (see
+# _poll) stays this far behind the poll's start, far more than that, even on a preempted CPU.
+_COMMIT_SLACK_NS = 5_000_000
 EV_DATA, EV_OPEN, EV_CLOSE, EV_LISTENER = 1, 2, 3, 4
 # ev_hdr.discarded: a DATA record without payload, and why (NC_* in the .bpf.c)
-NC_TRUNC, NC_SENDFILE, NC_SPLICE = 1, 2, 3
-NOT_CAPTURED_HOW = {NC_SENDFILE: "sendfile", NC_SPLICE: "splice"}
+NC_TRUNC, NC_SENDFILE, NC_SPLICE, NC_TLS = 1, 2, 3, 4
+TLS_CIPHERTEXT = "tls-ciphertext"
+# NC_TLS: ciphertext of a socket whose plaintext the TLS program records (capture/ebpf/tls.py): the
+# length only, which the TLS joiner counts and never hands to the sink as a gap
+NOT_CAPTURED_HOW = {NC_SENDFILE: "sendfile", NC_SPLICE: "splice", NC_TLS: TLS_CIPHERTEXT}
 UNKNOWN_END = ("0.0.0.0", 0)
+# The maps the TLS program shares (BPF_TABLE_PUBLIC in the .bpf.c): bcc shares public maps by name
+# within a process, so each recorder's get names of their own (two recorders may run side by side).
+SHARED_MAPS = ("socks", "tls_socks")
+_instances = itertools.count(1)
 
 
 class _Bcc(Protocol):
@@ -92,6 +105,10 @@ _DISCARDED_AT = EvHdr.discarded.offset
 # The leading fields of EvHdr (ts_ns .. is_write): struct reads them from a record's bytes in one call,
 # where a ctypes copy of the whole header cost more than everything else done per DATA record.
 _HDR_HEAD = struct.Struct("<QIIIIIBB")
+
+
+def _no_marks(ts_ns: int) -> None:
+    """The progress marks of a sink that does not want them (see EbpfBackend._poll)."""
 
 
 def cgroup_filter(path: str | None) -> tuple[int, bool, set[int]]:
@@ -144,8 +161,15 @@ def _possible_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = False) -> str:
-    """The BPF program text with every filter substituted (what --print-bpf shows)."""
+def shared_names(instance: int) -> dict[str, str]:
+    """The names the shared maps get in recorder number `instance` of this process."""
+    return {name: f"st{instance}_{name}" for name in SHARED_MAPS}
+
+
+def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = False,
+                   names: dict[str, str] | None = None) -> str:
+    """The BPF program text with every filter substituted (what --print-bpf shows), and the shared
+    maps renamed to `names` (shared_names(); the source's own names without it)."""
     chunk = chunk_size(options.max_bytes)
     max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
     defines = {
@@ -156,7 +180,14 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = 
         "SCRATCH_CPUS": _possible_cpus(),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + BPF_SOURCE.read_text()
+    return head + rename_maps(BPF_SOURCE.read_text(), names or {})
+
+
+def rename_maps(text: str, names: dict[str, str]) -> str:
+    """`text` with each map `old` of `names` called `new` (whole words: tls_socks is not socks)."""
+    for old, new in names.items():
+        text = re.sub(rf"\b{old}\b", new, text)
+    return text
 
 
 def _comm(pid: int) -> str | None:
@@ -190,7 +221,8 @@ class EbpfBackend:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker: threading.Thread | None = None
-        self._queue: collections.deque[bytes] = collections.deque()
+        # records, and (with a sink that wants them) progress marks: ints, see _poll
+        self._queue: collections.deque[bytes | int] = collections.deque()
         self._ready = threading.Event()
         self._drained = threading.Event()
         self._user_lost = 0
@@ -199,6 +231,7 @@ class EbpfBackend:
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
         self._server_side = options.side == "server"
+        self.map_names = shared_names(next(_instances))
         # accepts with no address (see the module docstring)
         self._instances: dict[tuple[int, int], int] = {}      # key -> opened_ns of its peer_unknown flow
         self._held: dict[tuple[int, int], _Held] = {}         # key -> flow waiting for its CLOSE
@@ -222,7 +255,8 @@ class EbpfBackend:
             raise PrivilegeError("bcc is not importable: apt-get install python3-bpfcc (and expose it to this "
                                  f"interpreter; `make setup` does), or use --backend proxy ({exc})") from exc
         try:
-            bpf: _Bcc = BPF(text=render_program(self.options, self.cgroup_id, self.tgid_map).encode())
+            text = render_program(self.options, self.cgroup_id, self.tgid_map, self.map_names)
+            bpf: _Bcc = BPF(text=text.encode())
             return bpf
         except Exception as exc:  # noqa: BLE001 - compile/attach errors are plain Exception
             raise PrivilegeError(f"cannot load the eBPF program ({str(exc).splitlines()[0][:160]}): needs kernel "
@@ -231,6 +265,7 @@ class EbpfBackend:
 
     def start(self, sink: FlowSink) -> None:
         self.sink = sink
+        self._caught_up: Callable[[int], None] = getattr(sink, "caught_up", _no_marks)
         self.bpf = b = self._load()
         self._sync_tgids()
         b[b"events"].open_ring_buffer(self._on_event)
@@ -245,6 +280,10 @@ class EbpfBackend:
         """One of the program's maps (a bcc table: untyped)."""
         assert self.bpf is not None, "the eBPF program is not loaded"
         return self.bpf[name]
+
+    def _socks(self) -> Any:
+        """The program's map of traced sockets, (tgid << 32 | fd) -> SockInfo."""
+        return self._table(self.map_names["socks"].encode())
 
     def _sync_tgids(self) -> None:
         if not self.tgid_map:
@@ -277,7 +316,7 @@ class EbpfBackend:
         """Put connections opened before the capture into the socket map, marked as joined."""
         assert self.sink is not None
         pids = self._pids()
-        socks = self._table(b"socks")
+        socks = self._socks()
         now = time.monotonic_ns()
         for c in procnet.open_connections(self.options.port, self.options.side, pids):
             key = ctypes.c_uint64((c.pid << 32) | c.fd)
@@ -297,13 +336,22 @@ class EbpfBackend:
         1.3 % of a core). The 32 MiB ring holds far more than POLL_S of traffic (~0.4 MiB at
         3,000 calls/s). A syscall larger than one record wakes this thread early with its last
         record (megabytes can arrive faster than the timer drains them); the poll then returns at
-        once and the drain follows."""
+        once and the drain follows.
+
+        A sink with a `caught_up(ts)` method (the TLS joiner, capture/ebpf/tls_join.py) also gets
+        progress marks: every record written before a poll began is in the queue ahead of a mark with
+        that time (less _COMMIT_SLACK_NS, the most a record's time precedes its commit), so when the
+        decode thread reaches the mark, it has handed on every record up to that time."""
         b = self.bpf
         assert b is not None
         timeout_ms = int(POLL_S * 1000)
+        marks = self._caught_up is not _no_marks
         while not self._stop.is_set():
+            began = time.monotonic_ns()
             b.ring_buffer_poll(timeout_ms)   # returns early only for a large syscall's wake-up
             b.ring_buffer_consume()
+            if marks:
+                self._queue.append(began - _COMMIT_SLACK_NS)
             if self._queue:
                 self._ready.set()
 
@@ -325,7 +373,11 @@ class EbpfBackend:
     def _process_queue(self) -> None:
         q = self._queue
         while q:
-            self._handle(q.popleft())
+            raw = q.popleft()
+            if raw.__class__ is int:
+                self._caught_up(cast(int, raw))
+            else:
+                self._handle(cast(bytes, raw))
 
     def _on_event(self, ctx: object, data: int, size: int) -> int:
         # An int, always: bcc's wrapper turns any other return value into 0 by raising and
@@ -395,7 +447,7 @@ class EbpfBackend:
     def _still_accepted(self, key: tuple[int, int], opened_ns: int) -> bool:
         """Whether the program's socket map still holds this accept (not closed, fd not reused)."""
         try:
-            return int(self._table(b"socks")[ctypes.c_uint64((key[0] << 32) | key[1])].opened_ns) == opened_ns
+            return int(self._socks()[ctypes.c_uint64((key[0] << 32) | key[1])].opened_ns) == opened_ns
         except KeyError:
             return False
 
@@ -478,7 +530,7 @@ class EbpfBackend:
             return
         inode = procnet.socket_inode(tgid, fd)
         ends = procnet.tcp_ends(tgid, inode) if inode is not None else None
-        socks = self._table(b"socks")
+        socks = self._socks()
         skey = ctypes.c_uint64((tgid << 32) | fd)
         port = self.options.port
         if ends is None or ends[3] != procnet.ESTABLISHED or (port and ends[0][1] != port) or skey in socks:

@@ -30,6 +30,7 @@
  *   accept4/connect --(port, pid, cgroup filter)--> socks[(tgid,fd)] --> OPEN event
  *   read/write/readv/writev/sendto/recvfrom/sendmsg/recvmsg on socks --> DATA events
  *   close on socks --> CLOSE event;  ring buffer full --> lost[cpu]++
+ *   any of them on tls_socks (set by tls.bpf.c) --> a DATA header with the length only (NC_TLS)
  *
  * Receive flags (recvfrom, recvmsg; read/readv have none; recvmmsg is not traced): a read is data
  * the application received only if it consumed bytes into its buffer. MSG_PEEK (with or without
@@ -78,6 +79,7 @@
 #define NC_TRUNC 1            /* recv with MSG_TRUNC: dropped unread */
 #define NC_SENDFILE 2         /* sent by sendfile */
 #define NC_SPLICE 3           /* moved by splice */
+#define NC_TLS 4              /* ciphertext of a socket whose plaintext the TLS program records */
 
 /* recv flags, as in <linux/socket.h> (own names: that header may come in through bcc's) */
 #define RECV_PEEK 0x2         /* MSG_PEEK */
@@ -145,7 +147,12 @@ struct closing_sock {         /* a peer_unknown socket in close/shutdown, by thr
 };
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-BPF_HASH(socks, u64, struct sock_info, 65536);
+/* Public: the TLS program (tls.bpf.c, loaded beside this one in the same process) copies plaintext
+ * only of the sockets in `socks`, and puts into `tls_socks` the recorded sockets whose ciphertext
+ * goes through an SSL call it traces: their bytes are sent here as a length only (NC_TLS), since the
+ * plaintext is what gets stored. The loader gives both maps names unique to this recorder. */
+BPF_TABLE_PUBLIC("hash", u64, struct sock_info, socks, 65536);
+BPF_TABLE_PUBLIC("hash", u64, u8, tls_socks, 65536);
 BPF_HASH(active, u64, struct active_io, 16384);
 BPF_HASH(accepting, u64, struct accept_args, 16384);
 BPF_TABLE("lru_hash", u64, struct pending_conn, pending, 16384);
@@ -429,6 +436,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct sock_info *si = socks.lookup(&sk);
     if (!si)
         return 0;
+    tls_socks.delete(&sk);
     if (si->peer_unknown) {
         mark_closing(id, (u32)args->fd, si, 1);   /* its CLOSE goes out at exit, with the peer */
         socks.delete(&sk);
@@ -656,6 +664,15 @@ static __always_inline int io_exit(long ret, const int vec) {
     if (!b)
         return 0;
     b->h.total = ret;
+    u64 sk = sock_key(id >> 32, io.fd);
+    if (tls_socks.lookup(&sk)) {         /* ciphertext whose plaintext the TLS program records */
+        b->h.discarded = NC_TLS;
+        b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG
+                         || io.kind == K_SENDFILE || io.kind == K_SPLICE_OUT);
+        if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
+            count(lost.lookup(&zero));
+        return 0;
+    }
     if (io.kind == K_DISCARD) {          /* the buffer was not written: say how much went, copy nothing */
         b->h.discarded = 1;
         if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))

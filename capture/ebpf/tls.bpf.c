@@ -1,43 +1,47 @@
 /*
  * shadowtest TLS recorder: plaintext of the system OpenSSL (libssl.so.3), from uprobes.
  *
- * A program of its own beside recorder.bpf.c (own maps, own ring buffer); capture/ebpf/tls.py loads
- * it, attaches it to the libssl file (so every process that maps that file is covered) and joins
- * its records to the recorder's TCP flows.
+ * A program of its own beside recorder.bpf.c (own ring buffer), loaded by capture/ebpf/tls.py in
+ * the same process after the recorder's program, whose public maps it shares: `socks` (the sockets
+ * the recorder records) and `tls_socks` (the recorded sockets whose ciphertext goes through an SSL
+ * call traced here: the recorder then sends their bytes as a length only, NC_TLS).
  *
  *   SSL_read / SSL_read_ex / SSL_write / SSL_write_ex entry  --> calls[thread] = {SSL*, buf, ...}
  *   SSL_do_handshake / SSL_connect / SSL_accept entry         --> calls[thread] = {SSL*} (handshake)
  *   read/write/recvfrom/sendto/readv/writev/recvmsg/sendmsg entry, while the thread is inside one
- *       of those calls  --> that fd belongs to that SSL*: ssl_fd[SSL*] = fd, SEEN record (once)
- *   SSL_read* / SSL_write* return  --> PLAIN records: the bytes the call returned, tagged with the
- *       SSL*'s fd (the fd of this call's syscall, else the last one seen for that SSL*: a read
- *       served from OpenSSL's buffer makes no syscall)
- *   SSL_free entry --> ssl_fd entry removed;  close entry --> skip entry of that fd removed
+ *       of those calls  --> that fd belongs to that SSL*: ssl_fd[SSL*] = fd; if the recorder records
+ *       the socket, tls_socks[(tgid, fd)] = 1 (before the syscall's exit, where the recorder looks)
+ *   SSL_read* / SSL_write* return, on a socket in `socks`  --> PLAIN records: the bytes the call
+ *       returned, tagged with the socket and their position in its plaintext stream (positions[]:
+ *       bytes read and written so far), so user space sees exactly which bytes a full ring lost
+ *   SSL_free entry --> ssl_fd entry removed
+ *   close entry on a socket with positions --> CLOSE record with the final positions (bytes lost
+ *       at the end of a connection are a gap too), positions entry removed
  *
  * Why syscalls, not SSL_get_fd: a BPF program cannot call into the process. OpenSSL's socket BIO
  * (nginx, Python's ssl) and curl's own BIO both move the ciphertext with one of those syscalls
  * inside the SSL call, on the calling thread, so the first syscall of the handshake already names
- * the fd: the SEEN record reaches user space before the recorder's record of that syscall's bytes,
- * which is how user space knows, at a flow's first bytes, whether its plaintext will come.
- * Memory BIOs (asyncio's SSLObject, Node) make no syscall inside the call: their plaintext has no
+ * the fd. Memory BIOs (asyncio's SSLObject) make no syscall inside the call: their plaintext has no
  * fd and is only counted (`unjoined`).
  *
- * Which processes: FILTER_PID / FILTER_CGROUP as in recorder.bpf.c; which connections: user space
- * knows the recorded flows and puts the (tgid, fd) of TLS connections that are not recorded into
- * `skip`, after which their calls copy nothing.
+ * Which processes: FILTER_PID / FILTER_CGROUP as in recorder.bpf.c; which connections: those in the
+ * recorder's `socks`, checked in the kernel, so the plaintext of every other TLS connection of every
+ * process that maps libssl (a client downloading from the recorded server, on the same host) is
+ * never copied.
  *
- * Overhead: per SSL call two uprobe hits (entry, return) and one or two map updates; per syscall of
- * the traced processes one hash lookup (`calls`, keyed by thread). Plaintext copies only for calls
- * that returned bytes, at most MAX_BYTES per call in CHUNK-sized records, written without wake-ups
- * (user space drains the ring on a timer and whenever the recorder needs it).
+ * Overhead: per SSL call two uprobe hits (entry, return) and a map update or two; per syscall of the
+ * traced processes one hash lookup (`calls`, keyed by thread); per SSL call on a recorded socket one
+ * lookup each in `socks` and `positions`. Plaintext copies only for recorded sockets, at most
+ * MAX_BYTES per call in CHUNK-sized records, written without wake-ups (user space drains the ring on
+ * a timer, at once again while it keeps finding records, and whenever the joiner needs it).
  *
  * Placeholders substituted by tls.py: FILTER_PID, FILTER_CGROUP, MAX_BYTES, CHUNK, RINGBUF_PAGES,
- * SCRATCH_CPUS.
+ * SCRATCH_CPUS, SOCK_INFO_SIZE; `socks` and `tls_socks` are renamed to the recorder's names.
  */
 #include <uapi/linux/ptrace.h>
 
 #define EV_PLAIN 1
-#define EV_SEEN 2
+#define EV_CLOSE 3
 
 #define CALL_READ 1
 #define CALL_WRITE 2
@@ -49,6 +53,9 @@
 
 struct tls_hdr {          /* every record starts with this */
     u64 ts_ns;
+    u64 pos;              /* PLAIN: position of the call's first byte in its direction's stream;
+                             CLOSE: plaintext bytes read in all */
+    u64 pos2;             /* CLOSE: plaintext bytes written in all */
     u32 tgid;
     u32 fd;
     u32 len;              /* plaintext bytes in this record */
@@ -73,13 +80,24 @@ struct tls_call {         /* one thread inside one SSL call */
     u8 kind;
     u8 ex;
     u8 has_fd;
-    u8 pad;
+    u8 marked;            /* tls_socks was seen to for this call's socket */
+};
+
+struct stream_pos {       /* plaintext bytes of one recorded socket so far */
+    u64 rd;
+    u64 wr;
+};
+
+struct rec_sock {         /* the recorder's struct sock_info: only looked up here, never read */
+    u8 opaque[SOCK_INFO_SIZE];
 };
 
 BPF_RINGBUF_OUTPUT(tls_events, RINGBUF_PAGES);
 BPF_HASH(calls, u64, struct tls_call, 16384);
 BPF_TABLE("lru_hash", u64, u32, ssl_fd, 65536);      /* SSL* -> fd */
-BPF_TABLE("lru_hash", u64, u8, skip, 65536);         /* (tgid, fd) not recorded */
+BPF_TABLE("lru_hash", u64, struct stream_pos, positions, 65536);   /* (tgid, fd) */
+BPF_TABLE("extern", u64, struct rec_sock, socks, 65536);
+BPF_TABLE("extern", u64, u8, tls_socks, 65536);
 BPF_ARRAY(scratch, struct tls_buf, SCRATCH_CPUS);
 BPF_PERCPU_ARRAY(counters, u64, 3);
 
@@ -142,6 +160,23 @@ int ssl_free_enter(struct pt_regs *ctx) {
     return 0;
 }
 
+/* Where the call's bytes start in its direction's stream; advances the stream. NULL-safe: a socket
+ * the LRU evicted starts again at 0 (user space sees a position behind its own and says so). */
+static __always_inline u64 advance(u64 key, u8 is_write, u64 n) {
+    struct stream_pos fresh = {};
+    positions.insert(&key, &fresh);
+    struct stream_pos *p = positions.lookup(&key);
+    if (!p)
+        return 0;
+    /* one thread moves one direction of a socket at a time: no atomic needed */
+    u64 start = is_write ? p->wr : p->rd;
+    if (is_write)
+        p->wr = start + n;
+    else
+        p->rd = start + n;
+    return start;
+}
+
 /* The bytes the call returned, in records of at most CHUNK bytes. */
 int ssl_rw_exit(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
@@ -169,18 +204,21 @@ int ssl_rw_exit(struct pt_regs *ctx) {
     }
     u32 tgid = id >> 32;
     u64 key = sock_key(tgid, c.fd);
-    if (skip.lookup(&key))
-        return 0;
+    if (!socks.lookup(&key))
+        return 0;             /* not a recorded connection: nothing to copy */
+    u8 is_write = c.kind == CALL_WRITE;
+    u64 start = advance(key, is_write, n);
     u32 cpu = bpf_get_smp_processor_id();
     struct tls_buf *b = scratch.lookup(&cpu);
     if (!b)
         return 0;
     __builtin_memset(&b->h, 0, sizeof(b->h));
     b->h.ts_ns = bpf_ktime_get_ns();
+    b->h.pos = start;
     b->h.tgid = tgid;
     b->h.fd = c.fd;
     b->h.type = EV_PLAIN;
-    b->h.is_write = c.kind == CALL_WRITE;
+    b->h.is_write = is_write;
     u32 want = n > 0xffffffffULL ? 0xffffffff : (u32)n;
     b->h.total = want;
     if (want > MAX_BYTES) {
@@ -214,22 +252,20 @@ static __always_inline int io_enter(u32 fd) {
     struct tls_call *c = calls.lookup(&id);
     if (!c)
         return 0;             /* the common case: this thread is not inside an SSL call */
-    if (c->has_fd && c->fd == fd)
-        return 0;
-    c->fd = fd;
-    c->has_fd = 1;
-    u64 ssl = c->ssl;
-    ssl_fd.update(&ssl, &fd);
+    if (c->marked && c->fd == fd)
+        return 0;             /* this call's socket is known and marked already */
+    if (!c->has_fd || c->fd != fd) {
+        c->fd = fd;
+        c->has_fd = 1;
+        u64 ssl = c->ssl;
+        ssl_fd.update(&ssl, &fd);
+    }
+    c->marked = 1;
     u64 key = sock_key(id >> 32, fd);
-    if (skip.lookup(&key))
-        return 0;
-    struct tls_hdr h = {};
-    h.ts_ns = bpf_ktime_get_ns();
-    h.tgid = id >> 32;
-    h.fd = fd;
-    h.type = EV_SEEN;
-    if (tls_events.ringbuf_output(&h, sizeof(h), BPF_RB_NO_WAKEUP))
-        count(C_LOST);
+    if (socks.lookup(&key) && !tls_socks.lookup(&key)) {
+        u8 one = 1;
+        tls_socks.update(&key, &one);   /* the recorder's exit of this syscall sends a length only */
+    }
     return 0;
 }
 
@@ -242,9 +278,22 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return io_enter(args->fd); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return io_enter(args->fd); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return io_enter(args->fd); }
 
-/* A closed fd may come back as a recorded connection: it must not stay skipped. */
+/* The connection's final positions: bytes whose records the ring lost at its end are a gap too. */
 TRACEPOINT_PROBE(syscalls, sys_enter_close) {
-    u64 key = sock_key(bpf_get_current_pid_tgid() >> 32, (u32)args->fd);
-    skip.delete(&key);
+    u64 id = bpf_get_current_pid_tgid();
+    u64 key = sock_key(id >> 32, (u32)args->fd);
+    struct stream_pos *p = positions.lookup(&key);
+    if (!p)
+        return 0;             /* every close of a socket with no recorded plaintext: one lookup */
+    struct tls_hdr h = {};
+    h.ts_ns = bpf_ktime_get_ns();
+    h.pos = p->rd;
+    h.pos2 = p->wr;
+    h.tgid = id >> 32;
+    h.fd = (u32)args->fd;
+    h.type = EV_CLOSE;
+    positions.delete(&key);
+    if (tls_events.ringbuf_output(&h, sizeof(h), BPF_RB_NO_WAKEUP))
+        count(C_LOST);
     return 0;
 }

@@ -1,62 +1,61 @@
 """TLS plaintext capture: uprobes on the system libssl, joined to the eBPF recorder's TCP flows.
 
-    tls.bpf.c (uprobes on SSL_read/_ex, SSL_write/_ex, handshake calls; syscall enters)
-        | its own ring buffer: SEEN (tgid, fd is this SSL's socket) / PLAIN (bytes an SSL call returned)
+    tls.bpf.c (uprobes on SSL_read/_ex, SSL_write/_ex, handshake calls; syscall enters; close)
+        | its own ring buffer: PLAIN (bytes an SSL call returned on a recorded socket, at their
+        | stream position) / CLOSE (the socket's final positions)
         v
-    TlsJoiner --(tgid, fd)--> the recorder's flow of that socket --plaintext--> FlowSink.data
-        ^                                                        (same decoders, same redaction)
-    EbpfBackend --open_flow / data (ciphertext) / close_flow--'
+    TlsJoiner (capture/ebpf/tls_join.py) --(tgid, fd)--> the recorder's flow --plaintext, gaps--> FlowSink
+        ^                                                                (same decoders, same redaction)
+    EbpfBackend --open_flow / data / not_captured (ciphertext length) / close_flow--'
 
-`TlsBackend` wraps the eBPF backend (`Recorder` does it, capture/record.py): the backend delivers its
-flows to a `TlsJoiner`, which passes them on to the real sink, except that:
+`TlsBackend` wraps the eBPF backend (`Recorder` does it, capture/record.py). The two programs share two
+maps (public bcc maps, named per recorder): the TLS program copies plaintext only of the sockets the
+recorder records, and marks those whose ciphertext moves inside an SSL call, whose bytes the recorder
+then sends as a length only. So neither the ciphertext of a plaintext flow nor the plaintext of any
+other connection (the clients on the same host, other services) crosses a ring buffer.
 
-* a flow whose first bytes are a TLS record and whose socket the TLS program saw inside an SSL call
-  (SEEN) is **plaintext**: its ciphertext is not stored (counted, `ciphertext_bytes_not_stored`), its
-  plaintext goes to the sink under the flow's key, so an HTTPS request is an HTTP/1 call whose
-  Authorization is masked like any other;
-* a flow whose first bytes are a TLS record with no SEEN for its socket is **encrypted**: recorded as
-  raw TCP as before, and listed with the reason (meta `tls_flows`, `inspect`): the process does not
-  use the system libssl (BoringSSL linked into grpcio, Go's crypto/tls), or uses it through memory
-  BIOs, or TLS capture is off.
+Sizing: plaintext is copied once, so the TLS ring only needs room for what arrives between two drains,
+and the decoding must not be what drains it:
 
-Ordering: the SEEN record is written at the *enter* of the syscall that moves the handshake's first
-bytes, the recorder's record of those bytes at its *exit*, so draining this program's ring when a
-flow's first TLS bytes arrive is enough to decide. Plaintext is written before the connection's
-close() runs, so `close_flow` drains the ring again before closing. Plaintext that arrives before
-the recorder's OPEN is handled waits (bounded) for it; plaintext of connections that are not
-recorded (other ports, other processes' TLS) is dropped after `_ORPHAN_S` and its socket goes into
-the program's `skip` map so its later calls copy nothing.
+    ring (32 MiB, tls_ring_pages) --tls-drain thread: copies only, every 2 ms while busy, else POLL_S-->
+        drained records (<= _RAW_MAX_BYTES) --tls-poll thread / the recorder's progress marks-->
+        TlsJoiner (ready queue <= 64 MiB, decoding and storing through the sink)
+
+Under a burst of downloads the decoding (Python: masking, HTTP/1 decoding, SQLite) falls behind the
+network; the drained records and the ready queue absorb that, so the ring itself never fills unless a
+burst outgrows both. Whatever is still lost (a ring shrunk on purpose, a host out of CPU for longer than
+the buffers last) becomes a gap at exactly the bytes lost (tls_join.py): never a silent mis-pairing.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
-import struct
 import subprocess
 import threading
 import time
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, cast
 
 from capture.backends import RecordOptions
+from capture.ebpf.loader import SockInfo, rename_maps
+from capture.ebpf.tls_join import TlsJoiner
 from capture.errors import CaptureError, PrivilegeError
-from capture.recording import Direction, Flow
 from capture.sink import FlowSink
 
 BPF_SOURCE = Path(__file__).with_name("tls.bpf.c")
 TLS_MODES = ("auto", "on", "off")
-EV_PLAIN, EV_SEEN = 1, 2
 MAX_BYTES_LIMIT = 262144    # plaintext kept per SSL call (OpenSSL hands out at most 16 KiB records)
-RING_PAGES = 2048            # 8 MiB: plaintext of TLS calls between two drains (100 ms)
-POLL_S = 0.1
-_ORPHAN_S = 3.0              # plaintext with no recorded flow waits this long for the flow's OPEN
-_ORPHAN_MAX_BYTES = 8 << 20  # and at most this much in all
-_STALE_NS = 2_000_000_000    # a record this old is handed on even if the recorder's records are not there yet
-_HDR = struct.Struct("<QIIIIIBBBB")
-HDR_SIZE = _HDR.size
+POLL_S = 0.1                 # drain period of an idle TLS ring
+# A drain that found this many records drains again after _BUSY_WAIT_S: a 16 KiB SSL_write is one
+# record, so 64 of them are a megabyte, which at download speed comes in milliseconds, not in POLL_S.
+# (With a 100 ms timer alone and the decoding in the same thread, four clients downloading 8 MiB
+# files lost 800-5,000 records a run to an 8 MiB ring; see bench/RESULTS.md, "TLS capture under load".)
+_BUSY_RECORDS = 64
+_BUSY_WAIT_S = 0.002
+# Drained records waiting for the decoding: at most this much (then the ring keeps them, and loses
+# what it cannot hold: a gap each). A burst of downloads is decoded late rather than lost.
+_RAW_MAX_BYTES = 128 << 20
 # (symbol, entry function, return function); SSL_read/SSL_write are what nginx and curl call,
 # the _ex forms what Python's ssl module calls
 PROBES = (
@@ -99,11 +98,6 @@ def libssl_version(path: str) -> str:
         return "unknown version"
 
 
-def looks_like_tls(data: bytes) -> bool:
-    """A TLS record header: content type 20-23, version 3.0-3.4 (SSLv3 .. TLS 1.3's legacy 3.3)."""
-    return len(data) >= 3 and 0x14 <= data[0] <= 0x17 and data[1] == 3 and data[2] <= 4
-
-
 def maps_libssl(pid: int, libssl: str | None) -> bool | None:
     """Whether process `pid` maps the system libssl (None: cannot tell, e.g. it has exited)."""
     if not libssl:
@@ -142,18 +136,28 @@ def _possible_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def render_program(options: RecordOptions, cgroup_id: int = 0) -> str:
-    """The program text with its filters and sizes substituted."""
+def ring_pages(options: RecordOptions) -> int:
+    """The TLS ring's size in pages, a power of two as the kernel requires (as asked: tests shrink it
+    on purpose to see losses become gaps)."""
+    return 1 << (max(1, options.tls_ring_pages) - 1).bit_length()
+
+
+def render_program(options: RecordOptions, cgroup_id: int = 0, names: dict[str, str] | None = None) -> str:
+    """The program text with its filters and sizes substituted, and the recorder's shared maps
+    (`socks`, `tls_socks`) under the names that recorder gave them (capture/ebpf/loader.py)."""
     limit = max_bytes(options)
     defines = {"FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL", "MAX_BYTES": limit,
-               "CHUNK": chunk_size(limit), "RINGBUF_PAGES": RING_PAGES, "SCRATCH_CPUS": _possible_cpus()}
-    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + BPF_SOURCE.read_text()
+               "CHUNK": chunk_size(limit), "RINGBUF_PAGES": ring_pages(options), "SCRATCH_CPUS": _possible_cpus(),
+               "SOCK_INFO_SIZE": ctypes.sizeof(SockInfo)}
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + rename_maps(BPF_SOURCE.read_text(), names or {})
 
 
 class TlsProgram:
     """tls.bpf.c loaded and attached to one libssl file. Raises PrivilegeError when it cannot be."""
 
-    def __init__(self, options: RecordOptions, libssl: str, cgroup_id: int = 0) -> None:
+    def __init__(self, options: RecordOptions, libssl: str, cgroup_id: int = 0,
+                 names: dict[str, str] | None = None) -> None:
         if os.geteuid() != 0:
             raise PrivilegeError("TLS capture needs root (uprobes)")
         try:
@@ -161,9 +165,16 @@ class TlsProgram:
         except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception
             raise PrivilegeError(f"bcc is not importable ({exc})") from exc
         self.libssl = libssl
-        self.raw: list[bytes] = []
+        # records drained from the ring, in ring order; consumed only under _ring_lock (libbpf's
+        # consumer is not thread-safe), by the drain thread and by the joiner when it must be current
+        self._raw: list[bytes] = []
+        self._raw_bytes = 0
+        self._ring_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.more = threading.Event()     # set when the drain thread found records
         try:
-            self.bpf: Any = BPF(text=render_program(options, cgroup_id).encode())
+            self.bpf: Any = BPF(text=render_program(options, cgroup_id, names).encode())
         except Exception as exc:  # noqa: BLE001 - compile errors are plain Exception
             raise PrivilegeError(f"cannot load the TLS program ({str(exc).splitlines()[0][:160]})") from exc
         try:
@@ -175,24 +186,51 @@ class TlsProgram:
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
             self.bpf.cleanup()
             raise PrivilegeError(f"cannot attach uprobes to {libssl} ({str(exc).splitlines()[0][:160]})") from exc
-        self._skip = self.bpf[b"skip"]
+        self._positions = self.bpf[b"positions"]
 
     def _on_event(self, ctx: object, data: int, size: int) -> int:
-        self.raw.append(ctypes.string_at(data, size))
-        return 0
+        self._raw.append(ctypes.string_at(data, size))
+        self._raw_bytes += size
+        return 0     # an int, always (bcc's wrapper makes anything else costly)
+
+    def _consume(self) -> int:
+        """Move the ring's records into memory, unless _RAW_MAX_BYTES wait there already (then the
+        ring keeps them). Returns how many came. Called with _ring_lock held."""
+        if self._raw_bytes >= _RAW_MAX_BYTES:
+            return 0
+        before = len(self._raw)
+        self.bpf.ring_buffer_consume()
+        return len(self._raw) - before
 
     def consume(self) -> list[bytes]:
-        """Everything in the ring now (the caller serialises calls)."""
-        self.bpf.ring_buffer_consume()
-        out, self.raw = self.raw, []
+        """Every record drained so far and everything in the ring now, in ring order."""
+        with self._ring_lock:
+            self._consume()
+            out, self._raw, self._raw_bytes = self._raw, [], 0
         return out
 
-    def skip(self, tgid: int, fd: int, on: bool = True) -> None:
-        key = ctypes.c_uint64((tgid << 32) | fd)
-        if on:
-            self._skip[key] = ctypes.c_uint8(1)
-        else:
-            self._skip.pop(key, None)
+    def start_draining(self) -> None:
+        """Drain the ring from a thread of its own (see the module docstring)."""
+        self._thread = threading.Thread(target=self._drain_loop, name="tls-drain", daemon=True)
+        self._thread.start()
+
+    def _drain_loop(self) -> None:
+        wait = POLL_S
+        while not self._stop.wait(wait):
+            with self._ring_lock:
+                n = self._consume()
+            if n:
+                self.more.set()
+            # while records come, drain again soon: the ring then only holds a few ms of them
+            wait = _BUSY_WAIT_S if n >= _BUSY_RECORDS else POLL_S
+
+    def positions(self, fdkey: tuple[int, int]) -> tuple[int, int] | None:
+        """(plaintext bytes read, written) of a socket still open, as the kernel counted them."""
+        try:
+            p = self._positions[ctypes.c_uint64((fdkey[0] << 32) | fdkey[1])]
+        except KeyError:
+            return None
+        return int(p.rd), int(p.wr)
 
     def counters(self) -> tuple[int, int, int]:
         t = self.bpf[b"counters"]
@@ -200,6 +238,9 @@ class TlsProgram:
         return lost, trunc, unjoined
 
     def cleanup(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self.bpf.cleanup()
 
 
@@ -236,301 +277,6 @@ def probe_uprobe(libssl: str) -> int:
         b.cleanup()
 
 
-class _Conn:
-    """A flow the recorder opened, as the joiner sees it."""
-
-    __slots__ = ("key", "flow_id", "pid", "opened_ns", "mode", "reason", "cipher_bytes", "plain_bytes")
-
-    def __init__(self, key: Hashable, flow_id: int, flow: Flow) -> None:
-        self.key = key
-        self.flow_id = flow_id
-        self.pid = flow.pid or 0
-        self.opened_ns = flow.opened_ns or 0
-        self.mode = "?"            # ? (no bytes yet) | plain | tls (plaintext from libssl) | encrypted
-        self.reason = ""
-        self.cipher_bytes = 0
-        self.plain_bytes = 0
-
-
-class TlsJoiner:
-    """Between the eBPF backend and the FlowSink: see the module docstring. Thread-safe.
-
-    Records of the TLS program are handed on in the order they came, each once the recorder's own
-    records up to its time have been seen (`_watermark`, the latest timestamp the backend passed
-    in): a connection's plaintext must not reach the flow of an earlier connection on the same fd
-    whose CLOSE, or the next one's OPEN, the backend has not handled yet. A record older than
-    `_STALE_NS` is handed on regardless (the backend was idle, not behind)."""
-
-    def __init__(self, sink: FlowSink, server_side: bool, max_bytes: int, libssl: str | None) -> None:
-        self.sink = sink
-        self.program: TlsProgram | None = None
-        self.off_reason = "TLS capture is off"
-        self.libssl = libssl
-        self._server_side = server_side
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._conns: dict[Hashable, _Conn] = {}
-        self._by_fd: dict[tuple[int, int], Hashable] = {}
-        self._watermark = 0
-        # (ts, fdkey, is_write (-1: SEEN), payload, total): complete records waiting for the watermark
-        self._ready: collections.deque[tuple[int, tuple[int, int], int, bytes, int]] = collections.deque()
-        self._partial: dict[tuple[int, int, int], list[Any]] = {}  # one call's records, reassembled
-        self._orphans: dict[tuple[int, int], list[tuple[int, int, bytes, int]]] = {}   # no flow (yet)
-        self._orphan_bytes = 0
-        self._first: dict[tuple[int, int], float] = {}             # when its first orphan came
-        self.flows: list[list[object]] = []                        # [flow, tls, reason, ciphertext bytes]
-        self.counts = {"plaintext_flows": 0, "encrypted_flows": 0, "ciphertext_bytes_not_stored": 0,
-                       "plaintext_bytes": 0, "other_connections_skipped": 0, "orphan_bytes_dropped": 0,
-                       "late_plaintext_flows": 0}
-
-    @property
-    def writer(self) -> Any:
-        return self.sink.writer
-
-    def __getattr__(self, name: str) -> Any:   # stats, add_loss, tick, ...: the sink's own
-        return getattr(self.sink, name)
-
-    # ---- what the backend calls ----
-
-    def open_flow(self, key: Hashable, flow: Flow) -> int:
-        with self._lock:
-            fdkey = _fdkey(key)
-            if self.program is not None:
-                self._advance(flow.opened_ns or 0)   # what came before it goes to the fd's previous flow
-            old = self._by_fd.get(fdkey) if fdkey else None
-            if old is not None and old in self._conns:
-                self._finish(self._conns.pop(old))   # closed unseen: the sink replaces it too
-            flow_id = self.sink.open_flow(key, flow)
-            c = self._conns[key] = _Conn(key, flow_id, flow)
-            if fdkey is not None:
-                self._by_fd[fdkey] = key
-                if self.program is not None:
-                    self.program.skip(*fdkey, on=False)
-                    self._adopt(fdkey, c)
-            return flow_id
-
-    def data(self, key: Hashable, direction: Direction, ts_ns: int, data: bytes) -> None:
-        with self._lock:
-            if ts_ns > self._watermark:
-                self._watermark = ts_ns
-            c = self._conns.get(key)
-            if self._ready and self._ready[0][0] <= self._watermark:
-                self._advance(ts_ns, drain=False)
-            if c is not None and c.mode != "plain":
-                if c.mode == "?":
-                    self._classify(c, data)
-                if c.mode == "tls":
-                    c.cipher_bytes += len(data)
-                    self.counts["ciphertext_bytes_not_stored"] += len(data)
-                    return
-            self.sink.data(key, direction, ts_ns, data)
-
-    def gap(self, key: Hashable, direction: Direction, nbytes: int) -> None:
-        with self._lock:
-            c = self._conns.get(key)
-            if c is None or c.mode != "tls":    # a hole in ciphertext is no hole in the plaintext
-                self.sink.gap(key, direction, nbytes)
-
-    def discarded(self, key: Hashable, direction: Direction, nbytes: int) -> None:
-        with self._lock:
-            c = self._conns.get(key)
-            if c is None or c.mode != "tls":
-                self.sink.discarded(key, direction, nbytes)
-
-    def close_flow(self, key: Hashable, ts_ns: int | None) -> None:
-        with self._lock:
-            if self.program is not None:
-                # its last plaintext was written before its close() ran (no time: what is due only)
-                self._advance(ts_ns or 0)
-            c = self._conns.pop(key, None)
-            if c is not None:
-                fdkey = _fdkey(key)
-                if fdkey is not None and self._by_fd.get(fdkey) == key:
-                    del self._by_fd[fdkey]
-                self._finish(c)
-            self.sink.close_flow(key, ts_ns)
-
-    # ---- the TLS program's records ----
-
-    def poll(self) -> None:
-        """Drain the ring, hand on what is due, expire plaintext no recorded flow claimed (the poll
-        thread, every POLL_S)."""
-        with self._lock:
-            stale = time.monotonic_ns() - _STALE_NS
-            for pk in [k for k, p in self._partial.items() if p[0] < stale]:
-                self._flush_partial(pk)    # a call whose last records were lost: what came, then a gap
-            self._advance(0)
-            now = time.monotonic()
-            for fdkey, first in list(self._first.items()):
-                if now - first >= _ORPHAN_S:
-                    self._drop_orphan(fdkey, skip=True)
-
-    def _advance(self, ts_ns: int, drain: bool = True) -> None:
-        """Drain the ring; hand on every record the backend's records have caught up with."""
-        if ts_ns > self._watermark:
-            self._watermark = ts_ns
-        if drain:
-            self._drain()
-        ready = self._ready
-        if not ready:
-            return
-        stale = time.monotonic_ns() - _STALE_NS
-        while ready and (ready[0][0] <= self._watermark or ready[0][0] <= stale):
-            ts, fdkey, is_write, payload, total = ready.popleft()
-            if is_write < 0:
-                self._on_seen(fdkey, ts)
-            else:
-                self._plain(fdkey, is_write, ts, payload, total)
-
-    def _drain(self) -> None:
-        if self.program is None:
-            return
-        for raw in self.program.consume():
-            ts, tgid, fd, length, total, offset, etype, is_write, _trunc, _pad = _HDR.unpack_from(raw)
-            if etype == EV_SEEN:
-                self._ready.append((ts, (tgid, fd), -1, b"", 0))
-            elif etype == EV_PLAIN:
-                self._on_record(ts, tgid, fd, is_write, offset, total, raw[HDR_SIZE:HDR_SIZE + length])
-
-    def _on_record(self, ts: int, tgid: int, fd: int, is_write: int, offset: int, total: int,
-                   payload: bytes) -> None:
-        pk = (tgid, fd, is_write)
-        want = min(total, self._max_bytes)
-        if offset == 0 and len(payload) >= want and pk not in self._partial:
-            self._ready.append((ts, (tgid, fd), is_write, payload, total))
-            return
-        p = self._partial.get(pk)
-        if offset == 0 or p is None or p[0] != ts:
-            if p is not None:
-                self._flush_partial(pk)
-            p = self._partial[pk] = [ts, bytearray(), want, total]
-        p[1] += payload
-        if len(p[1]) >= p[2]:
-            self._flush_partial(pk)
-
-    def _flush_partial(self, pk: tuple[int, int, int]) -> None:
-        ts, buf, _want, total = self._partial.pop(pk)
-        self._ready.append((ts, pk[:2], pk[2], bytes(buf), total))
-
-    def _conn_at(self, fdkey: tuple[int, int], ts: int) -> _Conn | None:
-        key = self._by_fd.get(fdkey)
-        c = self._conns.get(key) if key is not None else None
-        return c if c is not None and ts >= c.opened_ns else None
-
-    def _on_seen(self, fdkey: tuple[int, int], ts: int) -> None:
-        c = self._conn_at(fdkey, ts)
-        if c is None:
-            self._orphan(fdkey, ts, -1, b"", 0)
-        elif c.mode != "tls":
-            self._to_tls(c)
-
-    def _to_tls(self, c: _Conn) -> None:
-        if c.mode in ("plain", "encrypted"):
-            # bytes before it were stored as they came (STARTTLS, or a decision made too early)
-            self.counts["late_plaintext_flows"] += 1
-        c.mode = "tls"
-
-    def _plain(self, fdkey: tuple[int, int], is_write: int, ts: int, payload: bytes, total: int) -> None:
-        c = self._conn_at(fdkey, ts)
-        if c is None:
-            self._orphan(fdkey, ts, is_write, payload, total)
-            return
-        if c.mode != "tls":
-            self._to_tls(c)
-        direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
-        c.plain_bytes += len(payload)
-        self.counts["plaintext_bytes"] += len(payload)
-        self.sink.data(c.key, direction, ts, payload)
-        if len(payload) < total:     # over --max-bytes: a hole the decoders resynchronise after
-            self.sink.gap(c.key, direction, total - len(payload))
-
-    def _orphan(self, fdkey: tuple[int, int], ts: int, is_write: int, payload: bytes, total: int) -> None:
-        """A record of a socket with no flow: its OPEN may still come (bounded wait), or it is not recorded."""
-        if self._orphan_bytes + len(payload) > _ORPHAN_MAX_BYTES:
-            self.counts["orphan_bytes_dropped"] += len(payload)
-            return
-        self._orphans.setdefault(fdkey, []).append((ts, is_write, payload, total))
-        self._orphan_bytes += len(payload)
-        self._first.setdefault(fdkey, time.monotonic())
-
-    def _adopt(self, fdkey: tuple[int, int], c: _Conn) -> None:
-        """A flow just opened: what its socket's SEEN and plaintext records said before."""
-        self._first.pop(fdkey, None)
-        for ts, is_write, payload, total in self._orphans.pop(fdkey, []):
-            self._orphan_bytes -= len(payload)
-            if ts < c.opened_ns:
-                self.counts["orphan_bytes_dropped"] += len(payload)
-            elif is_write < 0:
-                self._to_tls(c)
-            else:
-                self._plain(fdkey, is_write, ts, payload, total)
-
-    def _drop_orphan(self, fdkey: tuple[int, int], skip: bool) -> None:
-        self._first.pop(fdkey, None)
-        for _ts, _w, payload, _total in self._orphans.pop(fdkey, []):
-            self._orphan_bytes -= len(payload)
-            self.counts["orphan_bytes_dropped"] += len(payload)
-        if skip and self.program is not None and fdkey not in self._by_fd:
-            self.program.skip(*fdkey)     # a TLS connection we do not record: copy nothing more of it
-            self.counts["other_connections_skipped"] += 1
-
-    # ---- classification and the per-flow report ----
-
-    def _classify(self, c: _Conn, first: bytes) -> None:
-        if not looks_like_tls(first):
-            c.mode = "plain"
-            return
-        if self.program is not None:
-            self._advance(0)   # the SEEN of this socket, if any, was written before these bytes
-            if c.mode == "tls":
-                return
-        c.mode = "encrypted"
-        c.reason = self._why_unreadable(c.pid)
-
-    def _why_unreadable(self, pid: int) -> str:
-        if self.program is None:
-            return f"encrypted: {self.off_reason}"
-        mapped = maps_libssl(pid, self.libssl)
-        if mapped is False:
-            return "encrypted: process does not use the system libssl (statically linked TLS such as " \
-                   "grpcio's BoringSSL, Node.js's own OpenSSL, or Go's crypto/tls)"
-        if mapped:
-            return "encrypted: the process maps the system libssl, but this connection's TLS does not go " \
-                   "through it on this socket (another TLS library linked in, or memory BIOs as in asyncio)"
-        return "encrypted: no plaintext from the system libssl for this connection (process gone)"
-
-    def _finish(self, c: _Conn) -> None:
-        if c.mode == "tls":
-            self.counts["plaintext_flows"] += 1
-            self.flows.append([c.flow_id, "plaintext", None, c.cipher_bytes])
-        elif c.mode == "encrypted":
-            self.counts["encrypted_flows"] += 1
-            self.flows.append([c.flow_id, "encrypted", c.reason, 0])
-
-    def finish_all(self) -> None:
-        """At stop: the last records, then every flow still open goes into the report."""
-        with self._lock:
-            self._drain()
-            for pk in list(self._partial):
-                self._flush_partial(pk)
-            self._advance(time.monotonic_ns())
-            for c in list(self._conns.values()):
-                self._finish(c)
-            self._conns.clear()
-            self._by_fd.clear()
-            for fdkey in list(self._first):
-                self._drop_orphan(fdkey, skip=False)
-
-    def meta(self, status: dict[str, object]) -> dict[str, object]:
-        return {"tls": status | self.counts, "tls_flows": sorted(self.flows, key=lambda r: cast(int, r[0]))}
-
-
-def _fdkey(key: Hashable) -> tuple[int, int] | None:
-    if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[0], int) and isinstance(key[1], int):
-        return (key[0], key[1])
-    return None
-
-
 class TlsBackend:
     """The eBPF backend with TLS plaintext capture beside it (see the module docstring).
 
@@ -545,6 +291,8 @@ class TlsBackend:
         self.status: dict[str, object] = {"capture": "off", "reason": "--tls off"} if options.tls == "off" else {}
         self.joiner: TlsJoiner | None = None
         self.flow_report: object = []     # after stop: [flow, plaintext|encrypted, reason, ciphertext bytes]
+        self.libssl: str | None = None
+        self.off_reason = "TLS capture is off"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = (0, 0)
@@ -555,21 +303,35 @@ class TlsBackend:
     def describe(self) -> dict[str, object]:
         return cast(dict[str, object], self.inner.describe()) | {"tls": dict(self.status)}
 
+    def why_unreadable(self, pid: int, program: TlsProgram | None) -> str:
+        """Why a TLS flow of process `pid` was recorded as ciphertext."""
+        if program is None:
+            return f"encrypted: {self.off_reason}"
+        mapped = maps_libssl(pid, self.libssl)
+        if mapped is False:
+            return "encrypted: process does not use the system libssl (statically linked TLS such as " \
+                   "grpcio's BoringSSL, Node.js's own OpenSSL, or Go's crypto/tls)"
+        if mapped:
+            return "encrypted: the process maps the system libssl, but this connection's TLS does not go " \
+                   "through it on this socket (another TLS library linked in, or memory BIOs as in asyncio)"
+        return "encrypted: no plaintext from the system libssl for this connection (process gone)"
+
     def start(self, sink: FlowSink) -> None:
-        libssl = find_libssl()
-        j = self.joiner = TlsJoiner(sink, self.options.side == "server", max_bytes(self.options), libssl)
+        libssl = self.libssl = find_libssl()
+        j = self.joiner = TlsJoiner(sink, self.options.side == "server", max_bytes(self.options),
+                                    self.why_unreadable)
         self.inner.start(cast(FlowSink, j))
         if self.options.tls == "off":
-            j.off_reason = "TLS capture is off (--tls off)"
+            self.off_reason = "TLS capture is off (--tls off)"
             return
         try:
             if libssl is None:
                 raise PrivilegeError("no system libssl.so.3 found (ldconfig -p)")
             cgroup_id = int(getattr(self.inner, "cgroup_id", 0) or 0)
-            program = TlsProgram(self.options, libssl, cgroup_id)
+            program = TlsProgram(self.options, libssl, cgroup_id, getattr(self.inner, "map_names", None))
         except PrivilegeError as exc:
             self.status = {"capture": "off", "reason": str(exc)}
-            j.off_reason = f"TLS capture is off ({exc})"
+            self.off_reason = f"TLS capture is off ({exc})"
             if self.options.tls == "on":
                 self.inner.stop()
                 raise PrivilegeError(f"--tls on: {exc}") from exc
@@ -577,12 +339,16 @@ class TlsBackend:
         self.status = {"capture": "on", "libssl": libssl, "version": libssl_version(libssl)}
         with j._lock:
             j.program = program
-        self._thread = threading.Thread(target=self._poll, name="tls-poll", daemon=True)
+        program.start_draining()
+        self._thread = threading.Thread(target=self._poll, args=(program,), name="tls-poll", daemon=True)
         self._thread.start()
 
-    def _poll(self) -> None:
+    def _poll(self, program: TlsProgram) -> None:
+        """Hand the drained records on when the drain thread found some, and every POLL_S."""
         last = time.monotonic()
-        while not self._stop.wait(POLL_S):
+        while not self._stop.is_set():
+            program.more.wait(POLL_S)
+            program.more.clear()
             assert self.joiner is not None
             self.joiner.poll()
             if time.monotonic() - last >= 1.0:
@@ -606,7 +372,7 @@ class TlsBackend:
             self.inner.stop()
         finally:
             if j is not None:
-                j.finish_all()
+                j.finish_all(j.program.positions if j.program is not None else None)
                 if j.program is not None:
                     self._report_counters()
                     lost, trunc, unjoined = j.program.counters()
