@@ -47,8 +47,8 @@ _CRC_SQL = {
                  f" AND st_message_crc({', '.join(MESSAGE_COLUMNS)}) != crc"),
     "calls": f"SELECT count(*) FROM calls WHERE crc IS NOT NULL AND st_call_crc({', '.join(CALL_COLUMNS)}) != crc",
 }
-_CRC_WORDS = {"chunks": "chunk(s) fail", "messages": "call(s) have a message that fails",
-              "calls": "call(s) fail"}
+_CRC_WORDS = {"chunks": "chunk(s) fail their checksum", "messages": "call(s) have a message that fails its checksum",
+              "calls": "call(s) fail their checksum"}
 
 
 @dataclass
@@ -160,7 +160,8 @@ def _header_problems(path: Path, *, has_wal: bool) -> list[str]:
     # With a WAL (a recorder killed mid-run) the file may lag its header until the WAL is folded in.
     if pages and change == valid_for and not has_wal and pages != size // page:
         if pages > size // page:
-            return [f"cut off: its header says {pages:,} pages of {page:,} bytes, the file holds {size // page:,}"]
+            return [f"cut off (or its header damaged): its header says {pages:,} pages of {page:,} bytes, the file "
+                    f"holds {size // page:,}"]
         return [f"its header is damaged: it says {pages:,} pages, the file holds {size // page:,}"]
     return []
 
@@ -279,7 +280,7 @@ def _rows(db: sqlite3.Connection, found: Integrity) -> None:
             continue                  # a file from before row checksums: its values cannot be checked
         bad = int(db.execute(sql).fetchone()[0])
         if bad:
-            found.damage.append(f"{bad} {_CRC_WORDS[table]} its checksum (bytes damaged on disk)")
+            found.damage.append(f"{bad} {_CRC_WORDS[table]} (bytes damaged on disk)")
 
 
 def _meta(db: sqlite3.Connection, found: Integrity) -> None:

@@ -183,6 +183,9 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
     _check_magic(path)   # before creating the output: a wrong input leaves nothing behind
     with atomic_output(output, overwrite=overwrite) as tmp:
         result = _import_into(path, str(tmp), port, redactor)
+        if result.problems and not result.packets:     # nothing before the damage: nothing to salvage
+            raise PcapError(f"{path} is damaged: {result.problems[0]}; no packet before the damage, nothing "
+                            f"written to {output}")
         if strict and result.problems:
             raise PcapError(f"{path} is damaged: {result.problems[0]}; nothing written to {output}: pass "
                             f"--salvage to keep the {result.packets} packets before the damage (the recording "

@@ -623,7 +623,8 @@ class Recording:
         n = len(seen)
         line = {"calls": f"{n} call(s) left out: their row failed its checksum (bytes damaged on disk)",
                 "messages": f"{n} call(s) left out: a message of theirs failed its checksum (bytes damaged on disk)",
-                "chunks": f"{n} chunk(s) left out: they failed their checksum (bytes damaged on disk)"}[table]
+                "chunks": f"{n} chunk(s) left out: they failed their checksum (bytes damaged on disk)",
+                "unreadable": f"{n} call(s) left out: their messages are on damaged pages"}[table]
         if table in self._left_out_line:
             self.problems[self._left_out_line[table]] = line
         else:
@@ -747,12 +748,18 @@ class Recording:
             rows = self._db.execute(_BATCH_MESSAGES_SQL.format(",".join("?" * len(calls))),
                                     tuple(by_id)).fetchall()
         except sqlite3.DatabaseError:
-            rows = self._salvage_messages(calls)
+            rows, unsure = self._salvage_messages(calls)
+            if unsure:                # some of their messages may be on pages the damage took
+                self._leave_out("unreadable", unsure)
+                by_id = {i: c for i, c in by_id.items() if i not in unsure}
+                calls = [c for c in calls if c.id not in unsure]
         damaged: set[int] = set()    # calls with a message that failed its checksum: left out whole
         for m in rows:
             if not self._intact("messages", m):
                 damaged.add(m["call_id"])
                 continue
+            if m["call_id"] not in by_id:
+                continue                  # a message of a call left out above
             try:
                 _ints(m, "seq", "ts_ns")
                 call = by_id[m["call_id"]]
@@ -766,23 +773,31 @@ class Recording:
         self._leave_out("messages", damaged)
         return [c for c in calls if c.id not in damaged]
 
-    def _salvage_messages(self, calls: list[Call]) -> list[sqlite3.Row]:
+    def _salvage_messages(self, calls: list[Call]) -> tuple[list[sqlite3.Row], set[int]]:
         """Messages of `calls` from a damaged file: call by call through the index (intact pages still
         count), then, for calls whose lookup hit the damage (often the index itself), one scan of the
-        table without the index, up to the damage. What could not be read is noted in `problems`."""
+        table without the index, up to the damage. Returns the rows and the calls whose messages may be
+        incomplete: those are left out, never replayed half. The writer inserts a call's messages after
+        the previous call's, and the scan reads in that order up to the damage, so a call is whole when
+        the scan got past it (it read a message of a later call)."""
         rows: list[sqlite3.Row] = []
         failed: list[int] = []
         for c in calls:
             try:
                 rows += self._db.execute(_CALL_MESSAGES_SQL, (c.id,)).fetchall()
-            except sqlite3.DatabaseError as exc:
+            except sqlite3.DatabaseError:
                 failed.append(cast(int, c.id))
-                error = exc
-        if failed:
-            self.problems.append(f"damaged message index or pages ({error}): {len(failed)} call(s)' messages "
-                                 "read by scanning the table")
-            rows += self._rows(_SCAN_MESSAGES_SQL.format(",".join("?" * len(failed))), tuple(failed))
-        return rows
+        if not failed:
+            return rows, set()
+        line = "damaged message index or pages: messages read by scanning the table"
+        if line not in self.problems:
+            self.problems.append(line)
+        self._hit_damage = False
+        scanned = list(self._rows(_SCAN_MESSAGES_SQL.format(",".join("?" * len(failed))), tuple(failed)))
+        if not self._hit_damage:
+            return rows + scanned, set()
+        reached = max((int(r["call_id"]) for r in scanned), default=None)
+        return rows + scanned, {c for c in failed if reached is None or c >= reached}
 
     def method_groups(self) -> list[MethodGroup]:
         """The groups of calls whose method is NULL in the calls table, by (flow_id, method_ref), in

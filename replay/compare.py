@@ -1,22 +1,28 @@
-"""The shadow check: replayed responses against recorded ones, by status, bytes and protobuf field.
+"""The shadow check: replayed responses against recorded ones, by status, bytes, JSON path and protobuf field.
 
     recorded Call (status, response bytes) --+
                                              +--> Comparer.compare -> ["status: 0 != 8", "confidence", ...]
     replayed SendOutcome (code, bytes) ------+        |
-                                                      v  summary(): by method {compared, mismatched, fields}
+                                                      v  summary(): by method {compared, mismatched, fields},
+                                                         calls: the first mismatched calls and where they differ
 
-Field-by-field needs the method's output type: from server reflection (`descriptors_from_reflection`)
-or from generated modules / a protoset file (`descriptors_from_modules`, `descriptors_from_file`).
-Without one, differing bytes are one mismatch, "bytes". Noisy fields are ignored by glob on their
-path ("server_latency_ns", "stages*", "*.ts_ns").
+The comparer is chosen by each call's protocol. gRPC: field by field with the method's output type,
+from server reflection (`descriptors_from_reflection`) or from generated modules / a protoset file
+(`descriptors_from_modules`, `descriptors_from_file`); without one, differing bytes are one mismatch,
+"bytes: ... at byte N". HTTP/1 and plain HTTP/2 bodies: as JSON when both sides parse as JSON (a
+difference is its path, "$.price: 10 != 11"), else byte-wise ("body: differs at byte N ...").
+Reflection is asked only when the recording holds gRPC calls: an HTTP/1 target never gets an HTTP/2
+preface. Noisy fields are ignored by glob on their path ("server_latency_ns", "stages*", "*.ts_ns",
+"items[*].id" or "items.id" for a JSON array).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import importlib
+import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -164,12 +170,74 @@ def field_diff(a: Message, b: Message, prefix: str = "") -> list[str]:
     return out
 
 
+_DIFFS_PER_CALL = 20     # what one call's mismatch lists at most (a body can differ everywhere)
+_EXAMPLES = 20           # mismatched calls kept, with where they differ, for the verdict and --json
+_VALUE_CHARS = 40        # a differing JSON value is shown up to this many characters
+_HTTP = frozenset({"http1", "http2"})
+
+
+def first_difference(a: bytes, b: bytes) -> int:
+    """The offset of the first byte where `a` and `b` differ (the shorter length if one is a prefix)."""
+    n = min(len(a), len(b))
+    lo = 0
+    step = 4096
+    while lo < n and a[lo:lo + step] == b[lo:lo + step]:   # slices compare in C: big bodies stay cheap
+        lo += step
+    hi = min(lo + step, n)
+    return next((i for i in range(lo, hi) if a[i] != b[i]), hi)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= _VALUE_CHARS else text[:_VALUE_CHARS - 3] + "..."
+
+
+def _key_path(path: str, key: str) -> str:
+    return f"{path}.{key}" if key.isidentifier() else f"{path}[{json.dumps(key)}]"
+
+
+def json_diff(want: Any, got: Any, path: str = "$") -> list[str]:
+    """Where two parsed JSON documents differ: "$.a.b[2]: 1 != 2", "$.x: missing in the replay",
+    "$.items[len]: 3 != 4". Types count (true is not 1)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out: list[str] = []
+        for key in sorted(set(want) | set(got)):
+            sub = _key_path(path, key)
+            if key not in got:
+                out.append(f"{sub}: missing in the replay")
+            elif key not in want:
+                out.append(f"{sub}: not in the recording")
+            else:
+                out += json_diff(want[key], got[key], sub)
+        return out
+    if isinstance(want, list) and isinstance(got, list):
+        out = [f"{path}[len]: {len(want)} != {len(got)}"] if len(want) != len(got) else []
+        for i, (w, g) in enumerate(zip(want, got, strict=False)):
+            out += json_diff(w, g, f"{path}[{i}]")
+        return out
+    if type(want) is not type(got) or want != got:
+        return [f"{path}: {_short(want)} != {_short(got)}"]
+    return []
+
+
+def _as_json(body: bytes) -> tuple[bool, Any]:
+    """(True, document) when `body` is a JSON document (UTF-8), else (False, None)."""
+    stripped = body.strip()
+    if not stripped or stripped[:1] not in b'{["-0123456789tfn':
+        return False, None
+    try:
+        return True, json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False, None
+
+
 class Comparer:
     """Compare each replayed call with its recording and keep a summary by method.
 
     Args:
-        descriptors: message types for field-by-field comparison, or None for bytes only.
-        ignore: glob patterns on field paths that never count ("server_latency_ns", "stages*").
+        descriptors: message types for field-by-field comparison of gRPC calls, or None for bytes only.
+        ignore: glob patterns on field paths that never count ("server_latency_ns", "stages*"), also on
+            the JSON paths of HTTP bodies (without their leading "$.").
     """
 
     def __init__(self, descriptors: Descriptors | None = None, ignore: Iterable[str] = ()) -> None:
@@ -177,10 +245,12 @@ class Comparer:
         self.ignore = tuple(ignore)
         self._by_method: dict[str, dict[str, Any]] = defaultdict(
             lambda: {"compared": 0, "mismatched": 0, "fields": Counter(), "not_comparable": 0, "why": Counter()})
+        self._examples: list[dict[str, Any]] = []
 
     def _ignored(self, path: str) -> bool:
+        path = path[2:] if path.startswith("$.") else path.lstrip("$")
         bare = path.replace("[", ".[").split(".")
-        plain = ".".join(p for p in bare if not p.startswith("["))
+        plain = ".".join(p for p in bare if p and not p.startswith("["))
         return any(fnmatch.fnmatch(path, g) or fnmatch.fnmatch(plain, g) for g in self.ignore)
 
     def compare(self, planned: PlannedCall, outcome: SendOutcome) -> list[str]:
@@ -199,40 +269,61 @@ class Comparer:
             diffs.append(f"status: {planned.expected_status} != {outcome.status}")
         elif planned.expected_responses and outcome.outcome == "ok":
             diffs += self._responses(planned, outcome.responses)
+        diffs = diffs[:_DIFFS_PER_CALL]
         entry = self._by_method[planned.method or "?"]
         entry["compared"] += 1
         entry["mismatched"] += bool(diffs)
         entry["fields"].update(d.split(":")[0] for d in diffs)
+        if diffs and len(self._examples) < _EXAMPLES:
+            self._examples.append({"index": planned.index, "call_id": planned.call_id, "flow": planned.flow_id,
+                                   "connection": planned.connection, "method": planned.method,
+                                   "protocol": planned.protocol, "diffs": diffs[:5]})
         return diffs
 
     def _responses(self, planned: PlannedCall, got: list[bytes]) -> list[str]:
         want = planned.expected_responses
         diffs = [f"responses: {len(want)} != {len(got)}"] if len(want) != len(got) else []
+        if planned.protocol in _HTTP:
+            for w, g in zip(want, got, strict=False):
+                diffs += self._body(w, g) if w != g else []
+            return diffs
         cls = self.descriptors.output_class(planned.method) if self.descriptors else None
-        for w, g in zip(want, got, strict=False):
+        for i, (w, g) in enumerate(zip(want, got, strict=False)):
             if w == g:
                 continue
             if cls is None:
-                diffs.append("bytes")
+                diffs.append(f"bytes: response {i} differs at byte {first_difference(w, g)} "
+                             f"(recorded {len(w)} bytes, replayed {len(g)})")
                 continue
             try:
                 paths = field_diff(cls.FromString(w), cls.FromString(g))
             except DecodeError:
-                diffs.append("bytes (not a valid message)")
+                diffs.append(f"bytes: response {i} is not a valid {cls.DESCRIPTOR.full_name}")
                 continue
             diffs += [p for p in paths if not self._ignored(p) and p not in diffs]
         return diffs
 
+    def _body(self, want: bytes, got: bytes) -> list[str]:
+        """An HTTP body: by JSON path when both sides are JSON (--ignore-field applies), else byte-wise."""
+        w_json, w_doc = _as_json(want)
+        g_json, g_doc = _as_json(got)
+        if w_json and g_json:
+            return [d for d in json_diff(w_doc, g_doc) if not self._ignored(d.split(":")[0])]
+        return [f"body: differs at byte {first_difference(want, got)} (recorded {len(want)} bytes, "
+                f"replayed {len(got)})"]
+
     def summary(self) -> dict[str, Any]:
         """{'total': mismatched calls, 'not_comparable': n, 'by_method': {method: {compared, mismatched,
         fields: {path: n}, not_comparable, why: {reason: n}}}}. Not comparable calls are not compared."""
-        return _summary(self._by_method)
+        return _summary(self._by_method, self._examples)
 
     @staticmethod
     def merge_summaries(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
         """Merge summaries from worker processes."""
         by: dict[str, dict[str, Any]] = {}
+        examples: list[dict[str, Any]] = []
         for part in parts:
+            examples += part.get("calls", [])
             for m, e in part.get("by_method", {}).items():
                 cur = by.setdefault(m, {"compared": 0, "mismatched": 0, "fields": Counter(), "not_comparable": 0,
                                         "why": Counter()})
@@ -241,14 +332,16 @@ class Comparer:
                 cur["fields"].update(e["fields"])
                 cur["not_comparable"] += e.get("not_comparable", 0)
                 cur["why"].update(e.get("why", {}))
-        return _summary(by)
+        return _summary(by, sorted(examples, key=lambda c: c["index"])[:_EXAMPLES])
 
 
-def _summary(by_method: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _summary(by_method: dict[str, dict[str, Any]], examples: list[dict[str, Any]]) -> dict[str, Any]:
     by = {m: {**e, "fields": dict(e["fields"].most_common()), "why": dict(e["why"].most_common())}
           for m, e in sorted(by_method.items())}
     return {"total": sum(e["mismatched"] for e in by.values()),
-            "not_comparable": sum(e["not_comparable"] for e in by.values()), "by_method": by}
+            "compared": sum(e["compared"] for e in by.values()),
+            "not_comparable": sum(e["not_comparable"] for e in by.values()), "by_method": by,
+            "calls": list(examples)}
 
 
 class CompareSpec:
@@ -263,9 +356,12 @@ class CompareSpec:
         self.source, self.ignore = source, tuple(ignore)
         self.tls, self.metadata = tls, tuple(metadata)   # for reflection: the replay's TLS and credentials
 
-    def build(self, target: str) -> Comparer:
-        """Raises CompareError when the descriptors cannot be had."""
-        if self.source == "bytes":
+    def build(self, target: str, protocols: Collection[str] | None = None) -> Comparer:
+        """The Comparer for a recording whose calls use `protocols` (None: unknown, as for a plan given
+        as calls). Reflection is asked only when they include gRPC: descriptors serve gRPC calls alone,
+        and asking means an HTTP/2 preface to the target. Raises CompareError when they cannot be had."""
+        if self.source == "bytes" or (self.source == "reflection" and protocols is not None
+                                      and "grpc" not in protocols):
             desc = None
         elif self.source == "reflection":
             desc = descriptors_from_reflection(target, tls=self.tls, metadata=self.metadata)

@@ -41,6 +41,7 @@ from replay.stats import CallResult, RunStats
 from replay.target import check_target
 
 if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
+    from capture.integrity import Integrity
     from replay.compare import Comparer, CompareSpec
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class ReplayOptions:
         server name), every sender alike; None: cleartext.
     headers: which recorded headers/metadata go out and what is added (replay.senders.headers.HeaderPolicy);
         None: the default policy (recorded end-to-end headers, no trace context, the replay marker).
+    salvage: read a damaged recording's intact part (capture.integrity) and count the calls it lost
+        as not sent, "damaged_recording" (the CLI refuses a damaged file without --salvage).
     """
 
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
@@ -96,6 +99,7 @@ class ReplayOptions:
     event_loop: str = "auto"
     tls: TlsConfig | None = None
     headers: HeaderPolicy | None = None
+    salvage: bool = False
 
 
 @dataclass(eq=False)  # identity hashing: live calls sit in a set
@@ -207,10 +211,12 @@ class ReplayRun:
         thresholds = gc.get_threshold()
         gc.set_threshold(*_GC_THRESHOLDS)
         try:
-            if isinstance(self.options.compare, CompareSpec):
-                self.options.compare = self.options.compare.build(self.target)
-            self.comparer = self.options.compare
             self._heap, self._plan = [], self._open_plan()
+            if isinstance(self.options.compare, CompareSpec):
+                # after the plan: the comparer is chosen by the recording's protocols (no reflection
+                # probe, an HTTP/2 preface, goes to a target whose recording has no gRPC call)
+                self.options.compare = self.options.compare.build(self.target, self._protocols())
+            self.comparer = self.options.compare
             self._pending = next(self._plan, None)
             # Before the clock starts, read the first lookahead (skipping to a window, reading and
             # connecting must not count as lag) and wait, briefly, for its connections to open.
@@ -236,10 +242,39 @@ class ReplayRun:
         from replay.errors import PlanError
         from replay.plan import plan_from_recording
         try:
-            self._recording, plan = plan_from_recording(self.source, self.options.schedule)
+            found = self._integrity() if self.options.salvage else None
+            self._recording, plan = plan_from_recording(self.source, self.options.schedule, salvage=found)
+            if found is not None and not found.intact:
+                self._count_lost(found)
         except RecordingError as exc:
             raise PlanError(f"cannot replay {self.source}: {exc}") from exc
         return plan
+
+    def _integrity(self) -> Integrity:
+        from capture.integrity import check
+        assert isinstance(self.source, (str, Path))
+        return check(self.source)
+
+    def _count_lost(self, found: Integrity) -> None:
+        """--salvage: the calls the damage cost, counted as not sent (damaged_recording) once per loop, by
+        the first shard only (workers each read the whole file), and said in the problems."""
+        from capture.integrity import calls_lost, loss_text
+        self.problems += [p for p in found.problems if p not in self.problems]
+        lost = calls_lost(self._recording, found)
+        if lost is None:
+            self.problems.append(f"{report_mod.DAMAGE_PREFIX}{loss_text(None)} ({found.problems[0]})")
+            return
+        self.problems.append(f"{report_mod.DAMAGE_PREFIX}{loss_text(lost)} (not sent: {report_mod.DAMAGED_RECORDING})")
+        if lost and self.options.schedule.shard[0] == 0:
+            n = lost * self.options.schedule.loop
+            self.stats.scheduled += n
+            self.stats.outcomes["not_sent"] += n
+            self.stats.not_sent[report_mod.DAMAGED_RECORDING] += n
+
+    def _protocols(self) -> frozenset[str] | None:
+        """The protocols of the recording's calls (None for a plan given as calls)."""
+        rec = getattr(self, "_recording", None)
+        return None if rec is None else rec.call_protocols()
 
     def _close_source(self) -> None:
         rec = getattr(self, "_recording", None)
@@ -573,6 +608,7 @@ class ReplayOptionFields(TypedDict, total=False):
     event_loop: str
     tls: TlsConfig | None
     headers: HeaderPolicy | None
+    salvage: bool
 
 
 def replay_to(source: str | Path | Iterable[PlannedCall], target: str, *, speed: float = 1.0,

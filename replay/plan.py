@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from capture.deferred import calls_pending, pending_message
+from capture.integrity import Integrity
 from capture.recording import Call, Recording
 from replay.errors import PlanError
 from replay.method_map import MethodMapError, parse_method_map
@@ -18,21 +19,27 @@ from replay.source import recording_calls, tcp_calls, tcp_flow_starts
 __all__ = ["MethodMapError", "estimate_total", "parse_method_map", "plan_from_recording"]
 
 
-def plan_from_recording(path: str | Path, opts: ScheduleOptions,
-                        rng: random.Random | None = None) -> tuple[Recording, Iterator[PlannedCall]]:
+def plan_from_recording(path: str | Path, opts: ScheduleOptions, rng: random.Random | None = None, *,
+                        salvage: Integrity | None = None) -> tuple[Recording, Iterator[PlannedCall]]:
     """Open `path` and return it with its lazy plan; the caller closes the recording when done.
 
-    Raises capture's RecordingError/CorruptRecordingError when the file cannot be opened, PlanError
-    when its calls are not decoded yet (`--decode later`): it would replay nothing, silently."""
-    rec = _open_decoded(path, opts)
+    salvage: the file's `capture.integrity.check` (--salvage): a damaged file is read through
+    `open_salvaged` (its intact part). Raises capture's RecordingError/CorruptRecordingError when the
+    file cannot be opened, PlanError when its calls are not decoded yet (`--decode later`): it would
+    replay nothing, silently."""
+    rec = _open_decoded(path, opts, salvage)
     return rec, build_plan(lambda: recording_calls(rec), opts, rng)
 
 
-def _open_decoded(path: str | Path, opts: ScheduleOptions | None = None) -> Recording:
+def _open_decoded(path: str | Path, opts: ScheduleOptions | None = None, salvage: Integrity | None = None) -> Recording:
     """`Recording(path)`, refusing a file whose calls are not decoded yet (`--decode later`, or a killed
     at-stop recorder): replaying it would silently send nothing. Raises PlanError naming the fix.
     The options' `method_map` (`--method-map`) names groups of calls for this reader only."""
-    rec = Recording(path)
+    if salvage is not None and not salvage.intact:
+        from capture.salvage import open_salvaged
+        rec = open_salvaged(path, wal_damaged=salvage.wal_damaged)
+    else:
+        rec = Recording(path)
     if calls_pending(rec.meta):
         rec.close()
         raise PlanError(f"cannot replay {path}: {pending_message(path, rec.meta)}")
@@ -41,12 +48,12 @@ def _open_decoded(path: str | Path, opts: ScheduleOptions | None = None) -> Reco
     return rec
 
 
-def estimate_total(path: str | Path, opts: ScheduleOptions) -> int:
+def estimate_total(path: str | Path, opts: ScheduleOptions, salvage: Integrity | None = None) -> int:
     """The number of calls the plan will hold, counted without reading messages (for progress bars).
 
     Raises PlanError for a file whose calls are not decoded yet (so `--workers` refuses it before
     starting any worker)."""
-    rec = _open_decoded(path, opts)
+    rec = _open_decoded(path, opts, salvage)
     try:
         return sum(1 for _ in build_plan(lambda: _calls_light(rec), opts))
     finally:

@@ -11,6 +11,12 @@ from typing import Any
 
 from replay.stats import RunStats, percentiles_ms, percentiles_us
 
+# --salvage: calls a damaged recording lost are not sent with this reason, and one problem line starting
+# with DAMAGE_PREFIX says how many ("an unknown number" when no count can tell).
+DAMAGED_RECORDING = "damaged_recording"
+DAMAGE_PREFIX = "recording damaged: "
+_UNKNOWN_LOSS = DAMAGE_PREFIX + "an unknown number"
+
 
 @dataclass
 class ReplayReport:
@@ -166,7 +172,9 @@ class Thresholds:
     max_p99_ms: latency p99 from the intended send time (every call sent, whatever its outcome).
     max_lag_p99_us: the replayer's own send lag p99 (how late it sent; a run above it was not faithful).
     min_ok: at least this many calls ok. None: 1 when at least one call was scheduled (a run in which
-        nothing succeeded fails); 0 turns it off."""
+        nothing succeeded fails); 0 turns it off.
+    max_mismatch_pct: with --compare, calls whose response differs from the recording in % of the
+        calls compared. None: 0, any mismatch fails (compare is a gate)."""
 
     max_error_pct: float | None = None
     max_rejected_pct: float | None = None
@@ -174,6 +182,7 @@ class Thresholds:
     max_p99_ms: float | None = None
     max_lag_p99_us: float | None = None
     min_ok: int | None = None
+    max_mismatch_pct: float | None = None
 
 
 def _pct(n: int, of: int) -> float:
@@ -215,11 +224,46 @@ def judge(rep: ReplayReport, limits: Thresholds) -> ReplayReport:
     if min_ok:
         checks.append(_check("min_ok", min_ok, rep.ok, "calls", f"{rep.ok} ok of {scheduled} scheduled",
                              at_least=True))
+    if rep.mismatches:   # --compare ran: a gate, any mismatch fails unless --max-mismatch-pct allows it
+        checks.append(_mismatch_check(rep.mismatches, limits.max_mismatch_pct))
     rep.thresholds = checks
-    rep.failures = ([] if rep.invariant_ok else [_invariant_failure(rep)]) \
+    rep.failures = ([] if rep.invariant_ok else [_invariant_failure(rep)]) + _damage_failure(rep, limits) \
         + [_failure(rep, c) for c in checks if not c["passed"]]
     rep.passed = not rep.failures
     return rep
+
+
+def _damage_failure(rep: ReplayReport, limits: Thresholds) -> list[str]:
+    """A --salvage run that lost calls to a damaged recording fails unless --max-not-sent-pct says how
+    many calls not sent (these included) are acceptable: lost calls are never silently absent."""
+    lost = rep.not_sent_reasons.get(DAMAGED_RECORDING, 0)
+    unknown = any(p.startswith(_UNKNOWN_LOSS) for p in rep.problems)
+    if not (lost or unknown) or limits.max_not_sent_pct is not None:
+        return []
+    what = "an unknown number of calls" if unknown else f"{lost} call{'' if lost == 1 else 's'}"
+    return [f"{DAMAGE_PREFIX}{what} lost to damage (not sent: {DAMAGED_RECORDING}); pass --max-not-sent-pct P "
+            "to accept that loss"]
+
+
+_SHOWN_MISMATCHES = 3
+
+
+def mismatch_where(call: dict[str, Any]) -> str:
+    """"call 5 (flow 1, POST /orders/5): $.price: 10 != 11; status: 200 != 500" for one mismatched call."""
+    flow = f"flow {call['flow']}, " if call.get("flow") is not None else ""
+    return f"call {call['index']} ({flow}{call.get('method') or '?'}): {'; '.join(call['diffs'])}"
+
+
+def _mismatch_check(mismatches: dict[str, Any], limit: float | None) -> dict[str, Any]:
+    by = mismatches.get("by_method", {})
+    compared = mismatches.get("compared", sum(e.get("compared", 0) for e in by.values()))
+    differ = int(mismatches.get("total", 0))
+    detail = f"{differ} of {compared} compared calls differ from the recording"
+    calls = mismatches.get("calls", [])
+    if calls:
+        more = f"; and {differ - _SHOWN_MISMATCHES} more" if differ > _SHOWN_MISMATCHES else ""
+        detail += ": " + " | ".join(mismatch_where(c) for c in calls[:_SHOWN_MISMATCHES]) + more
+    return _check("max_mismatch_pct", 0.0 if limit is None else limit, _pct(differ, compared), "%", detail)
 
 
 def _failure(rep: ReplayReport, c: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from replay.report import ReplayReport, error_lines, threshold_line
+from replay.report import ReplayReport, error_lines, mismatch_where, threshold_line
 from replay.stats import RunStats, percentiles_ms, percentiles_us
 
 
@@ -48,6 +48,7 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
         rows += [(f"worker {w['worker']}", worker_line(w)) for w in rep.workers]
     if rep.mismatches:
         rows.append(("mismatches", str(rep.mismatches.get("total", 0))))
+        rows += [("mismatch", mismatch_where(c)) for c in rep.mismatches.get("calls", [])[:_MISMATCH_ROWS]]
         if rep.mismatches.get("not_comparable"):   # recorded calls damaged or without a status: not compared
             rows.append(("not comparable", str(rep.mismatches["not_comparable"])))
     rows += [("problem", p) for p in rep.problems]
@@ -55,6 +56,9 @@ def summary_rows(rep: ReplayReport) -> list[tuple[str, str]]:
     if rep.passed is not None:  # judged (replay.report.judge)
         rows.append(("verdict", "passed" if rep.passed else "FAILED: " + "; ".join(rep.failures)))
     return rows
+
+
+_MISMATCH_ROWS = 5   # mismatched calls the summary lists (--json has up to 20)
 
 
 def worker_line(w: dict[str, Any]) -> str:
@@ -69,7 +73,7 @@ def summary_table(rep: ReplayReport) -> Table:
     table.add_column("metric")
     table.add_column("value", overflow="fold")
     for label, value in summary_rows(rep):
-        failed = (label == "invariant" and not rep.invariant_ok) or label in ("problem", "error") \
+        failed = (label == "invariant" and not rep.invariant_ok) or label in ("problem", "error", "mismatch") \
             or (label in ("threshold", "verdict") and value.startswith("FAILED"))
         style = "red" if failed else "green" if label == "verdict" else None
         table.add_row(label, value, style=style)
