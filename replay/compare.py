@@ -12,8 +12,8 @@ from server reflection (`descriptors_from_reflection`) or from generated modules
 "bytes: ... at byte N". HTTP/1 and plain HTTP/2 bodies: as JSON when both sides parse as JSON (a
 difference is its path, "$.price: 10 != 11"), else byte-wise ("body: differs at byte N ...").
 Reflection is asked only when the recording holds gRPC calls: an HTTP/1 target never gets an HTTP/2
-preface. Noisy fields are ignored by glob on their path ("server_latency_ns", "stages*", "*.ts_ns",
-"items[*].id" or "items.id" for a JSON array).
+preface. Noisy fields are ignored by glob on their path ("server_latency_ns", "stages*", "*.ts_ns"; for
+JSON "items.id" is the id of every element of items).
 """
 
 from __future__ import annotations
