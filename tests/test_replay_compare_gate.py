@@ -133,3 +133,30 @@ def test_json_diff_and_first_difference() -> None:
     big = bytes(100_000)
     assert first_difference(big, big[:-1] + b"\x01") == 99_999
     assert first_difference(b"abc", b"abcd") == 3 and first_difference(b"", b"x") == 0
+
+
+def test_plain_http2_calls_are_compared_as_bodies_without_asking_for_reflection() -> None:
+    """A recording of plain HTTP/2 calls: no reflection (the closed port would fail it), bodies by JSON path."""
+    from replay.compare import CompareSpec
+    from replay.schedule import PlannedCall
+    from replay.senders import SendOutcome
+
+    comparer = CompareSpec("reflection").build("127.0.0.1:1", frozenset({"http2"}))
+    assert comparer.descriptors is None
+    planned = PlannedCall(index=4, due_ns=0, connection="f2", protocol="http2", method="POST /api/quote",
+                          kind="request", messages=[], flow_id=2, expected_status=200,
+                          expected_responses=[b'{"quote": {"price": 10}}'])
+    assert comparer.compare(planned, SendOutcome("ok", "OK", 200, [b'{"quote": {"price": 12}}'])) == [
+        "$.quote.price: 10 != 12"]
+    assert comparer.compare(planned, SendOutcome("error", "HTTP_500", 500, [b"oops"])) == ["status: 200 != 500"]
+    assert comparer.summary()["calls"][0] == {"index": 4, "call_id": None, "flow": 2, "connection": "f2",
+                                              "method": "POST /api/quote", "protocol": "http2",
+                                              "diffs": ["$.quote.price: 10 != 12"]}
+
+
+def test_workers_merge_the_mismatched_calls_in_plan_order(orders: Path) -> None:
+    with JsonTarget(change=_cheaper_every_third) as target:
+        res, report = _replay(orders, target.address, "--workers", "2")
+    assert res.exit_code == 1, res.output
+    assert [c["index"] for c in report["mismatches"]["calls"]] == [0, 3, 6, 9]
+    assert report["mismatches"]["total"] == 4 and report["mismatches"]["compared"] == CALLS
