@@ -36,6 +36,7 @@ from typing import Any, Protocol, cast
 
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
+from capture.ebpf.streams import Streams
 from capture.errors import CaptureError, PrivilegeError
 from capture.recording import Direction, Flow
 from capture.sink import FlowSink
@@ -76,7 +77,8 @@ class _Bcc(Protocol):
 class SockInfo(ctypes.Structure):
     _fields_ = [("family", ctypes.c_uint8), ("is_server", ctypes.c_uint8), ("lport", ctypes.c_uint16),
                 ("rport", ctypes.c_uint16), ("peer_unknown", ctypes.c_uint8), ("pad", ctypes.c_uint8),
-                ("laddr", ctypes.c_uint8 * 16), ("raddr", ctypes.c_uint8 * 16), ("opened_ns", ctypes.c_uint64)]
+                ("laddr", ctypes.c_uint8 * 16), ("raddr", ctypes.c_uint8 * 16), ("opened_ns", ctypes.c_uint64),
+                ("rd", ctypes.c_uint64), ("wr", ctypes.c_uint64)]
 
 
 class Listener(ctypes.Structure):
@@ -94,7 +96,7 @@ class _Held:
 
 
 class EvHdr(ctypes.Structure):
-    _fields_ = [("ts_ns", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("fd", ctypes.c_uint32),
+    _fields_ = [("ts_ns", ctypes.c_uint64), ("pos", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("fd", ctypes.c_uint32),
                 ("len", ctypes.c_uint32), ("total", ctypes.c_uint32), ("offset", ctypes.c_uint32),
                 ("type", ctypes.c_uint8), ("is_write", ctypes.c_uint8), ("truncated", ctypes.c_uint8),
                 ("discarded", ctypes.c_uint8), ("si", SockInfo), ("comm", ctypes.c_char * 16)]
@@ -104,7 +106,7 @@ HDR_SIZE = ctypes.sizeof(EvHdr)
 _DISCARDED_AT = EvHdr.discarded.offset
 # The leading fields of EvHdr (ts_ns .. is_write): struct reads them from a record's bytes in one call,
 # where a ctypes copy of the whole header cost more than everything else done per DATA record.
-_HDR_HEAD = struct.Struct("<QIIIIIBB")
+_HDR_HEAD = struct.Struct("<QQIIIIIBB")
 
 
 def _no_marks(ts_ns: int) -> None:
@@ -226,7 +228,6 @@ class EbpfBackend:
         self._ready = threading.Event()
         self._drained = threading.Event()
         self._user_lost = 0
-        self._pending: dict[tuple, list] = {}    # ((tgid, fd), direction) -> one syscall's bytes
         chunk = chunk_size(options.max_bytes)
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
@@ -265,6 +266,7 @@ class EbpfBackend:
 
     def start(self, sink: FlowSink) -> None:
         self.sink = sink
+        self._streams = Streams(sink, self._max_bytes)
         self._caught_up: Callable[[int], None] = getattr(sink, "caught_up", _no_marks)
         self.bpf = b = self._load()
         self._sync_tgids()
@@ -362,7 +364,7 @@ class EbpfBackend:
             self._ready.wait(1.0)   # the poller wakes us when there is work: no idle ticking
             self._ready.clear()
             self._process_queue()
-            self._flush_pending()
+            self._streams.flush()
             if time.monotonic() - last >= 1.0:
                 last = time.monotonic()
                 self._report_counters()
@@ -389,25 +391,21 @@ class EbpfBackend:
         return 0
 
     def _handle(self, raw: bytes, as_key: tuple[int, ...] | None = None) -> None:
-        ts_ns, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
+        ts_ns, pos, tgid, fd, length, total, offset, etype, is_write = _HDR_HEAD.unpack_from(raw)
         key: tuple[int, ...] = as_key or (tgid, fd)
         if etype == EV_DATA:
             if self._held and as_key is None and (held := self._held.get((tgid, fd))) is not None:
                 held.records.append(raw)
                 return
             direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
-            payload = raw[HDR_SIZE:HDR_SIZE + length]
-            if offset == 0 and length == total and not self._pending:
-                assert self.sink is not None
-                self.sink.data(key, direction, ts_ns, payload)   # a whole syscall in one record: the usual case
-            elif length == 0 and raw[_DISCARDED_AT]:
-                how = raw[_DISCARDED_AT]
-                if how == NC_TRUNC:
-                    self._discarded(key, direction, total)
-                else:
-                    self._not_captured(key, direction, ts_ns, total, NOT_CAPTURED_HOW.get(how, "zero-copy"))
+            if offset == 0 and length == total:
+                if length:   # a whole syscall in one record: the usual case
+                    self._streams.whole(key, direction, ts_ns, pos, raw[HDR_SIZE:HDR_SIZE + length])
+                    return
+            if length == 0 and raw[_DISCARDED_AT]:
+                self._length_only(key, direction, ts_ns, pos, total, raw[_DISCARDED_AT])
             else:
-                self._data(key, direction, ts_ns, offset, total, payload)
+                self._streams.piece(key, direction, ts_ns, pos, offset, total, raw[HDR_SIZE:HDR_SIZE + length])
         elif etype == EV_OPEN:
             self._open((tgid, fd), EvHdr.from_buffer_copy(raw[:HDR_SIZE]))
         elif etype == EV_CLOSE:
@@ -415,13 +413,30 @@ class EbpfBackend:
             if h.si.opened_ns and as_key is None:
                 self._close_accepted((tgid, fd), h)
                 return
-            self._close(key, ts_ns)
+            self._close(key, ts_ns, h.si)
         elif etype == EV_LISTENER:
             self._unknown_listener(tgid, fd, total)
 
-    def _close(self, key: tuple[int, ...], ts_ns: int | None) -> None:
-        for d in ("c2s", "s2c"):
-            self._flush_pending((key, d), force=True)
+    def _length_only(self, key: tuple[int, ...], direction: Direction, ts_ns: int, pos: int, nbytes: int,
+                     how: int) -> None:
+        """A syscall whose bytes were not copied: dropped unread by the application (MSG_TRUNC: a
+        gap, counted), moved by sendfile/splice (not captured: length and time), or TLS ciphertext
+        (the TLS joiner counts it). After whatever syscall of this direction is being reassembled."""
+        assert self.sink is not None
+        self._streams.length_only(key, direction, pos, nbytes)
+        if how == NC_TRUNC:
+            self.sink.discarded(key, direction, nbytes)
+        else:
+            self.sink.not_captured(key, direction, ts_ns, nbytes, NOT_CAPTURED_HOW.get(how, "zero-copy"))
+
+    def _close(self, key: tuple[int, ...], ts_ns: int | None, si: SockInfo | None = None) -> None:
+        """A flow ends: its pending syscalls, a gap for bytes lost after its last record (the
+        CLOSE's final positions, when it has them), then the sink's close."""
+        final: dict[Direction, int] | None = None
+        if si is not None and (si.rd or si.wr):
+            final = {"c2s": int(si.rd), "s2c": int(si.wr)} if self._server_side else \
+                {"c2s": int(si.wr), "s2c": int(si.rd)}
+        self._streams.close(key, final)
         assert self.sink is not None
         self.sink.close_flow(key, ts_ns)
 
@@ -493,7 +508,7 @@ class EbpfBackend:
             self._release(held, h.si, h.ts_ns)
         elif self._instances.get(key) == opened:
             del self._instances[key]
-            self._close(key, h.ts_ns)
+            self._close(key, h.ts_ns, h.si)
         # else: its fd's next flow opened first and the sink closed this one then
 
     def _release(self, held: _Held, si: SockInfo | None, closed_ns: int | None) -> None:
@@ -509,7 +524,7 @@ class EbpfBackend:
         self._start(key, h, client, server)
         for raw in held.records:
             self._handle(raw, key)
-        self._close(key, closed_ns)
+        self._close(key, closed_ns, si)
 
     def _unknown_listener(self, tgid: int, lfd: int, fd: int) -> None:
         """An accept with no address on a listener the program did not know: look the listener up
@@ -543,51 +558,6 @@ class EbpfBackend:
         self.sink.open_flow((tgid, fd), Flow(src=remote, dst=local, pid=tgid, comm=_comm(tgid),
                                              opened_ns=time.monotonic_ns(), joined_midstream=True))
 
-    def _data(self, key: tuple[int, ...], direction: Direction, ts_ns: int, offset: int, total: int,
-              payload: bytes) -> None:
-        """Reassemble one syscall's records (they may interleave with other CPUs' records)."""
-        pkey = (key, direction)
-        pending = self._pending.get(pkey)
-        if offset == 0 or pending is None or pending[0] != ts_ns:
-            self._flush_pending(pkey, force=True)
-            expected = min(total, self._max_bytes)
-            pending = self._pending[pkey] = [ts_ns, bytearray(), expected, total, time.monotonic()]
-        pending[1] += payload
-        if len(pending[1]) >= pending[2]:
-            self._flush_pending(pkey)
-
-    def _discarded(self, key: tuple[int, ...], direction: Direction, nbytes: int) -> None:
-        """A recv with MSG_TRUNC: the kernel dropped `nbytes` the application never saw. A gap of
-        that length, after whatever syscall of this direction is still being reassembled."""
-        self._flush_pending((key, direction), force=True)
-        assert self.sink is not None
-        self.sink.discarded(key, direction, nbytes)
-
-    def _not_captured(self, key: tuple[int, ...], direction: Direction, ts_ns: int, nbytes: int, how: str) -> None:
-        """sendfile/splice moved `nbytes` the program cannot read: their length and time, after
-        whatever syscall of this direction is still being reassembled."""
-        self._flush_pending((key, direction), force=True)
-        assert self.sink is not None
-        self.sink.not_captured(key, direction, ts_ns, nbytes, how)
-
-    def _flush_pending(self, pkey: tuple | None = None, force: bool = False) -> None:
-        """Hand finished syscalls to the sink. A syscall whose records are still arriving waits
-        (at most a second) unless `force`: flushing it early would look like truncation."""
-        assert self.sink is not None
-        keys = [pkey] if pkey is not None else list(self._pending)
-        now = time.monotonic()
-        for k in keys:
-            p = self._pending.get(k)
-            if p is None or (len(p[1]) < p[2] and not force and now - p[4] < 1.0):
-                continue
-            del self._pending[k]
-            (key, direction) = k
-            self.sink.data(key, direction, p[0], bytes(p[1]))
-            if len(p[1]) < p[3]:
-                # Truncated (over --max-bytes, or more iovecs than walked): the stream has a hole,
-                # which the decoders are told about so they resynchronise instead of misparsing.
-                self.sink.gap(key, direction, p[3] - len(p[1]))
-
     def _counter(self, name: str) -> int:
         table = self._table(name.encode())
         return int(sum(table[ctypes.c_int(0)]))
@@ -611,7 +581,7 @@ class EbpfBackend:
         if self._worker:
             self._worker.join(timeout=60)
         self._process_queue()
-        self._flush_pending(force=True)
+        self._streams.flush(force=True)
         # flows still waiting for a CLOSE that never came: recorded, with their peer unknown
         for held in [*self._held.values(), *self._orphans.values()]:
             self._release(held, None, None)

@@ -32,6 +32,11 @@
  *   close on socks --> CLOSE event;  ring buffer full --> lost[cpu]++
  *   any of them on tls_socks (set by tls.bpf.c) --> a DATA header with the length only (NC_TLS)
  *
+ * Positions: socks[] counts the bytes each direction has moved (every syscall that moved any, its
+ * record sent or not), each DATA record says where its syscall's bytes start, and the CLOSE record
+ * carries the final counts. A full ring therefore never loses bytes silently: user space sees the
+ * jump and records a gap of exactly that size there (capture/ebpf/streams.py).
+ *
  * Receive flags (recvfrom, recvmsg; read/readv have none; recvmmsg is not traced): a read is data
  * the application received only if it consumed bytes into its buffer. MSG_PEEK (with or without
  * MSG_TRUNC) consumes nothing: the same bytes come again in a later read, so a peek is not
@@ -96,10 +101,13 @@ struct sock_info {            /* one traced socket */
     u8 laddr[16];
     u8 raddr[16];
     u64 opened_ns;            /* peer_unknown sockets: identity of this accept (its fd may be reused) */
+    u64 rd;                   /* bytes read so far (every syscall that moved any, copied or not) */
+    u64 wr;                   /* bytes written so far */
 };
 
 struct ev_hdr {               /* every ring-buffer record starts with this */
     u64 ts_ns;
+    u64 pos;                  /* DATA: position of the syscall's first byte in its direction's stream */
     u32 tgid;
     u32 fd;
     u32 len;                  /* payload bytes in this record */
@@ -109,7 +117,7 @@ struct ev_hdr {               /* every ring-buffer record starts with this */
     u8 is_write;              /* DATA: 1 write-family, 0 read-family */
     u8 truncated;             /* DATA: the syscall moved more than MAX_BYTES */
     u8 discarded;             /* DATA: no payload for `total` bytes: NC_TRUNC, NC_SENDFILE, NC_SPLICE */
-    struct sock_info si;      /* OPEN */
+    struct sock_info si;      /* OPEN; CLOSE: the final positions (and the peer, if learnt) */
     char comm[16];
 };
 
@@ -442,9 +450,11 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
         socks.delete(&sk);
         return 0;
     }
-    socks.delete(&sk);
     int zero = 0;
     struct ev_buf *b = new_event(tgid, (u32)args->fd, EV_CLOSE);
+    if (b)
+        __builtin_memcpy(&b->h.si, si, sizeof(*si));   /* the final positions: bytes lost at the end */
+    socks.delete(&sk);
     if (!b)
         return 0;
     if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
@@ -490,8 +500,12 @@ TRACEPOINT_PROBE(syscalls, sys_exit_shutdown) {
     if (c->learnt) {
         u64 sk = sock_key(id >> 32, c->fd);
         struct sock_info *si = socks.lookup(&sk);
-        if (si && si->opened_ns == c->si.opened_ns)
+        if (si && si->opened_ns == c->si.opened_ns) {
+            u64 rd = si->rd, wr = si->wr;            /* moved on meanwhile, maybe: keep them */
             __builtin_memcpy(si, &c->si, sizeof(*si));
+            si->rd = rd;
+            si->wr = wr;
+        }
     }
     closing.delete(&id);
     return 0;
@@ -660,15 +674,23 @@ static __always_inline int io_exit(long ret, const int vec) {
     if (ret <= 0)
         return 0;
     int zero = 0;
+    u64 sk = sock_key(id >> 32, io.fd);
+    struct sock_info *si = socks.lookup(&sk);
+    if (!si)
+        return 0;                        /* closed by another thread meanwhile */
+    u8 is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG
+                   || io.kind == K_SENDFILE || io.kind == K_SPLICE_OUT);
+    /* Counted whether or not a record makes it into the ring: user space sees exactly which bytes
+     * a full ring lost, and records them as a gap there (an atomic add: threads may share a socket). */
+    u64 pos = __sync_fetch_and_add(is_write ? &si->wr : &si->rd, (u64)ret);
     struct ev_buf *b = new_event(id >> 32, io.fd, EV_DATA);
     if (!b)
         return 0;
     b->h.total = ret;
-    u64 sk = sock_key(id >> 32, io.fd);
+    b->h.pos = pos;
+    b->h.is_write = is_write;
     if (tls_socks.lookup(&sk)) {         /* ciphertext whose plaintext the TLS program records */
         b->h.discarded = NC_TLS;
-        b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG
-                         || io.kind == K_SENDFILE || io.kind == K_SPLICE_OUT);
         if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
             count(lost.lookup(&zero));
         return 0;
@@ -681,12 +703,10 @@ static __always_inline int io_exit(long ret, const int vec) {
     }
     if (io.kind >= K_SENDFILE) {         /* zero-copy: no buffer to read, the length and time only */
         b->h.discarded = io.kind == K_SENDFILE ? NC_SENDFILE : NC_SPLICE;
-        b->h.is_write = io.kind != K_SPLICE_IN;
         if (events.ringbuf_output(&b->h, sizeof(b->h), BPF_RB_NO_WAKEUP))
             count(lost.lookup(&zero));
         return 0;
     }
-    b->h.is_write = (io.kind == K_WRITE || io.kind == K_WRITEV || io.kind == K_SENDMSG);
     u32 want = ret;
     if (want > MAX_BYTES) {
         want = MAX_BYTES;
