@@ -49,13 +49,21 @@ CREDENTIAL_ENDS = ("token", "apikey", "accesskey", "privatekey", "secretkey", "s
 NOT_CREDENTIAL_ENDS = ("pagetoken", "nexttoken", "continuationtoken", "synctoken", "resumetoken")
 _NORMALISE = str.maketrans("", "", "-_. ")
 NAME_CAP = 256                       # longer names are not credential names (and are not kept)
+# Every credential name holds one of these words as written (case aside): the JSON scanner skims past
+# text without one at C speed (searched in lower-cased text: an IGNORECASE search is ten times
+# slower). A backslash is one too: an escaped key is read in full.
+_HINT_WORDS = ("pass", "pwd", "secret", "token", "auth", "credential", "cookie", "key", "session", "sid", "sig")
+_HINT = re.compile("|".join(_HINT_WORDS).encode() + rb"|\\")
 
 
 @functools.lru_cache(maxsize=4096)
 def is_credential_name(name: str) -> bool:
     """True when a query/form/JSON field called `name` holds a credential (see the lists above).
     Bracketed form names (`user[password]`) count by their last part."""
-    n = name.lower().translate(_NORMALISE)
+    low = name.lower()
+    if not any(w in low for w in _HINT_WORDS):
+        return False                 # what the skim relies on (and "to_ken" is no credential spelling)
+    n = low.translate(_NORMALISE)
     if "[" in n:
         n = n.replace("]", "").rsplit("[", 1)[-1]
     return (n in CREDENTIAL_NAMES or any(p in n for p in CREDENTIAL_PARTS)
@@ -65,6 +73,11 @@ def is_credential_name(name: str) -> bool:
 def form_name(raw: bytes) -> str:
     """A query/form name as the application reads it: '+' is a space, %XX its byte."""
     return unquote_to_bytes(raw.replace(b"+", b" ")).decode("utf-8", "replace")
+
+
+@functools.lru_cache(maxsize=4096)
+def _credential_param(raw_name: bytes) -> bool:
+    return is_credential_name(form_name(raw_name))
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class FieldPolicy:
         return self.names or bool(self.paths)
 
     def param(self, raw_name: bytes) -> bool:
-        return self.names and is_credential_name(form_name(raw_name))
+        return self.names and _credential_param(raw_name)
 
     def key(self, path: tuple[str, ...], name: str) -> bool:
         return (self.names and is_credential_name(name)) or (bool(self.paths) and path in self.paths)
@@ -149,6 +162,11 @@ def query_spans(target: bytes | bytearray, secret: Callable[[bytes], bool], star
 _STRUCT = re.compile(rb'["{}\[\],:]')
 _STRUCT_OR_SCALAR = re.compile(rb'["{}\[\],:]|[^\s"{}\[\],:]+')
 _STRING_RUN = re.compile(rb'[^"\\]*')
+_REST_OF_STRING = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"')     # to the closing quote, escapes and all
+_KEY_COLON = re.compile(rb"[ \t\r\n]*:")
+_BEFORE_VALUE = re.compile(rb"[ \t\r\n]*:?[ \t\r\n]*")
+# After a key whose value no one masks: its colon, a string or bare value, and a comma, in one step
+_PLAIN_VALUE = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*(?:"[^"\\]*(?:\\.[^"\\]*)*"|[^\s"{}\[\],:]+)[ \t\r\n]*(,?)')
 _SCALAR_RUN = re.compile(rb'[^\s"{}\[\],:]*')
 _NOT_SPACE = re.compile(rb"[^ \t\r\n]")
 _QUOTE, _BACKSLASH, _LBRACE, _RBRACE, _LBRACKET, _RBRACKET, _COMMA, _COLON = b'"\\{}[],:'
@@ -182,7 +200,7 @@ class JsonScanner:
         self.key_path: tuple[str, ...] = ()
         self.in_string = False
         self.string_from = 0               # where the string's content starts (whole bodies only)
-        self.string_key = False
+        self.string_key: bool | None = False
         self.string_secret = False
         self.escape = False
         self.key: bytearray | None = None
@@ -191,8 +209,16 @@ class JsonScanner:
         self.started = False               # inside a top-level value
         self.dead = False
         self.kinds: list[bool] | None = None if subtree else []     # for --set-field (whole bodies only)
+        # Credential names only (the default rule): no structure is kept outside secret values; the
+        # scanner skims from one credential-looking key to the next (_skim). Paths need the structure.
+        self.skim = subtree and not policy.paths
+        self.pending_key: bytes | None = None    # skim: a string ended the last piece; a key if ':' follows
+        self.low: bytes | bytearray = b""        # skim: the piece being fed, lower-cased, from low_at on
+        self.low_at = 0
 
     def feed(self, data: bytes | bytearray, pos: int, end: int, spans: list[Span]) -> None:
+        if self.skim:
+            self.low, self.low_at = data[pos:end].lower(), pos     # where _skim looks for hints
         while pos < end and not self.dead:
             if self.in_string:
                 pos = self._string(data, pos, end, spans)
@@ -212,8 +238,81 @@ class JsonScanner:
                     self.dead = True                 # not an object or array: nothing to look up
                     return
                 self.started = True
+            elif self.skim and not self.stack:
+                pos = self._skim(data, pos, end, spans)
             else:
                 pos = self._token(data, pos, end, spans)
+
+    # ---- skimming (credential names only) -----------------------------------------------------
+    def _skim(self, data: bytes | bytearray, pos: int, end: int, spans: list[Span]) -> int:
+        """Outside secret values: jump to the next hint of a credential name (_HINT), and look only
+        at the string holding it (whether one is open there: the parity of the quotes before it)."""
+        if self.pending_key is not None:
+            m = _NOT_SPACE.search(data, pos, end)
+            if m is None:
+                return end
+            raw, self.pending_key = self.pending_key, None
+            if data[m.start()] == _COLON:
+                self._key_done(raw)
+            return m.start()
+        if self.value_secret:
+            return self._secret_value(data, pos, end, spans)
+        hint = _HINT.search(self.low, pos - self.low_at, end - self.low_at)
+        limit = end if hint is None else hint.start() + self.low_at
+        # No backslash before `limit` (it is a hint): quotes there open and close strings in turn.
+        if not data.count(b'"', pos, limit) % 2:
+            return end if hint is None else limit + 1      # no string open at `limit`
+        quote = data.rfind(b'"', pos, limit)
+        whole = _REST_OF_STRING.match(data, quote + 1, end)
+        if whole is None:                     # a string that goes on in the next piece: a key, maybe
+            self._open_string(quote + 1, None, False)
+            return quote + 1
+        return self._string_closed(data, bytes(data[quote + 1:whole.end() - 1]), whole.end(), end)
+
+    def _string_closed(self, data: bytes | bytearray, raw: bytes | None, after: int, end: int) -> int:
+        """Skim: a string just closed (its bytes `raw`, None when too long); a key when ':' follows."""
+        colon = _KEY_COLON.match(data, after, end)
+        if colon is not None:
+            self._key_done(raw if raw is not None and len(raw) <= NAME_CAP else None)
+            return colon.end()
+        if _NOT_SPACE.search(data, after, end) is None and raw is not None and len(raw) <= NAME_CAP:
+            self.pending_key = raw            # blanks to the end of the piece: the ':' may come next
+        return after
+
+    def _secret_value(self, data: bytes | bytearray, pos: int, end: int, spans: list[Span]) -> int:
+        """Skim: the value of a credential key, masked whole (an object or array by the token path)."""
+        pos = _BEFORE_VALUE.match(data, pos, end).end()  # type: ignore[union-attr]
+        if pos == end:
+            return end
+        self.value_secret = False
+        c = data[pos]
+        if c == _QUOTE:
+            whole = _REST_OF_STRING.match(data, pos + 1, end)
+            if whole is None:
+                self._open_string(pos + 1, False, True)
+                return pos + 1
+            self._span(spans, pos + 1, whole.end() - 1, True)
+            return whole.end()
+        if c in (_LBRACE, _LBRACKET):
+            self._push(c == _LBRACE, True)
+            return pos + 1
+        m = _SCALAR_RUN.match(data, pos, end)
+        assert m is not None
+        if m.end() == pos:
+            return pos + 1                    # a stray ',' or bracket: not a value
+        self.scalar_masked = c not in _LITERAL_START
+        if self.scalar_masked:
+            self._span(spans, pos, m.end(), False)
+        self.in_scalar = m.end() == end
+        return m.end()
+
+    def _open_string(self, start: int, key: bool | None, secret: bool) -> None:
+        """A string that goes on in the next piece. key: True, False, or None (skim: not known yet)."""
+        self.in_string = True
+        self.string_key = key
+        self.string_secret = secret
+        self.string_from = start
+        self.key = bytearray() if key is not False else None
 
     def _span(self, spans: list[Span], s: int, e: int, string: bool) -> None:
         if e > s:
@@ -235,18 +334,32 @@ class JsonScanner:
             return end
         c = data[m.start()]
         if c == _QUOTE:
-            self.in_string = True
-            self.string_key = self.expect_key and bool(self.stack) and self.stack[-1].is_object
-            self.string_secret = not self.string_key and secret
-            self.string_from = m.end()
-            self.key = bytearray() if self.string_key else None
+            start = m.end()
+            is_key = self.expect_key and bool(self.stack) and self.stack[-1].is_object
+            whole = _REST_OF_STRING.match(data, start, end)
+            if whole is not None:                    # the usual case: the whole string is here
+                close = whole.end() - 1
+                if is_key:
+                    self._key_done(bytes(data[start:close]) if close - start <= NAME_CAP else None)
+                    if not self.value_secret:        # most keys: skip their value too when it is simple
+                        plain = _PLAIN_VALUE.match(data, whole.end(), end)
+                        if plain is not None:
+                            self.expect_key = bool(plain.group(1))
+                            return plain.end()
+                elif secret and (close > start or self.kinds is not None):
+                    spans.append((start, close))
+                    if self.kinds is not None:
+                        self.kinds.append(True)
+                return whole.end()
+            self._open_string(start, is_key, not is_key and secret)   # it goes on in the next piece
         elif c in (_LBRACE, _LBRACKET):
             self._push(c == _LBRACE, secret)
         elif c in (_RBRACE, _RBRACKET):
             if self.stack:
                 self.stack.pop()
             self.expect_key = False
-            self.started = bool(self.stack)          # a top-level value ended (NDJSON: another may follow)
+            # a top-level value ended (NDJSON: another may follow); skimming, a secret value did
+            self.started = bool(self.stack) or self.skim
         elif c == _COMMA:
             self.expect_key = bool(self.stack) and self.stack[-1].is_object
         elif c == _COLON:
@@ -291,8 +404,12 @@ class JsonScanner:
             self._key_add(data, e, e + 1)
             return e + 1
         self.in_string = False                       # the closing quote
+        if self.string_key is None:                  # skim: a key if ':' follows
+            raw, self.key = self.key, None
+            return self._string_closed(data, bytes(raw) if raw is not None else None, e + 1, end)
         if self.string_key:
-            self._key_done()
+            raw, self.key = self.key, None
+            self._key_done(bytes(raw) if raw is not None else None)
         elif self.string_secret and self.kinds is not None:
             spans.append((self.string_from, e))
             self.kinds.append(True)
@@ -304,10 +421,10 @@ class JsonScanner:
             if len(self.key) > NAME_CAP:
                 self.key = None                      # too long for a name: never secret by name
 
-    def _key_done(self) -> None:
-        raw, self.key = self.key, None
-        top = self.stack[-1]
-        name = _key_text(bytes(raw)) if raw is not None else None
+    def _key_done(self, raw: bytes | None) -> None:
+        """A key ended (`raw`: its bytes as written, None when too long for a name)."""
+        top = self.stack[-1] if self.stack else _Frame(True, (), False)      # skimming: no frames kept
+        name = _key_text(raw) if raw is not None else None
         # a name too long to keep is in no json-field path ("\0" is in none either)
         self.key_path = top.path + (name if name is not None else "\0",) if self.policy.paths else ()
         self.value_secret = (top.secret or (name is not None and self.policy.key(self.key_path, name)))

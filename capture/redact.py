@@ -17,13 +17,14 @@ DATA frames) for replay and export.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from capture.errors import CaptureError
-from capture.fields import FieldPolicy, body_kind, mask_body, mask_target
+from capture.fields import FORM, FieldPolicy, body_kind, mask_body, mask_target
 from capture.recording import Call, Message
 
 MASK = "<redacted>"
@@ -115,6 +116,8 @@ def mask_call_fields(call: Call, policy: FieldPolicy) -> bool:
         if not msgs:
             continue
         kind = _body_kind(meta)
+        if kind is None or (kind == FORM and not policy.names):
+            continue                      # most bodies (text, HTML, images): nothing to read
         out = []
         for m in msgs:
             data = m.data if m.compressed else mask_body(m.data, kind, policy)
@@ -137,8 +140,13 @@ def _map_messages(call: Call, fn: Callable[[bytes], bytes]) -> bool:
 
 
 def _body_kind(meta: list[tuple[str, str]]) -> str | None:
-    headers = {k.lower(): v for k, v in meta if k.lower() in ("content-type", "content-encoding")}
-    return body_kind(headers.get("content-type"), headers.get("content-encoding"))
+    headers = dict(meta)                  # the decoders give header names in lower case; others may not
+    if "content-type" not in headers and "content-encoding" not in headers:
+        headers = {k.lower(): v for k, v in meta}
+    return _kind_of(headers.get("content-type"), headers.get("content-encoding"))
+
+
+_kind_of = functools.lru_cache(maxsize=256)(body_kind)   # the same few content types over and over
 
 
 def parse_rule(spec: str) -> Rule:

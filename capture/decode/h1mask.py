@@ -19,7 +19,7 @@ response instead (the directions are not paired: their reads need not arrive in 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from capture.fields import FORM, BodyScanner, FieldPolicy, PairScanner, Span, body_kind, mask_spans, scanner
 
@@ -35,9 +35,10 @@ _MESSAGE_START = re.compile(rb"^(?:[A-Z]{1,16} |HTTP/1\.)")
 _RESPONSE = b"HTTP/1."
 _TARGET_STOP = re.compile(rb"[? \r\n]")
 _QUERY_STOP = re.compile(rb"[ #\r\n]")
-_FRAMING = re.compile(rb"(?im)^(content-type|content-encoding|content-length|transfer-encoding)[ \t]*:[ \t]*"
-                      rb"([^\r\n]*)")
 _HEAD_END = b"\r\n\r\n"
+_BLANK = b"\r\n"
+# The headers that say what body follows, in one pass over a head (a header line starts after "\n").
+_FRAMING = re.compile(rb"\n(c(?:ontent-(?:type|encoding|length))|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*)", re.I)
 
 # modes
 _HEAD, _BODY, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _TO_CLOSE, _LOST = range(8)
@@ -68,6 +69,8 @@ class H1FieldMasker:
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
         if self.pre is not None:
             return self._joined(ts_ns, data)
+        if self.mode == _HEAD and not self.head and self._whole_and_plain(data):
+            return [(ts_ns, data)]
         out: list[tuple[int, bytes]] = []
         if self.mode == _LOST:
             if not _MESSAGE_START.match(data):
@@ -82,6 +85,24 @@ class H1FieldMasker:
             self.pattern = _pattern_masker()
             return out + self.pattern.feed(ts_ns, chunk)
         return out + [(ts_ns, chunk)]
+
+    def _whole_and_plain(self, data: bytes) -> bool:
+        """The usual read: exactly one whole message with nothing to mask (no query string, a body no
+        scanner reads or none), after which a head is expected again, as before it. Saves the state
+        machine's steps for most traffic; anything else takes them."""
+        stop = data.find(_HEAD_END)
+        if stop <= 0 or data[0] in _BLANK:
+            return False
+        stop += len(_HEAD_END)
+        if self.request and self.policy.names and data.find(b"?", 0, data.find(b"\n", 0, stop)) >= 0:
+            return False
+        plan = _plan(data[:stop], self.request)
+        if plan.lose:
+            return False
+        if plan.mode == _HEAD:
+            return stop == len(data)
+        return (plan.mode == _BODY and plan.kind is None and stop + plan.length == len(data)
+                and not (not self.request and data.startswith(_RESPONSE, stop)))
 
     def flush(self) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []
@@ -163,6 +184,11 @@ class H1FieldMasker:
         unsent body) and a head starts. Bytes that may still be one are held in `probe` (they hold no
         secret: they are a prefix of `_RESPONSE`); once they cannot be, they go through the body."""
         assert self.probe is not None
+        if not self.probe and end - pos >= len(_RESPONSE):     # the usual case: all there, decided now
+            self.probe = None
+            if data.startswith(_RESPONSE, pos):
+                self._restart()
+            return pos
         k = min(len(_RESPONSE) - len(self.probe), end - pos)
         seen = self.probe + data[pos:pos + k]
         if _RESPONSE.startswith(seen):
@@ -179,9 +205,16 @@ class H1FieldMasker:
         return pos
 
     def _head(self, data: bytes, pos: int, end: int, spans: list[Span]) -> int:
-        if not self.head:                             # blank lines before a message are allowed
-            while pos < end and data[pos] in b"\r\n":
+        if not self.head:
+            while pos < end and data[pos] in _BLANK:     # blank lines before a message are allowed
                 pos += 1
+            stop = data.find(_HEAD_END, pos, end)
+            if stop >= 0:                                # the usual case: the whole head in this read
+                stop += len(_HEAD_END)
+                if self.request and self.policy.names and data.find(b"?", pos, data.find(b"\n", pos, stop)) >= 0:
+                    self._request_line(data, pos, stop, spans)
+                self._head_done(data[pos:stop])
+                return stop
             if pos == end:
                 return end
         stop = self._head_end(data, pos, end)
@@ -192,7 +225,9 @@ class H1FieldMasker:
             self._lose()
             return end
         if self.head.endswith(_HEAD_END):
-            self._head_done()
+            head = bytes(self.head)
+            self.head.clear()
+            self._head_done(head)
         return stop
 
     def _head_end(self, data: bytes, pos: int, end: int) -> int:
@@ -233,39 +268,20 @@ class H1FieldMasker:
                     return
                 self.line, self.query = _LINE_DONE, None
 
-    def _head_done(self) -> None:
-        head = bytes(self.head)
-        self.head.clear()
+    def _head_done(self, head: bytes) -> None:
+        """A whole head: what body follows, how it is framed, and its scanner."""
         self.line, self.query = _METHOD, None
-        fields = {m.group(1).lower(): m.group(2).strip() for m in _FRAMING.finditer(head)}
-        kind = body_kind(_text(fields.get(b"content-type")), _text(fields.get(b"content-encoding")))
-        if not self.request and not self._response_has_body(head):
-            return
-        if kind is not None and (kind != FORM or self.policy.names):
-            self.body = scanner(kind, self.policy)
-        if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
-            self.mode = _CHUNK_SIZE
-        else:
-            length = fields.get(b"content-length", b"")
-            if length.isdigit():
-                self.left = int(length)
-                self.mode = _BODY if self.left else _HEAD
-            elif not self.request:
-                self.mode = _TO_CLOSE
-        if self.mode == _HEAD:
-            self.body = None
-        elif not self.request:
-            self.probe = bytearray()
-
-    def _response_has_body(self, head: bytes) -> bool:
-        """False for a status without a body, and for 101 (what follows is not HTTP/1: the raw-TCP
-        patterns from here on)."""
-        code = head[9:12]
-        status = int(code) if head.startswith(_RESPONSE) and code.isdigit() else 0
-        if status == 101:
+        plan = _plan(head, self.request)
+        if plan.lose:
             self._lose()
-            return False
-        return not (100 <= status < 200 or status in (204, 304))
+            return
+        if plan.mode == _HEAD:
+            return
+        if plan.kind is not None and (plan.kind != FORM or self.policy.names):
+            self.body = scanner(plan.kind, self.policy)
+        self.mode, self.left = plan.mode, plan.length
+        if not self.request:
+            self.probe = bytearray()
 
     def _chunk_size(self, data: bytes, pos: int, end: int) -> int:
         nl = data.find(b"\n", pos, end)
@@ -304,6 +320,51 @@ class H1FieldMasker:
 def _pattern_masker() -> PatternMasker:
     from capture.decode.streammask import PatternMasker  # here: streammask imports this module
     return PatternMasker()
+
+
+class _Plan(NamedTuple):
+    """What a head says of the body after it."""
+
+    mode: int                 # _BODY, _CHUNK_SIZE, _TO_CLOSE, or _HEAD: no body
+    length: int = 0           # _BODY: its Content-Length
+    kind: str | None = None   # capture.fields body kind (None: not scanned)
+    lose: bool = False        # 101 Switching Protocols: what follows is not HTTP/1
+
+
+# Heads repeat (a client's headers, a server's answers): their plans are memoised, keyed by hash and
+# length rather than by the bytes, because a head may hold credentials (LineMasker masks them after
+# this masker) that a cache must not keep. A request's head is keyed without its request line.
+_PLANS: dict[tuple[int, int, bool], _Plan] = {}
+_PLANS_CAP = 4096
+
+
+def _plan(head: bytes, request: bool) -> _Plan:
+    part = head[head.find(b"\n"):] if request else head
+    key = (hash(part), len(part), request)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_CAP:
+            _PLANS.clear()
+        plan = _PLANS[key] = _read_plan(head, request)
+    return plan
+
+
+def _read_plan(head: bytes, request: bool) -> _Plan:
+    if not request:
+        code = head[9:12]
+        status = int(code) if head.startswith(_RESPONSE) and code.isdigit() else 0
+        if status == 101:
+            return _Plan(_HEAD, lose=True)
+        if 100 <= status < 200 or status in (204, 304):
+            return _Plan(_HEAD)                        # interim, no content, not modified: no body
+    fields = {m[1].lower(): m[2].strip() for m in _FRAMING.finditer(head)}
+    kind = body_kind(_text(fields.get(b"content-type")), _text(fields.get(b"content-encoding")))
+    if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+        return _Plan(_CHUNK_SIZE, kind=kind)
+    length = fields.get(b"content-length", b"")
+    if length.isdigit():
+        return _Plan(_BODY, int(length), kind) if int(length) else _Plan(_HEAD)
+    return _Plan(_HEAD) if request else _Plan(_TO_CLOSE, kind=kind)
 
 
 def _text(value: bytes | None) -> str | None:

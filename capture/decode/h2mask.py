@@ -37,6 +37,8 @@ _MASKED_TYPES = frozenset((_DATA, _HEADERS, _CONTINUATION))
 _PADDED, _PRIORITY, _END_HEADERS = int(Flag.PADDED), int(Flag.PRIORITY), int(Flag.END_HEADERS)
 _END_STREAM = int(Flag.END_STREAM)
 _TRAILERS = "trailers"          # a header block without :method or :status: the body's scanner stays
+_NOT_SCANNED = "not scanned"    # a body no scanner reads (gRPC, compressed, binary)
+_DECIDED_NOTHING = (_NOT_SCANNED, _TRAILERS)
 _STREAMS_CAP = 4096             # streams with a body scanner; beyond it the oldest are forgotten (never ended)
 _PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
 _BLOCK_TYPES = frozenset((_HEADERS, _CONTINUATION, _PUSH_PROMISE))
@@ -190,7 +192,8 @@ class H2ChunkMasker:
             for lo, hi in block:
                 _blank(self.buf, lo, hi)
             return
-        self._headers_seen(self.buf, self.block_at, decoded)
+        if self.fields is not None:
+            self._headers_seen(self.buf, self.block_at, decoded)
         starts, at = [], 0                # block offset of each fragment
         for lo, hi in block:
             starts.append(at)
@@ -280,7 +283,8 @@ class H2ChunkMasker:
             decoded = self.hpack.decode(block, self.header_mask, self.path_spans)
         except HpackBlockError:
             return (lo, hi, b"*" * (hi - lo), [], [])   # undecodable: blanked, it may hold anything
-        self._headers_seen(buf, start, decoded)
+        if self.fields is not None and (self.bodies or decoded.view not in _DECIDED_NOTHING):
+            self._headers_seen(buf, start, decoded)       # (a repeated gRPC block: nothing to do)
         return (lo, hi, None, decoded.spans, decoded.rewrites) if decoded.spans or decoded.rewrites else None
 
     # ---- credential fields (capture/fields.py) -------------------------------------------------------
@@ -290,16 +294,15 @@ class H2ChunkMasker:
 
     def _headers_seen(self, buf: bytes | bytearray, start: int, decoded: DecodedBlock) -> None:
         """A request's or response's headers (the frame at buf[start]): the scanner of its body, if any."""
-        if self.fields is None:
-            return
-        if decoded.view is None:          # this decoder's blocks are ours alone: memoise the verdict
-            decoded.view = _body_kind(decoded.headers)
         kind = decoded.view
-        if kind == _TRAILERS or (kind is None and not self.bodies) or buf[start + 3] != _HEADERS:
+        if kind is None:                  # this decoder's blocks are ours alone: memoise the verdict
+            kind = decoded.view = _body_kind(decoded.headers)
+        if kind is _TRAILERS or (kind is _NOT_SCANNED and not self.bodies) or buf[start + 3] != _HEADERS:
             return                        # gRPC: nothing to scan and no stream to forget
+        assert self.fields is not None
         sid = int.from_bytes(buf[start + 5:start + 9], "big") & 0x7FFFFFFF
         self.bodies.pop(sid, None)
-        if kind is None or buf[start + 4] & _END_STREAM or (kind == FORM and not self.fields.names):
+        if kind is _NOT_SCANNED or buf[start + 4] & _END_STREAM or (kind == FORM and not self.fields.names):
             return
         if len(self.bodies) >= _STREAMS_CAP:
             del self.bodies[next(iter(self.bodies))]
@@ -359,19 +362,21 @@ class H2ChunkMasker:
         return out
 
 
-def _body_kind(headers: list[tuple[str, str]]) -> str | None:
+def _body_kind(headers: list[tuple[str, str]]) -> str:
     """capture.fields.body_kind for the body that follows these headers (SNIFF without a content
-    type, or when HPACK hid it from a joined capture); _TRAILERS for a block without :method or
-    :status (trailers: the body's scanner stays)."""
+    type, or when HPACK hid it from a joined capture), _NOT_SCANNED for none; _TRAILERS for a block
+    without :method or :status (trailers: the body's scanner stays)."""
     head = False
     ctype = encoding = None
     for name, value in headers:
         if name in (":method", ":status"):
             head = True
         elif name == "content-type":
+            if value.startswith("application/grpc"):
+                return _NOT_SCANNED          # gRPC (pseudo headers come first): decided, never scanned
             ctype = value
         elif name == "content-encoding":
             encoding = value
     if not head:
         return _TRAILERS
-    return body_kind(ctype, encoding)
+    return body_kind(ctype, encoding) or _NOT_SCANNED

@@ -206,20 +206,26 @@ class _Direction:
         if self.line is None:
             return [(ts_ns, data)]
         if self.h1 is not None:           # first: LineMasker blanks a joined stream's first line
-            return [(ts, self._lines(chunk)) for ts, chunk in self.h1.feed(ts_ns, data)]
-        data = self._lines(data)
-        return self.pattern.feed(ts_ns, data) if self.pattern is not None else [(ts_ns, data)]
-
-    def _lines(self, data: bytes) -> bytes:
-        assert self.line is not None
+            out = self.h1.feed(ts_ns, data)
+            for i, (ts, chunk) in enumerate(out):
+                chunk = self.line.feed(chunk)
+                out[i] = (ts, chunk if self.body is None else self.body(chunk))
+            return out
         data = self.line.feed(data)
-        return self.body(data) if self.body is not None else data
+        if self.body is not None:
+            data = self.body(data)
+        return self.pattern.feed(ts_ns, data) if self.pattern is not None else [(ts_ns, data)]
 
     def flush(self) -> list[tuple[int, bytes]]:
         if self.h2 is not None:
             return self.h2.flush()
         if self.h1 is not None:
-            return [(ts, self._lines(chunk)) for ts, chunk in self.h1.flush()]
+            assert self.line is not None
+            out = self.h1.flush()
+            for i, (ts, chunk) in enumerate(out):
+                chunk = self.line.feed(chunk)
+                out[i] = (ts, chunk if self.body is None else self.body(chunk))
+            return out
         return self.pattern.flush() if self.pattern is not None else []
 
 
