@@ -29,6 +29,13 @@ class SendOutcome:
     detail: str = ""
 
 
+def http_outcome(status: int, body: bytes) -> SendOutcome:
+    """An HTTP response as every HTTP sender (http1, and h2 for plain HTTP/2) reports it: 2xx/3xx ok,
+    429 rejected (the HTTP face of RESOURCE_EXHAUSTED), any other status error "HTTP_<status>"."""
+    kind = OK if status < 400 else REJECTED if status == 429 else ERROR
+    return SendOutcome(kind, "OK" if kind == OK else f"HTTP_{status}", status, [body])
+
+
 class Sender(Protocol):
     """Send planned calls to one target; one connection per `planned.connection`."""
 
@@ -96,5 +103,5 @@ def replayable_metadata(metadata: list[tuple[str, str]], policy: HeaderPolicy | 
 
 
 __all__ = ["CONNECTION_ERROR", "ERROR", "HOP_BY_HOP", "OK", "REDACTION_MARKERS", "REJECTED", "TIMEOUT", "Preparer",
-           "SendOutcome", "Sender", "SenderFactory", "Starter", "available", "get_sender", "register",
-           "replayable_metadata"]
+           "SendOutcome", "Sender", "SenderFactory", "Starter", "available", "get_sender", "http_outcome",
+           "register", "replayable_metadata"]

@@ -16,7 +16,7 @@ import ssl
 from collections.abc import AsyncIterator
 
 from replay.schedule import PlannedCall, PlannedMessage
-from replay.senders.base import CONNECTION_ERROR, ERROR, OK, REJECTED, SendOutcome, replayable_metadata
+from replay.senders.base import CONNECTION_ERROR, ERROR, SendOutcome, http_outcome, replayable_metadata
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig, describe
 from replay.target import split_target
@@ -88,8 +88,7 @@ class Http1Sender:
         data = await _read_body(conn.reader, headers, head_only=(planned.method or "").startswith("HEAD "))
         if headers.get("connection", "").lower() == "close":
             await self._drop(conn)
-        kind = OK if status < 400 else REJECTED if status == 429 else ERROR
-        return SendOutcome(kind, "OK" if kind == OK else f"HTTP_{status}", status, [data])
+        return http_outcome(status, data)
 
     async def _drop(self, conn: _Conn) -> None:
         if conn.writer is not None:
