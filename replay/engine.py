@@ -53,13 +53,14 @@ _WAKE_NS = 100_000_000  # the longest sleep between stop checks
 _GC_THRESHOLDS = (50_000, 20, 100)
 _WARM_S = 1.0  # the longest wait for connections before the clock starts
 _READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away than this
-# Plain HTTP/2 (not gRPC) has no sender yet: such calls are counted not_sent "no_sender:http2".
 # gRPC goes to the lean h2 sender by default: the same outcomes as grpcio's (tested call kind by call
 # kind against real servers) at about half the client CPU per call and a tighter send lag; `--sender
-# grpc` replays through grpcio itself.
-_PROTOCOL_SENDER = {"grpc": "h2", "http1": "http1", "tcp": "tcp"}
+# grpc` replays through grpcio itself. Plain HTTP/2 (not gRPC) goes to the h2 sender too, which sends
+# it as recorded (method, path, headers, body) and reports HTTP statuses as the http1 sender does.
+_PROTOCOL_SENDER = {"grpc": "h2", "http2": "h2", "http1": "http1", "tcp": "tcp"}
 _LEAN_SENDERS = frozenset({"h2", "http1", "tcp"})  # no grpcio: safe on uvloop
 _NAMED = frozenset({"grpc", "http2"})  # protocols whose calls need a method (:path) to be sent
+_BODYLESS = frozenset({"http1", "http2"})  # HTTP requests may have no body (GET); gRPC calls never do
 
 
 @dataclass
@@ -364,7 +365,7 @@ class ReplayRun:
         if planned.request_body_missing:  # its body fell in a capture gap: never send an invented one
             self._not_sent(planned, "request_body_not_captured")
             return
-        if not planned.messages and planned.protocol != "http1":  # a damaged recording lost the request
+        if not planned.messages and planned.protocol not in _BODYLESS:  # a damaged recording lost the request
             self._not_sent(planned, "no_request_in_recording")
             return
         if self._by_conn[planned.connection] >= self.options.max_in_flight:

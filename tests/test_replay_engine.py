@@ -223,10 +223,10 @@ def test_connections_of_the_first_lookahead_open_before_the_clock_starts(tmp_pat
 
 def test_a_protocol_without_sender_is_counted_not_sent() -> None:
     clock = FakeClock(start_ns=0)
-    plan = [PlannedCall(index=0, due_ns=0, connection="c", protocol="http2", method="GET /", kind="request",
+    plan = [PlannedCall(index=0, due_ns=0, connection="c", protocol="mqtt", method="CONNECT", kind="request",
                         messages=[PlannedMessage(0, b"")])]
     rep = ReplayRun(plan, "127.0.0.1:1", clock=clock).run()
-    assert rep.not_sent_reasons == {"no_sender:http2": 1}
+    assert rep.not_sent_reasons == {"no_sender:mqtt": 1}
     assert rep.invariant_ok
 
 

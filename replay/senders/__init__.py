@@ -3,7 +3,8 @@
     engine --call(planned, requests, timeout)--> Sender --> target
            <----------- SendOutcome -------------
 
-Registered: `grpc` (grpcio), `h2` (the lean gRPC-over-HTTP/2 sender, no grpcio: replay/senders/h2.py),
+Registered: `grpc` (grpcio), `h2` (the lean HTTP/2 sender for gRPC and plain HTTP/2, no grpcio:
+replay/senders/h2.py),
 `http1`, `tcp`. `get_sender("grpc", target, ...)` builds one; `register(name, factory)` adds one (tests register a
 fake transport). A sender keeps one connection per `PlannedCall.connection` unless told to share.
 """

@@ -1,4 +1,4 @@
-"""The lean gRPC sender ("h2"): gRPC over HTTP/2 on a plain asyncio Protocol, without grpcio.
+"""The lean h2 sender ("h2"): gRPC, and plain HTTP/2, on a plain asyncio Protocol, without grpcio.
 
 The replayer already holds each call's raw request bytes, so it needs none of grpcio's machinery
 (channels, call objects, serializers, the C-core completion queue): a unary call here is one cached
@@ -6,6 +6,15 @@ header block plus one DATA frame written straight to the socket, and one parsed 
 and codes map exactly as the grpc sender's do (ok, RESOURCE_EXHAUSTED -> rejected, DEADLINE_EXCEEDED
 -> timeout, UNAVAILABLE/connection loss -> connection_error, other codes -> error by name). All four
 call kinds are supported; each streamed request message goes out when the engine releases it.
+
+Plain HTTP/2 calls (protocol "http2": recorded requests that were not gRPC) go out as recorded: HEADERS
+with :method and :path from the recorded "VERB /path" (a method map's bare path takes the recorded
+:method), :scheme, :authority the target's (or --server-name's, as the http1 sender's Host), the recorded
+end-to-end headers through the same header policy as HTTP/1 (`replayable_metadata(..., "http2")`) and
+content-length; then the recorded body raw (no gRPC prefix) with END_STREAM, or END_STREAM on the HEADERS
+when there is none. The outcome is the HTTP status's, exactly as the http1 sender reports it
+(`senders.base.http_outcome`): 2xx/3xx ok, 429 rejected, others error "HTTP_<status>"; `responses` is
+the body. Its transport failures are in the http1 sender's words too: TIMEOUT, CONNECTION, no status.
 
 Cleartext (h2c, prior knowledge) by default; with `tls` over TLS with ALPN h2 (a server that does not
 choose h2 fails every call with a one-line reason, as does a failed handshake: "TLS: ...").
@@ -25,12 +34,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.base import ERROR, SendOutcome, replayable_metadata
 from replay.senders.h2conn import MAX_RECEIVE_MESSAGE, REFUSED, WINDOW, H2Connection, Stream
-from replay.senders.h2frames import connection_failed, outcome, request_block
+from replay.senders.h2frames import connection_failed, http_request_block, outcome, request_block
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig, describe
 from wire.status import Status
 
 _REFUSED_RETRIES = 3
+_PLAIN = "http2"  # a call's protocol when it is plain HTTP/2, not gRPC
+_MAX_BLOCKS = 4096  # cached header blocks, per kind: recordings may carry unique metadata per call
 
 
 def _wire(m: PlannedMessage) -> bytes:
@@ -41,6 +52,33 @@ def _wire(m: PlannedMessage) -> bytes:
         except OSError:
             pass
     return b"\x00" + len(data).to_bytes(4, "big") + data  # the gRPC length prefix, uncompressed
+
+
+def _body(messages: list[PlannedMessage]) -> bytes:
+    """A plain HTTP/2 request's body: recorded whole as one message (none without a body)."""
+    return messages[0].data if len(messages) == 1 else b"".join(m.data for m in messages)
+
+
+# A plain call's transport failures as the http1 sender names them (no gRPC status number: not an HTTP one).
+_HTTP_CODES = {"DEADLINE_EXCEEDED": "TIMEOUT", "UNAVAILABLE": "CONNECTION"}
+
+
+def _as_http(out: SendOutcome) -> SendOutcome:
+    """`out` of a plain HTTP/2 call: an HTTP status stays; a failure the connection reported in gRPC's
+    terms (deadline, connection lost or refused, cancelled) is said as the http1 sender says it."""
+    if out.code is None or out.code == "OK" or out.code.startswith("HTTP_") or out.status is None:
+        return out
+    return SendOutcome(out.outcome, _HTTP_CODES.get(out.code, out.code), None, out.responses, out.detail)
+
+
+def _request_line(planned: PlannedCall, body: bytes) -> tuple[str, str]:
+    """(verb, path) of a plain call: its recorded "VERB /path", or for a bare path (named by a method
+    map) the recorded :method, else what a client would use for such a body."""
+    verb, _, path = (planned.method or "/").partition(" ")
+    if path:
+        return verb, path
+    recorded = next((v for k, v in planned.metadata if k == ":method"), None)
+    return recorded or ("POST" if body else "GET"), verb
 
 
 class _Started:
@@ -60,8 +98,9 @@ class _Started:
         """The stream's outcome. Refused (rare): retry on the task path within the deadline."""
         loop = self.conn.loop
         if out.detail == REFUSED and self.done is not None and loop.time() < self.deadline:
-            block = self.sender._block(self.planned, self.deadline - loop.time())
-            self.retry = loop.create_task(self.sender._unary(self.conn, block, self.payload, self.deadline))
+            block = self.sender._block(self.planned, self.deadline - loop.time(), self.payload)
+            http = self.planned.protocol == _PLAIN
+            self.retry = loop.create_task(self.sender._unary(self.conn, block, self.payload, self.deadline, http))
             self.retry.add_done_callback(self._retried)
             return
         self._report(out)
@@ -75,7 +114,7 @@ class _Started:
     def _report(self, out: SendOutcome) -> None:
         done, self.done = self.done, None
         if done is not None:
-            done(out)
+            done(_as_http(out) if self.planned.protocol == _PLAIN else out)
 
     def cancel(self) -> None:
         """Abandon the call: reset its stream (or stop its retry); `done` gets a CANCELLED outcome."""
@@ -87,7 +126,7 @@ class _Started:
 
 
 class H2Sender:
-    """Replays gRPC calls to `target` ("host:port") over its own HTTP/2 connections.
+    """Replays gRPC and plain HTTP/2 calls to `target` ("host:port") over its own HTTP/2 connections.
 
     Args:
         target: "host:port" (IPv6 as "[::1]:port").
@@ -117,6 +156,7 @@ class H2Sender:
         self._all: set[H2Connection] = set()
         self._connecting: set[asyncio.Task[None]] = set()
         self._blocks: dict[tuple[str, tuple[tuple[str, str], ...], float], bytes] = {}
+        self._http_blocks: dict[tuple[str, tuple[tuple[str, str], ...], int], bytes] = {}
 
     def _conn(self, connection: str) -> H2Connection:
         key = "shared" if self.share else connection
@@ -150,14 +190,28 @@ class H2Sender:
         the connection is ready (True) or has failed (False)."""
         return self._conn(connection).ready
 
-    def _block(self, planned: PlannedCall, timeout: float) -> bytes:
+    def _block(self, planned: PlannedCall, timeout: float, body: bytes = b"") -> bytes:
+        """The call's request header block (cached): gRPC's, or a plain call's for `body`."""
+        if planned.protocol == _PLAIN:
+            return self._http_block(planned, body)
         key = (planned.method or "", tuple(planned.metadata), timeout)
         block = self._blocks.get(key)
         if block is None:
-            if len(self._blocks) >= 4096:  # bounded: recordings may carry unique metadata per call
+            if len(self._blocks) >= _MAX_BLOCKS:
                 self._blocks.clear()
             md = tuple(replayable_metadata(planned.metadata, self.policy))
             block = self._blocks[key] = request_block(key[0], self.authority, md, timeout, self.scheme)
+        return block
+
+    def _http_block(self, planned: PlannedCall, body: bytes) -> bytes:
+        key = (planned.method or "", tuple(planned.metadata), len(body))
+        block = self._http_blocks.get(key)
+        if block is None:
+            if len(self._http_blocks) >= _MAX_BLOCKS:
+                self._http_blocks.clear()
+            verb, path = _request_line(planned, body)
+            md = tuple(replayable_metadata(planned.metadata, self.policy, _PLAIN))
+            block = self._http_blocks[key] = http_request_block(verb, path, self.authority, md, len(body), self.scheme)
         return block
 
     def start(self, planned: PlannedCall, timeout_s: float,
@@ -166,27 +220,39 @@ class H2Sender:
         callbacks (the engine's `senders.base.Starter` fast path). Returns the call's cancel
         function, or None when the call must take `call()` instead.
 
-        Taken by a unary or server-streaming call with its one request message due at its start, on a
-        connection that is ready with a stream slot free: HEADERS and DATA are written before this
+        Taken by a unary or server-streaming call with its one request message due at its start (or
+        a plain HTTP/2 request with its body due at its start), on a connection that is ready with a
+        stream slot free: HEADERS and DATA are written before this
         returns, and no future, task, generator or timeout context is made per call. Cancelling
         resets the stream (RST_STREAM CANCEL); a stream the server refuses is retried as `call()`
         retries it."""
-        if planned.kind in ("client_stream", "bidi") or len(planned.messages) != 1 or planned.last_offset_ns:
+        http = planned.protocol == _PLAIN
+        if planned.last_offset_ns or (not http and (planned.kind in ("client_stream", "bidi")
+                                                    or len(planned.messages) != 1)):
             return None
         conn = self._conn(planned.connection)
         ready = conn.ready
         if not ready.done() or not ready.result() or not conn.usable or len(conn.streams) >= conn.peer_max_streams:
             return None
-        started = _Started(self, conn, planned, _wire(planned.messages[0]), conn.loop.time() + timeout_s, done)
-        started.st = conn.open(self._block(planned, timeout_s), started.payload, started.deadline, started.end)
+        payload = _body(planned.messages) if http else _wire(planned.messages[0])
+        started = _Started(self, conn, planned, payload, conn.loop.time() + timeout_s, done)
+        started.st = conn.open(self._block(planned, timeout_s, payload), payload, started.deadline, started.end, http)
         return started.cancel
 
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
+        if planned.protocol == _PLAIN:
+            return _as_http(await self._call(planned, requests, timeout_s))
+        return await self._call(planned, requests, timeout_s)
+
+    async def _call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         conn = self._conn(planned.connection)
         timeout = timeout_s + planned.last_offset_ns / 1e9
         deadline = conn.loop.time() + timeout
         if not conn.ready.done() and not await self._within(deadline, asyncio.shield(conn.ready)):
             return outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if planned.protocol == _PLAIN:  # one request, its body whole: sent as the engine releases it
+            body = b"".join([m.data async for m in requests])
+            return await self._unary(conn, self._block(planned, timeout, body), body, deadline, True)
         block = self._block(planned, timeout)
         if planned.kind in ("client_stream", "bidi"):
             refused = await self._refused(conn, deadline)
@@ -197,8 +263,9 @@ class H2Sender:
             return SendOutcome(ERROR, "NO_REQUEST", detail="the recorded call has no request message")
         return await self._unary(conn, block, _wire(first), deadline)
 
-    async def _unary(self, conn: H2Connection, block: bytes, payload: bytes, deadline: float) -> SendOutcome:
-        """Unary and server-streaming calls. A stream the server refused (REFUSED_STREAM: not processed,
+    async def _unary(self, conn: H2Connection, block: bytes, payload: bytes, deadline: float,
+                     http: bool = False) -> SendOutcome:
+        """Unary and server-streaming calls, and plain HTTP/2 requests (`http`). A stream the server refused (REFUSED_STREAM: not processed,
         e.g. its stream count lagging behind ours under MAX_CONCURRENT_STREAMS) is retried transparently
         within the deadline, as grpc-core does; streaming calls are not (their messages are gone)."""
         for attempt in range(_REFUSED_RETRIES + 1):
@@ -207,7 +274,7 @@ class H2Sender:
                 if refused is not None:
                     return refused
             # From the check above to open() nothing awaits, so MAX_CONCURRENT_STREAMS holds exactly.
-            out = await self._wait(conn, conn.open(block, payload, deadline))
+            out = await self._wait(conn, conn.open(block, payload, deadline, None, http))
             if out.detail != REFUSED or attempt == _REFUSED_RETRIES or conn.loop.time() >= deadline:
                 return out
             await asyncio.sleep(0.001 * (attempt + 1))  # let the server finish closing its streams

@@ -1,7 +1,7 @@
 """One HTTP/2 connection as an asyncio Protocol: cleartext with prior knowledge (h2c, as gRPC uses it) or,
 over a TLS transport, only when the server's ALPN chose h2 (else it fails with a one-line reason).
 
-Only what a gRPC client needs, written for low CPU per call: a unary call is one `transport.write`
+Only what a gRPC client (and a plain HTTP/2 one: `HttpStream`) needs, written for low CPU per call: a unary call is one `transport.write`
 (HEADERS from a cached block + DATA with END_STREAM); the response path splits frames straight out of
 the receive buffer into tuples (`wire.h2.split`). Flow control: we advertise a 16 MiB window for the
 connection and every stream and send WINDOW_UPDATEs once half of it is consumed; our sends respect
@@ -25,6 +25,11 @@ The server is a target we do not control, so it is held to the protocol as grpc-
   decompression, or a call's responses over it in all -> RESOURCE_EXHAUSTED; a compressed message
   without a usable grpc-encoding -> INTERNAL (UNIMPLEMENTED for an encoding we cannot decode).
 
+Plain HTTP/2 streams (`open(..., http=True)`): a request without a body ends on its HEADERS; the response
+body is kept as it comes (up to the max receive size, else the call fails BODY_TOO_LARGE and its stream is
+reset), interim 1xx responses are skipped, and the outcome is the HTTP status's (`senders.base.http_outcome`,
+as the http1 sender reports it).
+
 No exception escapes `data_received`: an unexpected one is a bug of ours, answered with GOAWAY
 INTERNAL_ERROR and one log line.
 """
@@ -38,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import cast
 
-from replay.senders.base import OK, SendOutcome
+from replay.senders.base import ERROR, OK, SendOutcome, http_outcome
 from replay.senders.h2frames import connection_failed, outcome
 from wire.h2 import (
     DEFAULT_MAX_FRAME,
@@ -99,6 +104,7 @@ class Stream:
 
     __slots__ = ("sid", "fut", "on_end", "responses", "reader", "size", "encoding", "http_status", "got_headers",
                  "window", "recv_window", "unacked", "half_closed", "timer")
+    plain = False  # a gRPC call's stream; HttpStream is a plain HTTP/2 request's
 
     def __init__(self, sid: int, fut: asyncio.Future[SendOutcome] | None, window: int,
                  on_end: Callable[[SendOutcome], None] | None = None, recv_window: int = WINDOW,
@@ -128,6 +134,39 @@ class Stream:
                 raise GrpcError(Status.RESOURCE_EXHAUSTED,
                                 f"responses to one call over the max receive message size ({limit} bytes)")
             self.responses.append(message)
+
+    def refused(self, exc: GrpcError) -> SendOutcome:
+        """The outcome of a response this stream would not take (`take` raised)."""
+        return outcome(exc.status, exc.message)
+
+
+class HttpStream(Stream):
+    """A plain HTTP/2 request's stream: the response body is kept whole, not read as gRPC messages."""
+
+    __slots__ = ("body",)
+    plain = True
+
+    def __init__(self, sid: int, fut: asyncio.Future[SendOutcome] | None, window: int,
+                 on_end: Callable[[SendOutcome], None] | None = None, recv_window: int = WINDOW,
+                 max_message: int = MAX_RECEIVE_MESSAGE) -> None:
+        super().__init__(sid, fut, window, on_end, recv_window, max_message)
+        self.body = bytearray()
+
+    def take(self, payload: bytes) -> None:
+        """Add DATA payload to the body. Raises GrpcError past the max receive size."""
+        if len(self.body) + len(payload) > self.reader.limit:
+            raise GrpcError(Status.RESOURCE_EXHAUSTED, f"response body over the max receive size "
+                                                      f"({self.reader.limit} bytes)")
+        self.body += payload
+
+    def refused(self, exc: GrpcError) -> SendOutcome:
+        return SendOutcome(ERROR, "BODY_TOO_LARGE", detail=exc.message)  # an HTTP call: not gRPC's rejected
+
+    def http_end(self) -> SendOutcome:
+        """The outcome once the response ended: its status's, the body its one response."""
+        if self.http_status is None:
+            return SendOutcome(ERROR, "BAD_RESPONSE", detail="the response had no :status")
+        return http_outcome(self.http_status, bytes(self.body))
 
 
 class H2Connection(asyncio.Protocol, FrameLoop):
@@ -231,16 +270,22 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             await waiter
 
     def open(self, block: bytes, payload: bytes | None, deadline: float,
-             on_end: Callable[[SendOutcome], None] | None = None) -> Stream:
+             on_end: Callable[[SendOutcome], None] | None = None, http: bool = False) -> Stream:
         """Start a stream: HEADERS, then (if given) one DATA payload with END_STREAM; arm the deadline.
-        Its outcome is passed to `on_end` (called once, from this connection's callbacks) or, without
-        one, set on the stream's `fut`."""
+        An empty payload (a plain request without a body) ends the stream on its HEADERS. Its outcome
+        is passed to `on_end` (called once, from this connection's callbacks) or, without one, set on
+        the stream's `fut`. `http`: a plain HTTP/2 request (HttpStream), not a gRPC call."""
         sid, self.next_sid = self.next_sid, self.next_sid + 2
         fut = self.loop.create_future() if on_end is None else None
-        st = self.streams[sid] = Stream(sid, fut, self.peer_window, on_end, self.window, self.max_message)
+        st = self.streams[sid] = (HttpStream if http else Stream)(sid, fut, self.peer_window, on_end, self.window,
+                                                                  self.max_message)
         st.timer = self.loop.call_at(deadline, self._deadline, st)
         transport = self.transport
         assert transport is not None, "open() before the connection is made"
+        if payload is not None and not payload:  # never a gRPC call's: its message has a 5-byte prefix
+            st.half_closed = True
+            transport.write(headers(sid, block, self.peer_max_frame, end_stream=True))
+            return st
         n = len(block)
         head = (HEAD.pack(n >> 16, n & 0xFFFF, _HEADERS, _END_HEADERS, sid) + block if n <= self.peer_max_frame
                 else headers(sid, block, self.peer_max_frame))  # the usual case, packed inline
@@ -383,7 +428,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         try:
             st.take(strip(_DATA, flags, payload))
         except GrpcError as exc:
-            self._end(st, outcome(exc.status, exc.message), reset=ErrorCode.CANCEL)
+            self._end(st, st.refused(exc), reset=ErrorCode.CANCEL)
             return
         if flags & _END_STREAM:
             self._remote_end(st, [])
@@ -411,12 +456,17 @@ class H2Connection(asyncio.Protocol, FrameLoop):
                 elif k == "grpc-encoding":
                     st.encoding = v
             if not flags & _END_STREAM:
+                if st.plain and st.http_status is not None and st.http_status < 200:
+                    st.got_headers = False  # an interim response (1xx): the final one follows
                 return  # response headers; the trailers come later
         elif not flags & _END_STREAM:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", sid)
         self._remote_end(st, fields)  # trailers, or the headers of a trailers-only response
 
     def _remote_end(self, st: Stream, trailers: list[tuple[str, str]]) -> None:
+        if st.plain:
+            self._end(st, cast(HttpStream, st).http_end(), reset=None if st.half_closed else ErrorCode.CANCEL)
+            return
         status = status_from_headers(trailers, st.http_status)
         if status is None:
             out = outcome(Status.INTERNAL, "the server ended the stream without grpc-status")

@@ -1,4 +1,4 @@
-"""What the lean gRPC sender adds to `wire`: its request header blocks and its outcome mapping.
+"""What the lean h2 sender adds to `wire`: its request header blocks and its outcome mapping.
 
 Frames, HPACK, gRPC status codes and the status maps live in `wire` (shared with the agent, capture
 and the fault proxy). Only replay's own concepts are here:
@@ -7,6 +7,8 @@ and the fault proxy). Only replay's own concepts are here:
   (`wire.headers.encode_field`), so one block is valid on every connection and is reused byte for
   byte: built once per (method, authority, timeout) plus the cached metadata fields; only the 9-byte
   frame header is packed per call.
+- `http_request_block`: a plain HTTP/2 request's header block (:method, :scheme, :path, :authority,
+  content-length of the body sent, then the recorded end-to-end headers), encoded the same way.
 - `outcome` / `connection_failed`: a gRPC status as a `SendOutcome`, exactly as the grpc sender maps
   it (OK -> ok, RESOURCE_EXHAUSTED -> rejected, DEADLINE_EXCEEDED -> timeout, UNAVAILABLE ->
   connection_error, any other code -> error by name).
@@ -57,3 +59,13 @@ def request_block(method: str, authority: str, metadata: tuple[tuple[str, str], 
     if not metadata:
         return head
     return head + b"".join([encode_field_cached(k, v) for k, v in metadata])
+
+
+def http_request_block(verb: str, path: str, authority: str, metadata: tuple[tuple[str, str], ...],
+                       body_len: int, scheme: str = "http") -> bytes:
+    """The encoded header block of a plain HTTP/2 request; `metadata` already through the header policy
+    (senders.headers: no pseudo, hop-by-hop or connection-specific fields, which HTTP/2 forbids)."""
+    fields = [(":method", verb), (":scheme", scheme), (":path", path), (":authority", authority)]
+    if body_len:  # as HTTP/2 clients send it: servers may insist on knowing the size up front
+        fields.append(("content-length", str(body_len)))
+    return b"".join(encode_field(k, v) for k, v in fields) + b"".join([encode_field_cached(k, v) for k, v in metadata])
