@@ -61,7 +61,10 @@ def summarize(rec: Recording, buckets: int = 40, integrity: Integrity | None = N
     unknown = 0
     flows = list(rec.flows())
     joined = {f.id for f in flows if f.joined_midstream}
+    # flows with a gap in the client's bytes: request headers may have fallen in it (not a join)
+    gapped = {g[0] for g in rec.gaps() if g[1] == "c2s" and g[4] is None}
     unresolved = ungrouped = 0      # gRPC/HTTP/2 calls whose method is unknown after the map
+    unresolved_after_gap = 0        # of them, those whose HPACK entries a gap (not a join) hid
     hidden = 0                      # calls whose recorded trailers HPACK made unreadable (joined)
     body_gaps = unknown_outcome = 0  # HTTP/1 calls with a body lost in a gap / after one it could not resync
     damaged = no_status = 0         # calls open during a gap; calls that ended without a status
@@ -77,10 +80,12 @@ def summarize(rec: Recording, buckets: int = 40, integrity: Integrity | None = N
         no_status += call.status is None and call.status_message not in (OUTCOME_UNKNOWN, STATUS_HIDDEN) \
             and not (call.status_message or "").startswith((CALL_DAMAGED, BODY_NOT_CAPTURED))
         if call.method is None and call.protocol in ("grpc", "http2"):
-            if call.method_ref is None and call.flow_id in joined and rec.has_method_refs:
-                ungrouped += 1
+            if call.method_ref is None and (call.flow_id in joined or call.flow_id in gapped) \
+                    and rec.has_method_refs:
+                ungrouped += 1      # its request headers were never seen: nothing can name it
             else:
                 unresolved += 1
+                unresolved_after_gap += bool(call.method_ref and call.method_ref.startswith("hpack@"))
         times.append(call.request_ts_ns)
         req_sizes += [len(m.data) for m in call.requests]
         resp_sizes += [len(m.data) for m in call.responses]
@@ -110,7 +115,7 @@ def summarize(rec: Recording, buckets: int = 40, integrity: Integrity | None = N
                      + _undecoded(rec)
                      + _unknown_peers(meta) + _oversized(meta) + _discarded(meta) + _hidden_statuses(hidden)
                      + _gapped_calls(body_gaps, unknown_outcome) + _encrypted(meta)
-                     + _unresolved(rec, unresolved, groups)),
+                     + _unresolved(rec, unresolved, groups, unresolved_after_gap)),
     }
     # What makes the recording incomplete without making it unusable: listed too, `complete` false,
     # exit 1 only with `inspect --strict`.
@@ -159,8 +164,9 @@ def _not_captured(meta: dict[str, Any]) -> list[str]:
 def _damaged_calls(damaged: int, no_status: int) -> list[str]:
     out = []
     if damaged:
-        out.append(f"{damaged} call(s) are damaged: bytes of their connection were lost while they were open, "
-                   "so their messages may be incomplete (replay --compare counts them as not comparable)")
+        out.append(f"{damaged} call(s) are damaged: bytes of their connection were lost (a gap) or a message "
+                   "was too large to keep, so their messages or status may be incomplete; each says which "
+                   "(replay --compare counts them as not comparable)")
     if no_status:
         out.append(f"{no_status} call(s) have no status: unanswered, reset, or cut off by the end of the "
                    "recording (replay --compare counts them as not comparable)")
@@ -201,16 +207,16 @@ def _gapped_calls(body_gaps: int, unknown_outcome: int) -> list[str]:
     """HTTP/1 calls a gap damaged: a body stepped over, or the pairing lost after the gap."""
     out = []
     if body_gaps:
-        out.append(f"{body_gaps} HTTP/1 call(s) have a body that was not captured (lost in a gap of known "
-                   "size, or sent with sendfile/splice; the pairing was kept, the body is not stored; replay does "
-                   "not send such requests)")
+        out.append(f"{body_gaps} HTTP call(s) have a body that was not captured (lost in a gap of known "
+                   "size, sent with sendfile/splice, or over the decoder's size cap; the pairing was kept, the "
+                   "body is not stored; replay does not send such requests)")
     if unknown_outcome:
         out.append(f"{unknown_outcome} HTTP/1 call(s) have an unknown outcome: bytes of their connection were "
                    "lost where the decoder could not resynchronise, so their responses are not paired")
     return out
 
 
-def _unresolved(rec: Recording, n: int, groups: list[MethodGroup]) -> list[str]:
+def _unresolved(rec: Recording, n: int, groups: list[MethodGroup], after_gap: int = 0) -> list[str]:
     """Calls that replay will not send because nothing names their method, and how to name them."""
     if not n:
         return []
@@ -220,8 +226,11 @@ def _unresolved(rec: Recording, n: int, groups: list[MethodGroup]) -> list[str]:
     if not rec.has_method_refs:
         return [f"{n} call(s) have an unknown method and replay will not send them; this file was written "
                 "before method groups, so they cannot be named: record again (then `shadowtest infer`)"]
+    why = "before the recording joined it" if not after_gap else (
+        "before a gap in the recorded bytes" if after_gap == n else
+        f"before the recording joined it, or for {after_gap} of them before a gap in the recorded bytes")
     return [f"{n} call(s){where} have an unknown method (their :path was in the connection's HPACK table "
-            f"before the recording joined it); replay will not send them. Name them with "
+            f"{why}); replay will not send them. Name them with "
             f"`shadowtest infer {path} --descriptors X.protoset`, or `shadowtest infer {path} --method-map "
             f"FLOW:REF=METHOD`, or record again with the server's reflection reachable"]
 

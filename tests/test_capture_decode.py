@@ -468,7 +468,7 @@ def test_http1_sink_gaps_pass_their_length_and_inspect_counts_the_damage(tmp_pat
         summary = summarize(r)
     assert [(c.method, c.status) for c in calls] == [("POST /up", 404), ("GET /hello", 200)]
     assert calls[0].status_message == _BODY_MISSING.format(side="request", n=15) and calls[0].requests == []
-    assert any(p.startswith("1 HTTP/1 call(s) have a body that was not captured") for p in summary["problems"])
+    assert any(p.startswith("1 HTTP call(s) have a body that was not captured") for p in summary["problems"])
     plan = list(build_plan(lambda: iter(calls), ScheduleOptions()))
     assert [p.request_body_missing for p in plan] == [True, False]
 
@@ -558,3 +558,35 @@ def test_a_request_line_still_incomplete_after_8_kib_is_raw_tcp() -> None:
     assert calls == [] and dec.protocol == "tcp"
     dec = FlowDecoder(1)
     assert dec.feed("c2s", 1, b"GET /hello ") == [] and dec.protocol is None    # waits: a prefix of a request
+
+
+def test_inspect_blames_a_gap_not_a_join_for_methods_a_gap_hid(tmp_path) -> None:
+    """A connection seen from its first byte, with bytes lost in the middle: calls whose :path was an
+    HPACK entry from before the gap are unresolved because of the gap, and the problem says so."""
+    from capture.record import build_redactor
+    from capture.recording import Flow, Recording, RecordingWriter
+    from capture.sink import FlowSink
+    from capture.summary import summarize
+
+    conn = HpackConnection()
+    before = conn.preface() + conn.call(M, [b"0"]) + conn.call(M, [b"1"])
+    lost = conn.call(S, [b"2"])          # its entries reach the peers' tables, never the recording
+    after = conn.call(M, [b"3"]) + conn.call(S, [b"4"])
+    path = tmp_path / "gap.rec"
+    writer = RecordingWriter(path)
+    sink = FlowSink(writer, build_redactor(True, []))
+    sink.open_flow("k", Flow(src=("127.0.0.1", 40000), dst=("127.0.0.1", 50051), opened_ns=1))
+    for i, (d, data) in enumerate(before):
+        sink.data("k", d, 100 + i, data)  # type: ignore[arg-type]
+    sink.gap("k", "c2s", sum(len(b) for d, b in lost if d == "c2s"))
+    sink.gap("k", "s2c", sum(len(b) for d, b in lost if d == "s2c"))
+    for i, (d, data) in enumerate(after):
+        sink.data("k", d, 200 + i, data)  # type: ignore[arg-type]
+    sink.close_flow("k", 300)
+    sink.close()
+    writer.close()
+    with Recording(path) as rec:
+        summary = summarize(rec)
+    assert summary["joined_flows"] == 0 and summary["unresolved_method_calls"] == 2
+    problem = next(p for p in summary["problems"] if "unknown method" in p)
+    assert "before a gap in the recorded bytes" in problem and "joined" not in problem

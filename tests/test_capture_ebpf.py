@@ -465,7 +465,7 @@ def test_body_discarded_with_msg_trunc_is_counted_as_skipped_bytes_never_stored(
     assert [c.requests for c in calls[:2]] == [[], []]
     after = calls[2]
     assert [m.data for m in after.requests] == [b"hello"] and [m.data for m in after.responses] == [b"ok"]
-    assert "2 HTTP/1 call(s) have a body that was not captured" in " ".join(summary["problems"])
+    assert "2 HTTP call(s) have a body that was not captured" in " ".join(summary["problems"])
     assert not any(bytes(8) in m.data for c in calls for m in c.requests)
 
 
