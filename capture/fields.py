@@ -281,7 +281,9 @@ class JsonScanner:
 
     def _secret_value(self, data: bytes | bytearray, pos: int, end: int, spans: list[Span]) -> int:
         """Skim: the value of a credential key, masked whole (an object or array by the token path)."""
-        pos = _BEFORE_VALUE.match(data, pos, end).end()  # type: ignore[union-attr]
+        blanks = _BEFORE_VALUE.match(data, pos, end)
+        assert blanks is not None                 # it matches nothing at worst
+        pos = blanks.end()
         if pos == end:
             return end
         self.value_secret = False

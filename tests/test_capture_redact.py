@@ -327,3 +327,53 @@ def test_pcap_import_masks_credential_fields(tmp_path: Path) -> None:
         [call] = list(rec.calls())
     assert call.method == "POST /t?sid=" + "*" * 12 and call.requests[0].data == body.replace(b"ZXCVBNMASDFG", b"*" * 12)
     assert call.responses[0].data == b'{"id_token": "*************"}'
+
+
+def test_json_masks_match_a_parser_and_do_not_depend_on_where_the_reads_cut() -> None:
+    """Random JSON (credential keys at random depth, subtrees, escapes in values and keys, unicode):
+    masked whole, the text still parses, every value under a credential name is '*' and nothing else
+    changed; masked in random pieces (one byte at a time included), the bytes are the same."""
+    import random
+
+    from capture.fields import JSON, FieldPolicy, JsonScanner, is_credential_name, mask_body, mask_spans
+
+    rng = random.Random(5)
+    names = ("password", "api_key", "apiKey", "Access-Token", "client_secret", "sid", "credentials", "session",
+             "user", "name", "page_token", "items", "key_id", "monkey", "tokens", "x")
+
+    def value(depth: int) -> object:
+        roll = rng.random()
+        if depth <= 0 or roll < 0.4:
+            return rng.choice(("plain", 'q"uo\\te', "caf\u00e9 \u2603", "", "pass word", True, None, "key"))
+        if roll < 0.6:
+            return [value(depth - 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(names): value(depth - 1) for _ in range(rng.randint(0, 4))}
+
+    def check(orig: object, masked: object, secret: bool) -> None:
+        if isinstance(orig, dict):
+            assert isinstance(masked, dict) and list(orig) == list(masked)
+            for k in orig:
+                check(orig[k], masked[k], secret or is_credential_name(k))
+        elif isinstance(orig, list):
+            assert isinstance(masked, list) and len(orig) == len(masked)
+            for o, m in zip(orig, masked, strict=True):
+                check(o, m, secret)
+        elif secret and isinstance(orig, str):
+            assert set(masked) <= {"*"}
+        else:
+            assert masked == orig
+
+    policy = FieldPolicy(names=True)
+    for _ in range(300):
+        doc = {rng.choice(names): value(4) for _ in range(rng.randint(1, 5))}
+        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice((None, 2))).encode()
+        if rng.random() < 0.2:                      # an escaped key: "p\u0061ssword"
+            text = text.replace(b'"password"', b'"p\\u0061ssword"')
+        whole = mask_body(text, JSON, policy)
+        check(doc, json.loads(whole), False)
+        scan, spans, pos = JsonScanner(policy), [], 0
+        while pos < len(text):
+            step = rng.choice((1, 1, 2, 7, 50))
+            scan.feed(text, pos, min(pos + step, len(text)), spans)
+            pos += step
+        assert mask_spans(text, spans) == whole
