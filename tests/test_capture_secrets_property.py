@@ -374,10 +374,7 @@ def record_fields(path: Path, rng: random.Random, sec: Secrets, flows: int, deco
         ts = 1_000_000
         for k in range(flows):
             joined = rng.random() < 0.15
-            if rng.random() < 0.5 or (joined and decode == "live"):
-                # (live: no joined HTTP/2 here. The decoder, capture/decode/h2grpc.py, can lose a joined
-                # stream's frame boundary when its first read is under 9 bytes, and then stores frames as
-                # a plain body, unmasked in `messages`; the chunks are right. At-stop files join both.)
+            if rng.random() < 0.5:
                 c, s, cj, n = http1_fields_conversation(rng, sec)
                 sj = s.find(b"HTTP/1.1", 1)          # the second response
             else:
