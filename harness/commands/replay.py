@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -43,11 +44,17 @@ def build_tls(tls: bool, ca: str | None, cert: str | None, key: str | None, inse
 
 
 def header_options(f: Any) -> Any:
-    """--set-header, --drop-header, --no-marker, --keep-trace-context."""
+    """--set-header, --set-query, --set-field, --drop-header, --no-marker, --keep-trace-context."""
     for opt in reversed([
         click.option("--set-header", "set_headers", multiple=True, metavar="NAME=VALUE",
                      help="add or replace this header / gRPC metadata on every call, e.g. shadow credentials "
                           "(repeatable)"),
+        click.option("--set-query", "set_queries", multiple=True, metavar="NAME=VALUE",
+                     help="HTTP calls: give query parameter NAME this value where the recording has it, e.g. "
+                          "'api_key=shadow-key' for a key the recorder masked to '*' (repeatable)"),
+        click.option("--set-field", "set_fields", multiple=True, metavar="PATH=VALUE",
+                     help="HTTP calls: give the JSON body field at dotted PATH (or the form field PATH) this value "
+                          "where the recording has it, e.g. 'user.password=shadow-pass' (repeatable)"),
         click.option("--drop-header", "drop_headers", multiple=True, metavar="GLOB",
                      help="do not replay recorded headers whose name matches (repeatable)"),
         click.option("--no-marker", is_flag=True, help="do not add the header x-shadowtest-replay: 1"),
@@ -70,6 +77,16 @@ def build_headers(set_headers: tuple[str, ...], drop_headers: tuple[str, ...], n
         raise click.BadParameter(str(exc), param_hint="--set-header/--drop-header") from exc
 
 
+def build_shadow(set_queries: tuple[str, ...], set_fields: tuple[str, ...]) -> Any:
+    """The ShadowValues of --set-query/--set-field; a bad value: click.BadParameter (exit 2)."""
+    from replay.shadow import ShadowError, ShadowValues
+
+    try:
+        return ShadowValues.from_options(set_queries, set_fields)
+    except ShadowError as exc:
+        raise click.BadParameter(str(exc), param_hint="--set-query/--set-field") from exc
+
+
 def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:
     if value is None:
         return None
@@ -78,6 +95,29 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
         return float(a or 0), float(b)
     except ValueError:
         raise click.BadParameter("use START:END in seconds from the first call, e.g. 10:70") from None
+
+
+def _json_on_error(f: Any) -> Any:
+    """--json is written on every exit: an error (a refused file or target, a bad option value, a
+    comparison that cannot start) writes {"error", "exit_code", "passed": false, ...} before the CLI
+    prints its one line."""
+    @functools.wraps(f)
+    def wrapped(**kwargs: Any) -> Any:
+        try:
+            return f(**kwargs)
+        except Exception as exc:   # SystemExit (the verdict's exit) is not an Exception: it passes
+            json_out = kwargs.get("json_out")
+            if json_out:
+                _write_json(_error_report(exc, kwargs), json_out)
+            raise
+    return wrapped
+
+
+def _error_report(exc: Exception, kwargs: dict[str, Any]) -> dict[str, Any]:
+    message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+    code = exc.exit_code if isinstance(exc, click.ClickException) else 1
+    return {"error": " ".join(message.split()), "exit_code": code, "passed": False, "failures": [message],
+            "file": str(kwargs.get("file")), "target": kwargs.get("target")}
 
 
 @click.command("replay")
@@ -107,7 +147,14 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
 @click.option("--descriptors", default="reflection", show_default=True,
               help="for --compare: reflection, bytes, FILE.protoset or module names")
-@click.option("--ignore-field", "ignore", multiple=True, help="for --compare: field glob to ignore")
+@click.option("--ignore-field", "ignore", multiple=True,
+              help="for --compare: field glob to ignore (protobuf field paths, JSON paths of HTTP bodies)")
+@click.option("--max-mismatch-pct", type=_PCT, metavar="P",
+              help="with --compare: calls whose response differs at most P % of those compared  [default: 0, "
+                   "any mismatch fails]")
+@click.option("--salvage", is_flag=True,
+              help="replay the intact part of a damaged recording; the calls lost count as not sent "
+                   "(damaged_recording) and fail the run unless --max-not-sent-pct allows them")
 @click.option("--allow-target", "allow", multiple=True, help="allow this non-loopback host/CIDR")
 @tls_options
 @header_options
@@ -127,6 +174,7 @@ def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[f
               help="threshold: the replayer's own send lag p99 at most US (above it the replay was not faithful)")
 @click.option("--min-ok", type=click.IntRange(min=0), metavar="N",
               help="threshold: at least N calls ok  [default: 1 when any call is scheduled; 0: off]")
+@_json_on_error
 def command(file: Path, target: str, speed: float, loop: int, workers: int, shard_by: str,
             window: tuple[float, float] | None,
             methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
@@ -134,8 +182,10 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
             allow: tuple[str, ...], dry_run: bool, json_out: Path | None, max_error_pct: float | None,
             max_rejected_pct: float | None, max_not_sent_pct: float | None, max_p99_ms: float | None,
-            max_lag_p99_us: float | None, min_ok: int | None, tls: bool, ca: str | None, cert: str | None,
+            max_lag_p99_us: float | None, min_ok: int | None, max_mismatch_pct: float | None, salvage: bool,
+            tls: bool, ca: str | None, cert: str | None,
             key: str | None, insecure: bool, server_name: str | None, set_headers: tuple[str, ...],
+            set_queries: tuple[str, ...], set_fields: tuple[str, ...],
             drop_headers: tuple[str, ...], no_marker: bool, keep_trace_context: bool) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
@@ -149,6 +199,10 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
     file's method map) are never sent blind: they count as not sent, unknown_method, unless
     --method-map names their group.
 
+    A damaged recording (cut off, a damaged WAL or page, a row failing its checksum) is refused unless
+    --salvage. With --compare any response that differs from the recording fails the run unless
+    --max-mismatch-pct allows it; --json is written on every exit, an error's too.
+
     \b
     Examples:
       shadowtest replay prod.rec --target 127.0.0.1:50051
@@ -159,10 +213,13 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
       shadowtest replay prod.rec --target 127.0.0.1:50051 --dry-run
       shadowtest replay prod.rec --target 127.0.0.1:50051 --method-map 3:hpack:5,4,3=/pkg.Svc/Method
       shadowtest replay web.rec --target 127.0.0.1:8443 --tls --ca ca.pem --set-header 'authorization=Bearer shadow'
+      shadowtest replay web.rec --target 127.0.0.1:8080 --set-query api_key=shadow-key --set-field password=shadow-pass
 
     TLS (--tls, --ca, --cert/--key, --insecure, --server-name) works with every sender. Every call
     carries x-shadowtest-replay: 1 (--no-marker) and no trace context (--keep-trace-context); redacted
-    credentials are never replayed: give the replay its own with --set-header.
+    credentials are never replayed: give the replay its own with --set-header. Query parameters and
+    body fields the recorder masked go out as the recorded run of '*' unless --set-query/--set-field
+    give them a value.
     """
     from replay.compare import CompareSpec
     from replay.engine import ReplayOptions
@@ -179,28 +236,30 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
     except MethodMapError as exc:
         raise click.BadParameter(str(exc), param_hint="--method-map") from exc
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
-                            loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by)
+                            loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by,
+                            shadow=build_shadow(set_queries, set_fields))
+    found = _integrity(file, salvage)   # a damaged file is refused (one line naming --salvage) or salvaged
     tls_config = build_tls(tls, ca, cert, key, insecure, server_name, sender)
     header_policy = build_headers(set_headers, drop_headers, no_marker, keep_trace_context)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
                          allow_targets=allow,
                          compare=CompareSpec(descriptors, ignore, tls_config, _reflection_metadata(header_policy))
                          if compare else None,
-                         tls=tls_config, headers=header_policy)
+                         tls=tls_config, headers=header_policy, salvage=salvage)
     try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
         sched.validate()
         check_target(target, allow)
     except (PlanError, TargetNotAllowedError) as exc:
         raise click.UsageError(str(exc)) from exc
-    opts = _infer_methods(file, target, allow, opts)   # groups still unknown: the target's reflection
+    opts = _infer_methods(file, target, allow, opts, found)   # groups still unknown: the target's reflection
     sched = opts.schedule
     if dry_run:
-        _dry_run(file, sched, json_out)
+        _dry_run(file, sched, json_out, found)
         return
     limits = Thresholds(max_error_pct=max_error_pct, max_rejected_pct=max_rejected_pct,
                         max_not_sent_pct=max_not_sent_pct, max_p99_ms=max_p99_ms, max_lag_p99_us=max_lag_p99_us,
-                        min_ok=min_ok)
-    report = judge(_run(file, target, opts, workers), limits)
+                        min_ok=min_ok, max_mismatch_pct=max_mismatch_pct)
+    report = judge(_run(file, target, opts, workers, found), limits)
     _emit(report, json_out)
     if str(json_out) == "-":  # stdout is the JSON: say why the run failed on stderr, one line each
         for failure in report.failures:
@@ -211,6 +270,17 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
 _REFLECTION_TIMEOUT_S = 2.0
 
 
+def _integrity(file: Path, salvage: bool) -> Any:
+    """The file's capture.integrity check; without --salvage a damaged file is a one-line error (exit 1)."""
+    from capture.errors import CorruptRecordingError
+    from capture.integrity import check
+
+    found = check(file)
+    if not found.intact and not salvage:
+        raise CorruptRecordingError(found.refusal("replay"))
+    return found
+
+
 def _reflection_metadata(policy: Any) -> tuple[tuple[str, str], ...]:
     """What the replay's own calls add (--set-header credentials, the marker), for its reflection calls."""
     from replay.senders.headers import DEFAULT_POLICY
@@ -219,18 +289,18 @@ def _reflection_metadata(policy: Any) -> tuple[tuple[str, str], ...]:
 _SHOWN_GROUPS = 10
 
 
-def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any) -> Any:
+def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any, found: Any) -> Any:
     """Name the groups of calls still unknown (by neither the file's method map nor --method-map)
     from the target's reflection (read-only; the target passed check_target above), for this replay
     only: the file is not changed. Returns `opts` with what fits added to its method map."""
     from dataclasses import replace
 
-    from capture.recording import Recording
+    from capture.salvage import open_salvaged
     from harness.infer import describe, load_source, resolve_groups
     from replay.errors import ReplayError
 
     sched = opts.schedule
-    rec = Recording(file)
+    rec = open_salvaged(file, wal_damaged=found.wal_damaged)
     try:
         rec.map_methods({(flow, ref): m for flow, ref, m in sched.method_map})
         groups = [g for g in rec.method_groups() if g.method is None and g.protocol == "grpc"
@@ -255,12 +325,12 @@ def _infer_methods(file: Path, target: str, allow: tuple[str, ...], opts: Any) -
     return replace(opts, schedule=replace(sched, method_map=sched.method_map + found))
 
 
-def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
+def _dry_run(file: Path, sched: Any, json_out: Path | None, found: Any) -> None:
     from harness.console import make_console
     from replay.plan import plan_from_recording
     from replay.view import plan_table
 
-    rec, plan = plan_from_recording(file, sched)
+    rec, plan = plan_from_recording(file, sched, salvage=found)
     head: list[Any] = []
     total, last, conns = 0, 0, set()
     for p in plan:
@@ -277,13 +347,13 @@ def _dry_run(file: Path, sched: Any, json_out: Path | None) -> None:
         make_console().print(plan_table(head, total, len(conns), last / 1e9))
 
 
-def _run(file: Path, target: str, opts: Any, workers: int) -> Any:
+def _run(file: Path, target: str, opts: Any, workers: int, found: Any) -> Any:
     from harness.console import make_console
     from replay.plan import estimate_total
     from replay.stats import RunStats
 
     console = make_console(stderr=True)
-    total = estimate_total(file, opts.schedule)
+    total = estimate_total(file, opts.schedule, found)
     holder: dict[str, Any] = {"stats": RunStats()}
     if workers > 1:
         from replay.workers import WorkerPool
