@@ -464,6 +464,22 @@ def body_kind(content_type: str | None, content_encoding: str | None = None) -> 
     return None
 
 
+# Media types whose bodies are bytes, not text: no `Name: value` line can be in them, so the header
+# line masker need not read them (a large download is most of what a recorder sees).
+_OPAQUE_MEDIA = ("application/octet-stream", "application/zip", "application/gzip", "application/x-gzip",
+                 "application/x-tar", "application/pdf", "application/wasm", "application/x-protobuf",
+                 "application/protobuf", "application/grpc", "image/", "audio/", "video/", "font/")
+
+
+def opaque_body(content_type: str | None, content_encoding: str | None = None) -> bool:
+    """Whether a body with these headers is bytes with no text lines in it: compressed, or of a
+    binary media type (a body of unknown type is not: it may be text)."""
+    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
+        return True
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return bool(media) and media.startswith(_OPAQUE_MEDIA)
+
+
 def sniff_byte(first: int) -> str | None:
     """What a body of unknown type is, by its first byte after blanks: JSON when '{' or '[', nothing
     when binary (a control byte or one over 0x7F: gRPC's message prefix is 0 or 1), else FORM text

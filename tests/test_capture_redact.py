@@ -377,3 +377,41 @@ def test_json_masks_match_a_parser_and_do_not_depend_on_where_the_reads_cut() ->
             scan.feed(text, pos, min(pos + step, len(text)), spans)
             pos += step
         assert mask_spans(text, spans) == whole
+
+
+def test_opaque_bodies_are_kept_byte_for_byte_and_the_heads_around_them_still_masked() -> None:
+    """A binary download (application/octet-stream, a chunked upload, a gzip body) holds no header
+    lines: the line masker does not read it, so the file comes out as it was, even where its bytes
+    happen to read 'Authorization: ...'; the heads before and after it are masked as always, however
+    the reads cut the stream."""
+    import random
+
+    from capture.decode.streammask import FlowMasker
+
+    rng = random.Random(5)
+    blob = rng.randbytes(3000) + b"\nAuthorization: Bearer looks-like-a-header\n" + rng.randbytes(3000)
+    size = f"{len(blob):x}".encode()
+    c2s = (b"PUT /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+           b"Content-Type: application/octet-stream\r\n\r\n" + size + b"\r\n" + blob + b"\r\n0\r\n\r\n"
+           b"GET /next HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer req-Zk81hQ2v\r\n\r\n")
+    s2c = (b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
+           + str(len(blob)).encode() + b"\r\n\r\n" + blob
+           + b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Type: text/plain\r\nContent-Length: "
+           + str(len(blob)).encode() + b"\r\n\r\n" + blob
+           + b"HTTP/1.1 200 OK\r\nSet-Cookie: sid=resp-Qw73nB5x\r\nContent-Length: 0\r\n\r\n")
+    for trial in range(40):
+        masker = FlowMasker(build_redactor(True, []), joined=False)
+        out = {"c2s": bytearray(), "s2c": bytearray()}
+        for direction, stream in (("c2s", c2s), ("s2c", s2c)):
+            pos = 0
+            while pos < len(stream):
+                n = 1 if trial % 8 == 0 else rng.randint(1, 5000)
+                for d, _ts, chunk in masker.feed(direction, pos, stream[pos:pos + n], "http1"):  # type: ignore[arg-type]
+                    out[d] += chunk
+                pos += n
+        for d, _ts, chunk in masker.flush():
+            out[d] += chunk
+        assert len(out["c2s"]) == len(c2s) and len(out["s2c"]) == len(s2c)
+        assert bytes(out["c2s"]).count(blob) == 1 and bytes(out["s2c"]).count(blob) == 2, trial
+        for secret in (b"req-Zk81hQ2v", b"resp-Qw73nB5x"):
+            assert secret not in out["c2s"] + out["s2c"], (trial, secret)

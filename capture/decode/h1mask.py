@@ -10,7 +10,9 @@
            that is not one, a protocol switch (101): the raw-TCP patterns
            (capture/decode/streammask.py PatternMasker) until a later read starts a message again
 
-Header values are LineMasker's (streammask.py); this masker leaves them alone. Every mask is in place
+Header values are LineMasker's (streammask.py); this masker leaves them alone, and says where the
+last chunk it returned holds an opaque body (`opaque_spans`: compressed, or a binary media type such as
+a file download), which has no header lines for LineMasker to read. Every mask is in place
 and keeps lengths, so the masked stream frames exactly as the original. A response to HEAD says
 Content-Length yet sends no body: a response "body" that starts with "HTTP/1." is taken for the next
 response instead (the directions are not paired: their reads need not arrive in order).
@@ -21,7 +23,17 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-from capture.fields import FORM, BodyScanner, FieldPolicy, PairScanner, Span, body_kind, mask_spans, scanner
+from capture.fields import (
+    FORM,
+    BodyScanner,
+    FieldPolicy,
+    PairScanner,
+    Span,
+    body_kind,
+    mask_spans,
+    opaque_body,
+    scanner,
+)
 
 if TYPE_CHECKING:
     from capture.decode.streammask import PatternMasker
@@ -64,9 +76,12 @@ class H1FieldMasker:
         self.probe: bytearray | None = None     # a response body's first bytes while they may be _RESPONSE
         self.pattern: PatternMasker | None = None
         self.pre: list[tuple[int, bytes]] | None = [] if joined else None
+        self.opaque = False               # the body being read is opaque (see the module docstring)
+        self.opaque_spans: list[Span] = []    # where the last chunk feed() returned holds such a body
 
     # ---- chunks in, chunks out -------------------------------------------------------------------
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        self.opaque_spans = []
         if self.pre is not None:
             return self._joined(ts_ns, data)
         if self.mode == _HEAD and not self.head and self._whole_and_plain(data):
@@ -79,11 +94,13 @@ class H1FieldMasker:
             out, self.pattern = self.pattern.flush() if self.pattern else [], None   # a message starts: resync
             self._restart()
         spans: list[Span] = []
-        self._scan(data, spans)
+        opaque: list[Span] = []
+        self._scan(data, spans, opaque)
         chunk = mask_spans(data, spans) if spans else data
         if self.mode == _LOST:            # went lost inside this chunk: patterns from here on
             self.pattern = _pattern_masker()
             return out + self.pattern.feed(ts_ns, chunk)
+        self.opaque_spans = opaque
         return out + [(ts_ns, chunk)]
 
     def _whole_and_plain(self, data: bytes) -> bool:
@@ -145,10 +162,11 @@ class H1FieldMasker:
 
     def _restart(self) -> None:
         self.mode, self.line, self.body, self.query, self.probe = _HEAD, _METHOD, None, None, None
+        self.opaque = False
         self.head.clear()
 
     # ---- the state machine -----------------------------------------------------------------------
-    def _scan(self, data: bytes, spans: list[Span]) -> None:
+    def _scan(self, data: bytes, spans: list[Span], opaque: list[Span] | None = None) -> None:
         pos, end = 0, len(data)
         while pos < end and self.mode != _LOST:
             if self.probe is not None:
@@ -159,6 +177,8 @@ class H1FieldMasker:
                 n = min(self.left, end - pos)
                 if self.body is not None:
                     self.body.feed(data, pos, pos + n, spans)
+                elif self.opaque and opaque is not None and n:
+                    opaque.append((pos, pos + n))
                 pos += n
                 self.left -= n
                 if not self.left:
@@ -168,6 +188,8 @@ class H1FieldMasker:
             elif self.mode == _TO_CLOSE:
                 if self.body is not None:
                     self.body.feed(data, pos, end, spans)
+                elif self.opaque and opaque is not None:
+                    opaque.append((pos, end))
                 pos = end
             elif self.mode == _CHUNK_SIZE:
                 pos = self._chunk_size(data, pos, end)
@@ -279,7 +301,7 @@ class H1FieldMasker:
             return
         if plan.kind is not None and (plan.kind != FORM or self.policy.names):
             self.body = scanner(plan.kind, self.policy)
-        self.mode, self.left = plan.mode, plan.length
+        self.mode, self.left, self.opaque = plan.mode, plan.length, plan.opaque
         if not self.request:
             self.probe = bytearray()
 
@@ -329,6 +351,7 @@ class _Plan(NamedTuple):
     length: int = 0           # _BODY: its Content-Length
     kind: str | None = None   # capture.fields body kind (None: not scanned)
     lose: bool = False        # 101 Switching Protocols: what follows is not HTTP/1
+    opaque: bool = False      # bytes with no text lines (capture.fields.opaque_body)
 
 
 # Heads repeat (a client's headers, a server's answers): their plans are memoised, keyed by hash and
@@ -358,13 +381,14 @@ def _read_plan(head: bytes, request: bool) -> _Plan:
         if 100 <= status < 200 or status in (204, 304):
             return _Plan(_HEAD)                        # interim, no content, not modified: no body
     fields = {m[1].lower(): m[2].strip() for m in _FRAMING.finditer(head)}
-    kind = body_kind(_text(fields.get(b"content-type")), _text(fields.get(b"content-encoding")))
+    ctype, encoding = _text(fields.get(b"content-type")), _text(fields.get(b"content-encoding"))
+    kind, opaque = body_kind(ctype, encoding), opaque_body(ctype, encoding)
     if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
-        return _Plan(_CHUNK_SIZE, kind=kind)
+        return _Plan(_CHUNK_SIZE, kind=kind, opaque=opaque)
     length = fields.get(b"content-length", b"")
     if length.isdigit():
-        return _Plan(_BODY, int(length), kind) if int(length) else _Plan(_HEAD)
-    return _Plan(_HEAD) if request else _Plan(_TO_CLOSE, kind=kind)
+        return _Plan(_BODY, int(length), kind, opaque=opaque) if int(length) else _Plan(_HEAD)
+    return _Plan(_HEAD) if request else _Plan(_TO_CLOSE, kind=kind, opaque=opaque)
 
 
 def _text(value: bytes | None) -> str | None:

@@ -207,14 +207,28 @@ class _Direction:
             return [(ts_ns, data)]
         if self.h1 is not None:           # first: LineMasker blanks a joined stream's first line
             out = self.h1.feed(ts_ns, data)
+            last, opaque = len(out) - 1, self.h1.opaque_spans
             for i, (ts, chunk) in enumerate(out):
-                chunk = self.line.feed(chunk)
+                chunk = self._lines(chunk, opaque if i == last else [])
                 out[i] = (ts, chunk if self.body is None else self.body(chunk))
             return out
         data = self.line.feed(data)
         if self.body is not None:
             data = self.body(data)
         return self.pattern.feed(ts_ns, data) if self.pattern is not None else [(ts_ns, data)]
+
+    def _lines(self, chunk: bytes, opaque: list[tuple[int, int]]) -> bytes:
+        """`chunk` through the line masker, but for the opaque body bytes in it (a binary download),
+        which hold no header lines; the masker is at a line's start on both sides of such a body."""
+        assert self.line is not None
+        if not opaque:
+            return self.line.feed(chunk)
+        parts, pos = [], 0
+        for a, b in opaque:
+            parts += [self.line.feed(chunk[pos:a]), chunk[a:b]]
+            pos = b
+        parts.append(self.line.feed(chunk[pos:]))
+        return b"".join(parts)
 
     def flush(self) -> list[tuple[int, bytes]]:
         if self.h2 is not None:
