@@ -36,6 +36,7 @@ from typing import Any, Protocol, cast
 
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
+from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.streams import Streams
 from capture.errors import CaptureError, PrivilegeError
 from capture.recording import Direction, Flow
@@ -47,7 +48,9 @@ MAX_IOV = 128      # iovecs of a syscall of at most one record (copy_small in th
 BIG_IOVS = 512     # iovecs of a larger one (copy_big; grpc passes at most 260, IOV_MAX is 1024)
 MAX_BYTES_LIMIT = 64 << 20   # per syscall; the ring must hold a few such syscalls between drains
 POLL_S = 0.1              # ring drain period (see _poll)
+WAKE_BYTES = 4 << 20      # the program wakes the poller once per this much payload per CPU (see the .bpf.c)
 _MAX_QUEUED = 2_000_000   # records waiting for the decoder (<= ~64 KiB each, mostly far smaller)
+_MAX_QUEUED_BYTES = 256 << 20   # and their bytes: a burst of large writes is decoded late, memory bounded
 # A record's time is taken a few instructions before it is committed to the ring; a progress mark (see
 # _poll) stays this far behind the poll's start, far more than that, even on a preempted CPU.
 _COMMIT_SLACK_NS = 5_000_000
@@ -69,8 +72,6 @@ class _Bcc(Protocol):
     """What this module uses of bcc's BPF object (bcc ships no types; its tables are dynamic classes)."""
 
     def __getitem__(self, name: bytes) -> Any: ...
-    def ring_buffer_consume(self) -> None: ...
-    def ring_buffer_poll(self, timeout: int = -1) -> None: ...
     def cleanup(self) -> None: ...
 
 
@@ -178,7 +179,7 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, tgid_map: bool = 
         "FILTER_PORT": options.port or 0, "FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL",
         "FILTER_TGID_MAP": int(tgid_map), "SIDE_SERVER": int(options.side == "server"),
         "MAX_BYTES": max_bytes, "CHUNK": chunk, "MAX_IOV": MAX_IOV, "BIG_IOVS": BIG_IOVS,
-        "RINGBUF_PAGES": ring_pages(options),
+        "RINGBUF_PAGES": ring_pages(options), "WAKE_BYTES": WAKE_BYTES,
         "SCRATCH_CPUS": _possible_cpus(),
     }
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -231,6 +232,8 @@ class EbpfBackend:
         chunk = chunk_size(options.max_bytes)
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
+        self._ring: RingReader | None = None
+        self._enqueued = self._dequeued = 0       # record bytes into and out of the queue
         self._server_side = options.side == "server"
         self.map_names = shared_names(next(_instances))
         # accepts with no address (see the module docstring)
@@ -271,6 +274,7 @@ class EbpfBackend:
         self.bpf = b = self._load()
         self._sync_tgids()
         b[b"events"].open_ring_buffer(self._on_event)
+        self._ring = RingReader(b, b"events")
         self._learn_listeners()
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
@@ -344,14 +348,13 @@ class EbpfBackend:
         progress marks: every record written before a poll began is in the queue ahead of a mark with
         that time (less _COMMIT_SLACK_NS, the most a record's time precedes its commit), so when the
         decode thread reaches the mark, it has handed on every record up to that time."""
-        b = self.bpf
-        assert b is not None
-        timeout_ms = int(POLL_S * 1000)
+        assert self._ring is not None
+        ring = self._ring
         marks = self._caught_up is not _no_marks
         while not self._stop.is_set():
             began = time.monotonic_ns()
-            b.ring_buffer_poll(timeout_ms)   # returns early only for a large syscall's wake-up
-            b.ring_buffer_consume()
+            ring.wait(POLL_S)        # returns early only for a large syscall's wake-up
+            ring.consume()           # with the GIL held: see capture/ebpf/ringbuf.py
             if marks:
                 self._queue.append(began - _COMMIT_SLACK_NS)
             if self._queue:
@@ -379,14 +382,17 @@ class EbpfBackend:
             if raw.__class__ is int:
                 self._caught_up(cast(int, raw))
             else:
-                self._handle(cast(bytes, raw))
+                record = cast(bytes, raw)
+                self._dequeued += len(record)
+                self._handle(record)
 
     def _on_event(self, ctx: object, data: int, size: int) -> int:
         # An int, always: bcc's wrapper turns any other return value into 0 by raising and
         # catching a TypeError, which cost more than the rest of this callback.
-        if len(self._queue) >= _MAX_QUEUED:
-            self._user_lost += 1      # user space cannot keep up: counted as lost, never silent
+        if len(self._queue) >= _MAX_QUEUED or self._enqueued - self._dequeued >= _MAX_QUEUED_BYTES:
+            self._user_lost += 1      # user space cannot keep up: counted as lost (a gap), never silent
             return 0
+        self._enqueued += size        # each counter has one writer (this thread, the decode thread)
         self._queue.append(ctypes.string_at(data, size))
         return 0
 
@@ -493,8 +499,19 @@ class EbpfBackend:
     def _start(self, key: tuple[int, ...], h: EvHdr, client: tuple[str, int], server: tuple[str, int]) -> None:
         """Open the flow an OPEN event announced (seen from its first byte: not joined midstream)."""
         assert self.sink is not None
+        self._new_socket(key)
         self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
                                       opened_ns=h.ts_ns, joined_midstream=False))
+
+    def _new_socket(self, key: tuple[int, ...]) -> None:
+        """A new socket on `key`: its stream positions start at 0. A flow still open on that key lost its
+        CLOSE (a full ring): what it last sent may be lost too, so both its directions end in a gap of
+        unknown size, before the sink replaces it."""
+        assert self.sink is not None
+        self._streams.close(key, None)          # its last syscalls go to the old flow, if any
+        if self.sink.has_flow(key):
+            for direction in ("c2s", "s2c"):
+                self.sink.gap(key, cast(Direction, direction), None)
 
     def _close_accepted(self, key: tuple[int, int], h: EvHdr) -> None:
         """CLOSE of an accept with no address (sent at close's exit: the fd may be reused already)."""
@@ -555,6 +572,7 @@ class EbpfBackend:
         socks[skey] = SockInfo(family=family, is_server=1)
         self.accepts["joined_late"] += 1
         assert self.sink is not None
+        self._new_socket((tgid, fd))
         self.sink.open_flow((tgid, fd), Flow(src=remote, dst=local, pid=tgid, comm=_comm(tgid),
                                              opened_ns=time.monotonic_ns(), joined_midstream=True))
 
@@ -575,7 +593,8 @@ class EbpfBackend:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
-        bpf.ring_buffer_consume()
+        if self._ring is not None:
+            self._ring.consume()
         self._drained.set()
         self._ready.set()
         if self._worker:
@@ -592,5 +611,8 @@ class EbpfBackend:
             assert self.sink is not None   # the recorder's ticker has stopped: nothing else writes now
             self.sink.writer.set_meta({"accepted_without_address": dict(self.accepts),
                                        "accepted_peer_unknown": self.accepts["peer_unknown"]})
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         bpf.cleanup()
         self.bpf = None

@@ -11,7 +11,8 @@
  * (early return for sockets that are not ours); payload copies only for matching
  * connections, at most MAX_BYTES per syscall in CHUNK-sized ring-buffer records (one record
  * for a syscall of at most CHUNK bytes, however many iovecs it used). Records are written
- * without waking user space (BPF_RB_NO_WAKEUP): the loader drains the ring on a timer.
+ * without waking user space (BPF_RB_NO_WAKEUP): the loader drains the ring on a timer, and when
+ * WAKE_BYTES of payload have been written on a CPU since its last wake-up.
  *
  * Large syscalls (more than CHUNK bytes, up to MAX_BYTES, e.g. a 4 MiB gRPC message in one
  * sendmsg): one bounded loop whose step takes the next iovec when needed and copies the next
@@ -60,7 +61,8 @@
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
  *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
- *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOVS, RINGBUF_PAGES, SCRATCH_CPUS.
+ *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOVS, RINGBUF_PAGES, SCRATCH_CPUS,
+ *   WAKE_BYTES.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -173,6 +175,7 @@ BPF_HASH(closing, u64, struct closing_sock, 1024);
 BPF_ARRAY(scratch, struct ev_buf, SCRATCH_CPUS);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_PERCPU_ARRAY(truncated, u64, 1);
+BPF_PERCPU_ARRAY(unwoken, u64, 1);    /* payload bytes written on this CPU since its last wake-up */
 
 static __always_inline int wanted_task(u32 tgid) {
     if (FILTER_PID && tgid != FILTER_PID)
@@ -185,6 +188,21 @@ static __always_inline int wanted_task(u32 tgid) {
 }
 
 static __always_inline u64 sock_key(u32 tgid, u32 fd) { return ((u64)tgid << 32) | fd; }
+
+/* A wake-up for the poller once per WAKE_BYTES of payload written on a CPU (an irq_work on the traced
+ * thread each, so not one per record): a stream of writes just under CHUNK (nginx's 32 KiB body
+ * writes) fills the ring faster than the poller's timer drains it. */
+static __always_inline u64 wake_flag(u32 size) {
+    int zero = 0;
+    u64 *pending = unwoken.lookup(&zero);
+    if (!pending)
+        return BPF_RB_NO_WAKEUP;
+    *pending += size;
+    if (*pending < WAKE_BYTES)
+        return BPF_RB_NO_WAKEUP;
+    *pending = 0;
+    return BPF_RB_FORCE_WAKEUP;
+}
 
 static __always_inline void count(void *table_lookup_result) {
     u64 *v = table_lookup_result;
@@ -532,7 +550,7 @@ static __always_inline u32 flush(struct ev_buf *b, u32 fill, u32 offset) {
     b->h.len = fill;
     b->h.offset = offset;
     u32 size = sizeof(b->h) + (((fill - 1) & (CHUNK - 1)) + 1);
-    if (events.ringbuf_output(b, size, BPF_RB_NO_WAKEUP))
+    if (events.ringbuf_output(b, size, wake_flag(size)))
         count(lost.lookup(&zero));
     return offset + fill;
 }

@@ -32,11 +32,11 @@
  * Overhead: per SSL call two uprobe hits (entry, return) and a map update or two; per syscall of the
  * traced processes one hash lookup (`calls`, keyed by thread); per SSL call on a recorded socket one
  * lookup each in `socks` and `positions`. Plaintext copies only for recorded sockets, at most
- * MAX_BYTES per call in CHUNK-sized records, written without wake-ups (user space drains the ring on
- * a timer, at once again while it keeps finding records, and whenever the joiner needs it).
+ * MAX_BYTES per call in CHUNK-sized records, written with a wake-up only every WAKE_BYTES per CPU
+ * (user space drains the ring then, on a timer, and whenever the joiner needs it).
  *
  * Placeholders substituted by tls.py: FILTER_PID, FILTER_CGROUP, MAX_BYTES, CHUNK, RINGBUF_PAGES,
- * SCRATCH_CPUS, SOCK_INFO_SIZE; `socks` and `tls_socks` are renamed to the recorder's names.
+ * SCRATCH_CPUS, SOCK_INFO_SIZE, WAKE_BYTES; `socks` and `tls_socks` are renamed to the recorder's names.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -100,6 +100,7 @@ BPF_TABLE("extern", u64, struct rec_sock, socks, 65536);
 BPF_TABLE("extern", u64, u8, tls_socks, 65536);
 BPF_ARRAY(scratch, struct tls_buf, SCRATCH_CPUS);
 BPF_PERCPU_ARRAY(counters, u64, 3);
+BPF_PERCPU_ARRAY(unwoken, u64, 1);    /* bytes written on this CPU since its last wake-up */
 
 static __always_inline void count(int which) {
     u64 *v = counters.lookup(&which);
@@ -116,6 +117,20 @@ static __always_inline int wanted_task(u32 tgid) {
 }
 
 static __always_inline u64 sock_key(u32 tgid, u32 fd) { return ((u64)tgid << 32) | fd; }
+
+/* No wake-up per record (an irq_work each, on the traced thread), but one per WAKE_BYTES written on a
+ * CPU: a download fills the ring in milliseconds, and its drain must not wait for a timer. */
+static __always_inline u64 wake_flag(u32 size) {
+    int zero = 0;
+    u64 *pending = unwoken.lookup(&zero);
+    if (!pending)
+        return BPF_RB_NO_WAKEUP;
+    *pending += size;
+    if (*pending < WAKE_BYTES)
+        return BPF_RB_NO_WAKEUP;
+    *pending = 0;
+    return BPF_RB_FORCE_WAKEUP;
+}
 
 static __always_inline int call_enter(struct pt_regs *ctx, u8 kind, u8 ex) {
     u64 id = bpf_get_current_pid_tgid();
@@ -236,7 +251,7 @@ int ssl_rw_exit(struct pt_regs *ctx) {
         bpf_probe_read_user(b->data, size, (void *)base);
         b->h.len = size;
         b->h.offset = offset;
-        if (tls_events.ringbuf_output(b, sizeof(b->h) + size, BPF_RB_NO_WAKEUP))
+        if (tls_events.ringbuf_output(b, sizeof(b->h) + size, wake_flag(sizeof(b->h) + size)))
             count(C_LOST);
         base += size;
         offset += size;

@@ -17,7 +17,7 @@ other connection (the clients on the same host, other services) crosses a ring b
 Sizing: plaintext is copied once, so the TLS ring only needs room for what arrives between two drains,
 and the decoding must not be what drains it:
 
-    ring (32 MiB, tls_ring_pages) --tls-drain thread: copies only, every 2 ms while busy, else POLL_S-->
+    ring (32 MiB, tls_ring_pages) --tls-drain thread: copies only, at each MiB written, else POLL_S-->
         drained records (<= _RAW_MAX_BYTES) --tls-poll thread / the recorder's progress marks-->
         TlsJoiner (ready queue <= 64 MiB, decoding and storing through the sink)
 
@@ -39,6 +39,7 @@ from typing import Any, cast
 
 from capture.backends import RecordOptions
 from capture.ebpf.loader import SockInfo, rename_maps
+from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.tls_join import TlsJoiner
 from capture.errors import CaptureError, PrivilegeError
 from capture.sink import FlowSink
@@ -47,12 +48,11 @@ BPF_SOURCE = Path(__file__).with_name("tls.bpf.c")
 TLS_MODES = ("auto", "on", "off")
 MAX_BYTES_LIMIT = 262144    # plaintext kept per SSL call (OpenSSL hands out at most 16 KiB records)
 POLL_S = 0.1                 # drain period of an idle TLS ring
-# A drain that found this many records drains again after _BUSY_WAIT_S: a 16 KiB SSL_write is one
-# record, so 64 of them are a megabyte, which at download speed comes in milliseconds, not in POLL_S.
-# (With a 100 ms timer alone and the decoding in the same thread, four clients downloading 8 MiB
-# files lost 800-5,000 records a run to an 8 MiB ring; see bench/RESULTS.md, "TLS capture under load".)
-_BUSY_RECORDS = 64
-_BUSY_WAIT_S = 0.002
+# The program wakes the drain thread once per WAKE_BYTES written on a CPU: at download speed a
+# megabyte comes in milliseconds, not in POLL_S. (With a 100 ms timer alone and the decoding in the same
+# thread, four clients downloading 8 MiB files lost 800-5,000 records a run to an 8 MiB ring; with the
+# drain on its own thread but still on a timer, 0-260 records a run to a 32 MiB one.)
+WAKE_BYTES = 1 << 20
 # Drained records waiting for the decoding: at most this much (then the ring keeps them, and loses
 # what it cannot hold: a gap each). A burst of downloads is decoded late rather than lost.
 _RAW_MAX_BYTES = 128 << 20
@@ -148,7 +148,7 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, names: dict[str, 
     limit = max_bytes(options)
     defines = {"FILTER_PID": options.pid or 0, "FILTER_CGROUP": f"{cgroup_id}ULL", "MAX_BYTES": limit,
                "CHUNK": chunk_size(limit), "RINGBUF_PAGES": ring_pages(options), "SCRATCH_CPUS": _possible_cpus(),
-               "SOCK_INFO_SIZE": ctypes.sizeof(SockInfo)}
+               "SOCK_INFO_SIZE": ctypes.sizeof(SockInfo), "WAKE_BYTES": WAKE_BYTES}
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + rename_maps(BPF_SOURCE.read_text(), names or {})
 
@@ -173,6 +173,7 @@ class TlsProgram:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.more = threading.Event()     # set when the drain thread found records
+        self._taken = threading.Event()   # set when the joiner took the drained records
         try:
             self.bpf: Any = BPF(text=render_program(options, cgroup_id, names).encode())
         except Exception as exc:  # noqa: BLE001 - compile errors are plain Exception
@@ -183,6 +184,7 @@ class TlsProgram:
                 if ret:
                     self.bpf.attach_uretprobe(name=libssl.encode(), sym=sym.encode(), fn_name=ret.encode())
             self.bpf[b"tls_events"].open_ring_buffer(self._on_event)
+            self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
             self.bpf.cleanup()
             raise PrivilegeError(f"cannot attach uprobes to {libssl} ({str(exc).splitlines()[0][:160]})") from exc
@@ -199,7 +201,7 @@ class TlsProgram:
         if self._raw_bytes >= _RAW_MAX_BYTES:
             return 0
         before = len(self._raw)
-        self.bpf.ring_buffer_consume()
+        self._ring.consume()          # with the GIL held: see capture/ebpf/ringbuf.py
         return len(self._raw) - before
 
     def consume(self) -> list[bytes]:
@@ -207,6 +209,7 @@ class TlsProgram:
         with self._ring_lock:
             self._consume()
             out, self._raw, self._raw_bytes = self._raw, [], 0
+        self._taken.set()
         return out
 
     def start_draining(self) -> None:
@@ -215,14 +218,16 @@ class TlsProgram:
         self._thread.start()
 
     def _drain_loop(self) -> None:
-        wait = POLL_S
-        while not self._stop.wait(wait):
+        while not self._stop.is_set():
+            if self._raw_bytes >= _RAW_MAX_BYTES:   # full: until the joiner takes what is drained
+                self._taken.wait(POLL_S)
+                self._taken.clear()
+                continue
+            self._ring.wait(POLL_S)       # a megabyte written, or the timer
             with self._ring_lock:
                 n = self._consume()
             if n:
                 self.more.set()
-            # while records come, drain again soon: the ring then only holds a few ms of them
-            wait = _BUSY_WAIT_S if n >= _BUSY_RECORDS else POLL_S
 
     def positions(self, fdkey: tuple[int, int]) -> tuple[int, int] | None:
         """(plaintext bytes read, written) of a socket still open, as the kernel counted them."""
@@ -241,6 +246,7 @@ class TlsProgram:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._ring.close()
         self.bpf.cleanup()
 
 

@@ -138,7 +138,9 @@ class TlsJoiner:
                 self._advance(flow.opened_ns or 0)   # what came before it goes to the fd's previous flow
             old = self._by_fd.get(fdkey) if fdkey else None
             if old is not None and old in self._conns:
-                self._finish(self._conns.pop(old))   # closed unseen: the sink replaces it too
+                gone = self._conns.pop(old)      # closed unseen (its CLOSE lost): the sink replaces it too
+                self._settle(gone)
+                self._finish(gone)
             flow_id = self.sink.open_flow(key, flow)
             c = self._conns[key] = _Conn(key, flow_id, flow, self._lost)
             if fdkey is not None:
