@@ -35,6 +35,16 @@ TEMP_PATHS = """
 """
 
 
+def make_cert(d: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 (d/cert.pem, its key d/key.pem), for a TLS server and
+    the clients that trust it (--cacert, cafile=)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    return d / "cert.pem"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

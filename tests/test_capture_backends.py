@@ -138,7 +138,8 @@ def test_corrupt_recording_is_salvaged_and_reported(server: int, tmp_path: Path)
     res = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
     assert res.exit_code == 1
     report = json.loads(res.output)
-    assert report["calls"] == 21 and report["problems"]
+    # a call whose messages may be on the damaged pages is left out (never used half), and counted
+    assert report["calls"] == 0 and "21 call(s) left out: their messages are on damaged pages" in report["problems"]
     (tmp_path / "junk.rec").write_bytes(b"not a database" * 100)
     res = CliRunner().invoke(cli, ["inspect", str(tmp_path / "junk.rec")])
     assert res.exit_code == 1 and "not a readable recording" in " ".join(res.output.split())
@@ -154,11 +155,17 @@ def test_truncated_recording_is_salvaged_up_to_the_cut(server: int, tmp_path: Pa
     res = CliRunner().invoke(cli, ["inspect", str(cut), "--json"])
     assert res.exit_code == 1
     report = json.loads(res.output)
-    assert "is damaged" in report["problems"][0]
-    assert 0 < report["calls"] < 301 and report["flows"] == 1
-    # export reads the same intact part and says what it lost
-    res = CliRunner().invoke(cli, ["export", str(cut), "-o", str(tmp_path / "cut.pcapng")])
-    assert res.exit_code == 1 and (tmp_path / "cut.pcapng").stat().st_size > 0
+    assert report["problems"][0].startswith("cut off:")
+    # what is read is whole: calls whose messages lay past the cut are left out, and counted
+    assert report["calls"] < 301 and report["flows"] == 1
+    assert any(p.endswith("call(s) left out: their messages are on damaged pages") for p in report["problems"])
+    # export refuses it (one line naming --salvage, nothing written); with --salvage it writes the
+    # same intact part and says what it lost
+    pcap = tmp_path / "cut.pcapng"
+    res = CliRunner().invoke(cli, ["export", str(cut), "-o", str(pcap)])
+    assert res.exit_code == 1 and "--salvage" in res.output and not pcap.exists()
+    res = CliRunner().invoke(cli, ["export", str(cut), "-o", str(pcap), "--salvage"])
+    assert res.exit_code == 0 and "lost to damage" in res.output and pcap.stat().st_size > 0
 
 
 def _call_view(path: Path) -> list[tuple[object, ...]]:

@@ -40,7 +40,7 @@ from capture.pcap_export import export_file
 from capture.record import Recorder
 from capture.recording import Call, Recording, call_damage
 from capture.summary import summarize
-from tests.nginx import PREAMBLE, TEMP_PATHS, free_port, running_nginx
+from tests.nginx import PREAMBLE, TEMP_PATHS, free_port, make_cert, running_nginx
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
@@ -117,10 +117,7 @@ class Site:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     d = tmp_path_factory.mktemp("nginx-tls-load")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=30)
+    make_cert(d)
     (d / "www").mkdir()
     rng = random.Random(23)
     for path, size in FILES.items():

@@ -32,6 +32,7 @@ from capture.ebpf.tls import find_libssl
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
+from tests.nginx import make_cert
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
@@ -77,19 +78,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cert(d: Path) -> Path:
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=30)
-    return d / "cert.pem"
-
-
 class Nginx:
     def __init__(self, d: Path) -> None:
         self.dir = d
         self.port = _free_port()
-        self.cert = _cert(d)
+        self.cert = make_cert(d)
         (d / "nginx.conf").write_text(CONF.format(d=d, port=self.port))
         self.proc = subprocess.Popen(["nginx", "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
