@@ -54,6 +54,8 @@ NAME_CAP = 256                       # longer names are not credential names (an
 # slower). A backslash is one too: an escaped key is read in full.
 _HINT_WORDS = ("pass", "pwd", "secret", "token", "auth", "credential", "cookie", "key", "session", "sid", "sig")
 _HINT = re.compile("|".join(_HINT_WORDS).encode() + rb"|\\")
+# ... and in a form (or a body that may be one), '%': a percent-encoded name is read in full too
+_FORM_HINT = re.compile(_HINT.pattern + rb"|%")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -480,6 +482,12 @@ def opaque_body(content_type: str | None, content_encoding: str | None = None) -
     return bool(media) and media.startswith(_OPAQUE_MEDIA)
 
 
+def may_hold_names(body: bytes, kind: str) -> bool:
+    """Whether a whole body of this kind could hold a credential name (False: nothing in it to mask by
+    name, no scanner needed): the skim's test, on the body at once."""
+    return (_HINT if kind == JSON else _FORM_HINT).search(body.lower()) is not None
+
+
 def sniff_byte(first: int) -> str | None:
     """What a body of unknown type is, by its first byte after blanks: JSON when '{' or '[', nothing
     when binary (a control byte or one over 0x7F: gRPC's message prefix is 0 or 1), else FORM text
@@ -538,6 +546,8 @@ def mask_body(data: bytes, kind: str | None, policy: FieldPolicy) -> bytes:
         kind = sniff(data)
     if kind is None or not policy or (kind == FORM and not policy.names):
         return data
+    if not policy.paths and not may_hold_names(data, kind):
+        return data                       # no trace of a credential name: most bodies, at C speed
     spans: list[Span] = []
     scanner(kind, policy).feed(data, 0, len(data), spans)
     return mask_spans(data, spans)

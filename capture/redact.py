@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from capture.errors import CaptureError
-from capture.fields import FORM, FieldPolicy, body_kind, mask_body, mask_target
+from capture.fields import FORM, SNIFF, FieldPolicy, body_kind, mask_body, mask_target, may_hold_names
 from capture.recording import Call, Message
 
 MASK = "<redacted>"
@@ -53,6 +53,24 @@ class HeaderRule:
             hit = cache[name] = any(fnmatch.fnmatchcase(low, p) for p in self.patterns)
         return hit
 
+    def line_pattern(self) -> re.Pattern[bytes] | None:
+        """A regex of the `Name: value` lines whose name matches a pattern (group 1: the value), for
+        scanning whole header blocks at C speed; None when a pattern is more than literals and `*`/`?`
+        (a character class): then each line's name goes through `matches`."""
+        if any("[" in p for p in self.patterns):
+            return None
+        alt = "|".join(_glob_regex(p) for p in self.patterns)
+        return re.compile(rb"(?mi)^(?:" + alt.encode() + rb"):[ \t]*([^\r\n]*)")
+
+    def line_hints(self) -> re.Pattern[bytes] | None:
+        """A quick test for lower-cased text that may hold such a line: the longest literal piece of
+        each pattern (a line whose name matches holds it); None when a pattern has no literal piece."""
+        pieces = {max(re.split(r"[*?]", p), key=len).lower() for p in self.patterns}
+        if not pieces or not all(pieces):
+            return None
+        needed = [p for p in pieces if not any(q != p and q in p for q in pieces)]   # "cookie" covers "set-cookie"
+        return re.compile("|".join(re.escape(p) for p in sorted(needed)).encode())
+
     def apply(self, call: Call) -> bool:
         changed = False
         for attr in ("request_metadata", "response_metadata"):
@@ -75,6 +93,17 @@ class HeaderRule:
                 cache.clear()
             hit = cache[key] = tuple((k, MASK if self.matches(k) else v) for k, v in meta)
         return list(hit)
+
+
+_NAME_CHARS = r"[A-Za-z0-9!#$%&'*+.^_`|~-]"   # an HTTP header name's characters (RFC 9110 token)
+
+
+def _glob_regex(pattern: str) -> str:
+    """A header-name glob (`*`, `?` and literals, as HeaderRule.matches reads them) as a regex."""
+    out = []
+    for ch in pattern:
+        out.append(_NAME_CHARS + "*" if ch == "*" else _NAME_CHARS if ch == "?" else re.escape(ch))
+    return "".join(out)
 
 
 @dataclass
@@ -113,8 +142,8 @@ def mask_call_fields(call: Call, policy: FieldPolicy) -> bool:
         return changed
     for attr, meta in (("requests", call.request_metadata), ("responses", call.response_metadata)):
         msgs: list[Message] = getattr(call, attr)
-        if not msgs:
-            continue
+        if not msgs or (not policy.paths and not any(may_hold_names(m.data, SNIFF) for m in msgs)):
+            continue                      # no trace of a credential name in any of its bodies
         kind = _body_kind(meta)
         if kind is None or (kind == FORM and not policy.names):
             continue                      # most bodies (text, HTML, images): nothing to read

@@ -31,6 +31,7 @@ from capture.fields import (
     Span,
     body_kind,
     mask_spans,
+    may_hold_names,
     opaque_body,
     scanner,
 )
@@ -104,9 +105,10 @@ class H1FieldMasker:
         return out + [(ts_ns, chunk)]
 
     def _whole_and_plain(self, data: bytes) -> bool:
-        """The usual read: exactly one whole message with nothing to mask (no query string, a body no
-        scanner reads or none), after which a head is expected again, as before it. Saves the state
-        machine's steps for most traffic; anything else takes them."""
+        """The usual read: exactly one whole message with nothing to mask (no query string; a body no
+        scanner reads, or one without a trace of a credential name, or none), after which a head is
+        expected again, as before it. Saves the state machine's steps for most traffic; anything else
+        takes them."""
         stop = data.find(_HEAD_END)
         if stop <= 0 or data[0] in _BLANK:
             return False
@@ -118,8 +120,13 @@ class H1FieldMasker:
             return False
         if plan.mode == _HEAD:
             return stop == len(data)
-        return (plan.mode == _BODY and plan.kind is None and stop + plan.length == len(data)
-                and not (not self.request and data.startswith(_RESPONSE, stop)))
+        if plan.mode != _BODY or stop + plan.length != len(data) or \
+                (not self.request and data.startswith(_RESPONSE, stop)):
+            return False
+        kind = None if plan.kind == FORM and not self.policy.names else plan.kind   # as _head_done reads it
+        if kind is None:
+            return True
+        return not self.policy.paths and not may_hold_names(data[stop:], kind)    # json-field rules: always
 
     def flush(self) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []

@@ -31,7 +31,7 @@ from capture.decode.h1mask import H1FieldMasker
 from capture.decode.h2mask import H2ChunkMasker
 from capture.fields import FieldPolicy
 from capture.recording import Direction
-from capture.redact import BodyRegexRule, Redactor, mask_patterns
+from capture.redact import BodyRegexRule, HeaderRule, Redactor, mask_patterns
 
 _TOKEN = re.compile(rb"[A-Za-z0-9!#$%&'*+.^_`|~-]*")
 _LINE = re.compile(rb"(?m)^([A-Za-z0-9!#$%&'*+.^_`|~-]+):[ \t]*([^\r\n]*)")
@@ -51,8 +51,13 @@ class LineMasker:
     stream of chunks (lengths kept). Lines anywhere count (as HTTP/1 trailers and text protocols have
     them); a line split over chunks is masked the same as a whole one."""
 
-    def __init__(self, matches: Callable[[str], bool], joined: bool = False) -> None:
+    def __init__(self, matches: Callable[[str], bool], joined: bool = False,
+                 lines: tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None = None) -> None:
         self.matches = matches
+        # the lines `matches` accepts as one regex, and a quick test of lower-cased text that may hold
+        # one (HeaderRule.line_pattern, line_hints): most reads have no credential header at all
+        self.lines: re.Pattern[bytes] | None = lines[0] if lines is not None else None
+        self.hints: re.Pattern[bytes] | None = lines[1] if lines is not None else None
         self.mode = _NAME
         self.name = b""
         self.first = joined          # the first line of a joined stream may be the tail of a value
@@ -106,9 +111,13 @@ class LineMasker:
                 pos, self.mode, self.name = nl + 1, _NAME, b""
         if pos < n:
             # `pos` is at a line start: whole lines at C speed, then the state of the last one
-            for m in _LINE.finditer(data, pos):
-                if m.end(2) > m.start(2) and self.matches(m.group(1).decode("latin-1")):
-                    spans.append(m.span(2))
+            if self.lines is not None:
+                if self.hints is None or self.hints.search(data.lower(), pos) is not None:
+                    spans += [m.span(1) for m in self.lines.finditer(data, pos) if m.end(1) > m.start(1)]
+            else:
+                for m in _LINE.finditer(data, pos):
+                    if m.end(2) > m.start(2) and self.matches(m.group(1).decode("latin-1")):
+                        spans.append(m.span(2))
             nl = data.rfind(b"\n", pos)
             tail = nl + 1 if nl >= 0 else pos
             if tail == n:
@@ -184,7 +193,8 @@ class _Direction:
     """The masker of one direction for one protocol: feed -> [(ts, bytes)], flush -> the rest."""
 
     def __init__(self, proto: str, direction: Direction, joined: bool, header: Callable[[str], bool],
-                 body: Callable[[bytes], bytes] | None, fields: FieldPolicy | None = None) -> None:
+                 body: Callable[[bytes], bytes] | None, fields: FieldPolicy | None = None,
+                 lines: tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None = None) -> None:
         self.proto = proto
         self.body = body
         self.line: LineMasker | None = None
@@ -194,7 +204,7 @@ class _Direction:
         if proto in ("grpc", "http2"):
             self.h2 = H2ChunkMasker(header, body, direction == "c2s", joined, fields)
         elif proto != "tls":
-            self.line = LineMasker(header, joined)
+            self.line = LineMasker(header, joined, lines)
             if proto != "http1":
                 self.pattern = PatternMasker()
             elif fields:
@@ -243,6 +253,21 @@ class _Direction:
         return self.pattern.flush() if self.pattern is not None else []
 
 
+# HeaderRule patterns -> their line regex and hints: a recorder opens a FlowMasker per flow, same rules
+_LINE_PATTERNS: dict[tuple[str, ...], tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None] = {}
+
+
+def _line_patterns(rule: HeaderRule | None) -> tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None:
+    if rule is None:
+        return None
+    if rule.patterns not in _LINE_PATTERNS:
+        if len(_LINE_PATTERNS) > 64:
+            _LINE_PATTERNS.clear()
+        lines = rule.line_pattern()
+        _LINE_PATTERNS[rule.patterns] = None if lines is None else (lines, rule.line_hints())
+    return _LINE_PATTERNS[rule.patterns]
+
+
 class FlowMasker:
     """Both directions of one flow: chunks in, (direction, ts, masked chunk) out, lengths kept.
 
@@ -253,6 +278,7 @@ class FlowMasker:
     def __init__(self, redactor: Redactor, joined: bool) -> None:
         rule = redactor.header_rule()
         self.header: Callable[[str], bool] = rule.matches if rule else (lambda _n: False)
+        self.lines = _line_patterns(rule)
         has_body = any(isinstance(r, BodyRegexRule) for r in redactor.rules)
         self.body = redactor.body if has_body else None
         self.fields = redactor.field_policy()
@@ -286,7 +312,7 @@ class FlowMasker:
         if m is None:
             assert self.proto is not None
             m = self.dirs[direction] = _Direction(self.proto, direction, self.joined or direction in self.rejoined,
-                                                  self.header, self.body, self.fields)
+                                                  self.header, self.body, self.fields, self.lines)
         return m
 
     def gap(self, direction: Direction) -> list[tuple[Direction, int, bytes]]:
@@ -310,7 +336,8 @@ class FlowMasker:
             if mine:
                 self.held = [h for h in self.held if h[0] != direction]
                 self.held_bytes -= sum(len(h[2]) for h in mine)
-                tmp = _Direction("tcp", direction, self.joined or direction in self.rejoined, self.header, self.body)
+                tmp = _Direction("tcp", direction, self.joined or direction in self.rejoined, self.header, self.body,
+                                 lines=self.lines)
                 for _, t, b in mine:
                     out += [(direction, ts, c) for ts, c in tmp.feed(t, b)]
                 out += [(direction, ts, c) for ts, c in tmp.flush()]
