@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from capture.errors import CorruptRecordingError, RecordingError
-from capture.rowcrc import call_crc, chunk_crc, message_crc, row_matches
+from capture.rowcrc import call_crc_of, chunk_crc_of, message_crc_of, row_matches
 
 SCHEMA_VERSION = 1
 # calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
@@ -356,7 +356,7 @@ class RecordingWriter:
     def add_chunk_data(self, flow_id: int, direction: Direction, ts_ns: int, data: bytes) -> None:
         """`add_chunk` without building a Chunk first (the recorder's per-syscall path)."""
         data = bytes(data)
-        self._chunk_rows.append((flow_id, direction, ts_ns, data, chunk_crc(flow_id, direction, ts_ns, data)))
+        self._chunk_rows.append((flow_id, direction, ts_ns, data, chunk_crc_of(flow_id, direction, ts_ns, data)))
         self._maybe_commit()
 
     def add_gap(self, flow_id: int, direction: Direction, chunks_before: int, nbytes: int | None,
@@ -382,11 +382,11 @@ class RecordingWriter:
                self._json(call.request_metadata), self._json(call.response_metadata), call.status,
                call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
                int(call.method_unknown), call.method_ref)
-        self._call_rows.append((call_id, *row, call_crc(*row)))
+        self._call_rows.append((call_id, *row, call_crc_of(row)))
         for m in (*call.requests, *call.responses):
             data, flag = bytes(m.data), int(m.compressed)
             self._message_rows.append((call_id, m.direction, m.seq, m.ts_ns, data, flag,
-                                       message_crc(call_id, m.direction, m.seq, m.ts_ns, data, flag)))
+                                       message_crc_of(call_id, m.direction, m.seq, m.ts_ns, data, flag)))
         self._maybe_commit()
         return call_id
 
