@@ -233,6 +233,7 @@ class EbpfBackend:
         self._max_bytes = (options.max_bytes + chunk - 1) // chunk * chunk
         self._reported = (0, 0)
         self._ring: RingReader | None = None
+        self.extra_drain: Callable[[], None] | None = None    # another ring to drain on this poller's timer
         self._enqueued = self._dequeued = 0       # record bytes into and out of the queue
         self._server_side = options.side == "server"
         self.map_names = shared_names(next(_instances))
@@ -345,9 +346,10 @@ class EbpfBackend:
         once and the drain follows.
 
         A sink with a `caught_up(ts)` method (the TLS joiner, capture/ebpf/tls_join.py) also gets
-        progress marks: every record written before a poll began is in the queue ahead of a mark with
-        that time (less _COMMIT_SLACK_NS, the most a record's time precedes its commit), so when the
-        decode thread reaches the mark, it has handed on every record up to that time."""
+        progress marks while it says it `needs_marks`: every record written before a poll began is in
+        the queue ahead of a mark with that time (less _COMMIT_SLACK_NS, the most a record's time
+        precedes its commit), so when the decode thread reaches the mark, it has handed on every record
+        up to that time. (Marks only while plaintext waits: an idle recorder's decode thread sleeps.)"""
         assert self._ring is not None
         ring = self._ring
         marks = self._caught_up is not _no_marks
@@ -355,7 +357,9 @@ class EbpfBackend:
             began = time.monotonic_ns()
             ring.wait(POLL_S)        # returns early only for a large syscall's wake-up
             ring.consume()           # with the GIL held: see capture/ebpf/ringbuf.py
-            if marks:
+            if self.extra_drain is not None:
+                self.extra_drain()   # the TLS ring, on this thread's timer (capture/ebpf/tls.py)
+            if marks and getattr(self.sink, "needs_marks", True):   # plaintext waits for the recorder
                 self._queue.append(began - _COMMIT_SLACK_NS)
             if self._queue:
                 self._ready.set()

@@ -17,14 +17,16 @@ other connection (the clients on the same host, other services) crosses a ring b
 Sizing: plaintext is copied once, so the TLS ring only needs room for what arrives between two drains,
 and the decoding must not be what drains it:
 
-    ring (32 MiB, tls_ring_pages) --tls-drain thread: copies only, at each MiB written, else POLL_S-->
-        drained records (<= _RAW_MAX_BYTES) --tls-poll thread / the recorder's progress marks-->
+    ring (32 MiB, tls_ring_pages) --copied, GIL held: by the recorder's poller every POLL_S, and by the
+        tls-drain thread at each MiB written on a CPU--> drained records (<= _RAW_MAX_BYTES)
+        --the recorder's progress marks (its decode thread), or tls-poll under a backlog-->
         TlsJoiner (ready queue <= 64 MiB, decoding and storing through the sink)
 
 Under a burst of downloads the decoding (Python: masking, HTTP/1 decoding, SQLite) falls behind the
 network; the drained records and the ready queue absorb that, so the ring itself never fills unless a
 burst outgrows both. Whatever is still lost (a ring shrunk on purpose, a host out of CPU for longer than
 the buffers last) becomes a gap at exactly the bytes lost (tls_join.py): never a silent mis-pairing.
+With light traffic no TLS thread wakes on a timer faster than once a second.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from capture.sink import FlowSink
 BPF_SOURCE = Path(__file__).with_name("tls.bpf.c")
 TLS_MODES = ("auto", "on", "off")
 MAX_BYTES_LIMIT = 262144    # plaintext kept per SSL call (OpenSSL hands out at most 16 KiB records)
-POLL_S = 0.1                 # drain period of an idle TLS ring
+POLL_S = 0.1                 # how long the full drain thread waits before it looks again
 # The program wakes the drain thread once per WAKE_BYTES written on a CPU: at download speed a
 # megabyte comes in milliseconds, not in POLL_S. (With a 100 ms timer alone and the decoding in the same
 # thread, four clients downloading 8 MiB files lost 800-5,000 records a run to an 8 MiB ring; with the
@@ -56,6 +58,7 @@ WAKE_BYTES = 1 << 20
 # Drained records waiting for the decoding: at most this much (then the ring keeps them, and loses
 # what it cannot hold: a gap each). A burst of downloads is decoded late rather than lost.
 _RAW_MAX_BYTES = 128 << 20
+_PRESSURE_BYTES = 4 << 20   # drained and not taken: the joiner's own thread hands them on
 # (symbol, entry function, return function); SSL_read/SSL_write are what nginx and curl call,
 # the _ex forms what Python's ssl module calls
 PROBES = (
@@ -218,16 +221,29 @@ class TlsProgram:
         self._thread.start()
 
     def _drain_loop(self) -> None:
+        """Drain at each wake-up (a MiB written on a CPU); the recorder's poller drains the rest on its
+        timer (drain_now), so this thread sleeps while traffic is light."""
         while not self._stop.is_set():
             if self._raw_bytes >= _RAW_MAX_BYTES:   # full: until the joiner takes what is drained
                 self._taken.wait(POLL_S)
                 self._taken.clear()
                 continue
-            self._ring.wait(POLL_S)       # a megabyte written, or the timer
-            with self._ring_lock:
-                n = self._consume()
-            if n:
-                self.more.set()
+            self._ring.wait(1.0)
+            self.drain_now()
+
+    def drain_now(self) -> None:
+        """Copy what the ring holds into memory (any thread); the joiner's thread is woken only when a
+        backlog builds (_PRESSURE_BYTES): otherwise the recorder's progress marks hand it on."""
+        if self._raw_bytes >= _RAW_MAX_BYTES:
+            return
+        with self._ring_lock:
+            self._consume()
+        if self._raw_bytes >= _PRESSURE_BYTES:
+            self.more.set()
+
+    def pending(self) -> bool:
+        """Records drained and not taken yet."""
+        return bool(self._raw)
 
     def positions(self, fdkey: tuple[int, int]) -> tuple[int, int] | None:
         """(plaintext bytes read, written) of a socket still open, as the kernel counted them."""
@@ -346,14 +362,16 @@ class TlsBackend:
         with j._lock:
             j.program = program
         program.start_draining()
+        self.inner.extra_drain = program.drain_now     # the recorder's poller drains this ring on its timer
         self._thread = threading.Thread(target=self._poll, args=(program,), name="tls-poll", daemon=True)
         self._thread.start()
 
     def _poll(self, program: TlsProgram) -> None:
-        """Hand the drained records on when the drain thread found some, and every POLL_S."""
+        """Hand the drained records on when the drain thread found some; once a second regardless
+        (orphans and calls cut short expire, counters go to the sink)."""
         last = time.monotonic()
         while not self._stop.is_set():
-            program.more.wait(POLL_S)
+            program.more.wait(1.0)
             program.more.clear()
             assert self.joiner is not None
             self.joiner.poll()

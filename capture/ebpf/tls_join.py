@@ -112,6 +112,7 @@ class TlsJoiner:
         # --max-bytes; a CLOSE: position = bytes read in all, x = bytes written in all
         self._ready: collections.deque[tuple[int, tuple[int, int], int, bytes, int, int, int]] = collections.deque()
         self._ready_bytes = 0
+        self._waiting = False             # records in the ready queue wait for the recorder's marks
         self._partial: dict[tuple[int, int, int], list[Any]] = {}  # one call's records, reassembled
         self._orphans: dict[tuple[int, int], list[tuple[int, int, bytes, int, int, int]]] = {}   # no flow yet
         self._orphan_bytes = 0
@@ -177,10 +178,19 @@ class TlsJoiner:
                 c.mode = "tls"            # plain first: STARTTLS, the plaintext goes on in the same flow
             self._ciphertext(c, nbytes)
 
+    @property
+    def needs_marks(self) -> bool:
+        """Whether plaintext waits for the backend's progress marks (loader._poll sends none otherwise):
+        records in the ready queue, or drained and not taken yet."""
+        program = self.program
+        return self._waiting or (program is not None and program.pending())
+
     def caught_up(self, ts_ns: int) -> None:
-        """The backend has handed on every record it wrote before `ts_ns` (a progress mark)."""
+        """The backend has handed on every record it wrote before `ts_ns` (a progress mark): hand on
+        what that allows, with what has been drained meanwhile (in the backend's thread, which is
+        awake anyway: the TLS threads then need not wake for ordinary traffic)."""
         with self._lock:
-            self._advance(ts_ns, drain=False)
+            self._advance(ts_ns, drain=True)
 
     def gap(self, key: Hashable, direction: Direction, nbytes: int) -> None:
         with self._lock:
@@ -244,6 +254,7 @@ class TlsJoiner:
             rec = ready.popleft()
             self._ready_bytes -= len(rec[3])
             self._hand_on(*rec)
+        self._waiting = bool(ready)
 
     def _hand_on(self, ts: int, fdkey: tuple[int, int], is_write: int, payload: bytes, span: int,
                  pos: int, x: int) -> None:
