@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from capture.errors import CorruptRecordingError, RecordingError
-from capture.rowcrc import call_crc_of, chunk_crc_of, message_crc_of, row_matches
+from capture.rowcrc import row_matches, with_call_crcs, with_chunk_crcs, with_message_crcs
 
 SCHEMA_VERSION = 1
 # calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
@@ -315,10 +315,11 @@ class RecordingWriter:
         self._last_commit = time.monotonic()
         # Rows waiting for the next commit, in arrival order. Call ids are ours to give (the
         # messages need them before the calls are inserted): one past the largest in the file.
-        self._chunk_rows: list[tuple[int, str, int, bytes, int]] = []
+        # rows queued for the next write, their CRCs added then (capture/rowcrc.py: with_*_crcs)
+        self._chunk_rows: list[tuple[int, str, int, bytes]] = []
         self._gap_rows: list[tuple[int, str, int, int | None, str | None]] = []
         self._call_rows: list[tuple[Any, ...]] = []
-        self._message_rows: list[tuple[int, str, int, int, bytes, int, int]] = []
+        self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
         self._map_rows: dict[tuple[int, str], tuple[str, str]] = {}
         self._next_call_id = 1 + int(self._db.execute("SELECT coalesce(max(id), 0) FROM calls").fetchone()[0])
         self._meta_json: dict[tuple[tuple[str, str], ...], str] = {}
@@ -356,7 +357,7 @@ class RecordingWriter:
     def add_chunk_data(self, flow_id: int, direction: Direction, ts_ns: int, data: bytes) -> None:
         """`add_chunk` without building a Chunk first (the recorder's per-syscall path)."""
         data = bytes(data)
-        self._chunk_rows.append((flow_id, direction, ts_ns, data, chunk_crc_of(flow_id, direction, ts_ns, data)))
+        self._chunk_rows.append((flow_id, direction, ts_ns, data))
         self._maybe_commit()
 
     def add_gap(self, flow_id: int, direction: Direction, chunks_before: int, nbytes: int | None,
@@ -382,11 +383,10 @@ class RecordingWriter:
                self._json(call.request_metadata), self._json(call.response_metadata), call.status,
                call.status_message, call.request_ts_ns, call.response_ts_ns, call.end_ts_ns,
                int(call.method_unknown), call.method_ref)
-        self._call_rows.append((call_id, *row, call_crc_of(row)))
+        self._call_rows.append((call_id, *row))
         for m in (*call.requests, *call.responses):
             data, flag = bytes(m.data), int(m.compressed)
-            self._message_rows.append((call_id, m.direction, m.seq, m.ts_ns, data, flag,
-                                       message_crc_of(call_id, m.direction, m.seq, m.ts_ns, data, flag)))
+            self._message_rows.append((call_id, m.direction, m.seq, m.ts_ns, data, flag))
         self._maybe_commit()
         return call_id
 
@@ -445,7 +445,7 @@ class RecordingWriter:
         written["messages"] += len(self._message_rows)
         if self._chunk_rows:
             db.executemany("INSERT INTO chunks(flow_id, direction, ts_ns, data, crc) VALUES (?,?,?,?,?)",
-                           self._chunk_rows)
+                           with_chunk_crcs(self._chunk_rows))
             self._chunk_rows = []
         if self._gap_rows:
             db.executemany("INSERT INTO gaps(flow_id, direction, chunks_before, nbytes, how) VALUES (?,?,?,?,?)",
@@ -455,14 +455,15 @@ class RecordingWriter:
             db.executemany(
                 "INSERT INTO calls(id, flow_id, protocol, method, kind, stream_id, request_metadata,"
                 " response_metadata, status, status_message, request_ts_ns, response_ts_ns, end_ts_ns,"
-                " method_unknown, method_ref, crc) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._call_rows)
+                " method_unknown, method_ref, crc) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                with_call_crcs(self._call_rows))
             self._call_rows = []
         if self._map_rows:
             db.executemany(_UPSERT_MAP, [(f, r, m, h) for (f, r), (m, h) in self._map_rows.items()])
             self._map_rows = {}
         if self._message_rows:
             db.executemany("INSERT INTO messages(call_id, direction, seq, ts_ns, data, compressed, crc)"
-                           " VALUES (?,?,?,?,?,?,?)", self._message_rows)
+                           " VALUES (?,?,?,?,?,?,?)", with_message_crcs(self._message_rows))
             self._message_rows = []
         db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('rows_written', ?)", (json.dumps(written),))
 

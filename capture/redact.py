@@ -142,8 +142,14 @@ def mask_call_fields(call: Call, policy: FieldPolicy) -> bool:
         return changed
     for attr, meta in (("requests", call.request_metadata), ("responses", call.response_metadata)):
         msgs: list[Message] = getattr(call, attr)
-        if not msgs or (not policy.paths and not any(may_hold_names(m.data, SNIFF) for m in msgs)):
-            continue                      # no trace of a credential name in any of its bodies
+        if not msgs:
+            continue
+        if not policy.paths:
+            for m in msgs:
+                if may_hold_names(m.data, SNIFF):
+                    break
+            else:
+                continue                  # no trace of a credential name in any of its bodies
         kind = _body_kind(meta)
         if kind is None or (kind == FORM and not policy.names):
             continue                      # most bodies (text, HTML, images): nothing to read

@@ -61,22 +61,28 @@ def call_crc(*columns: Any) -> int:
     return zlib.crc32(_SEP.join(text).encode("utf-8", "surrogatepass"))
 
 
-# The writer's own: its values are already ints, strs and None (a call's columns as it builds them), so
-# no conversion is needed, and a function call less per row (the recorder pays these per syscall and
-# per call). They give the same CRC as the functions above for those values (tests/test_recording.py).
+# The writer's own, over a batch of rows as it queued them (without the CRC), at write time: its values
+# are already ints, strs and None, so no conversion is needed, and one tight loop per batch costs the
+# recorder less than a function call per syscall and per call in between the decoding. They give the
+# same CRCs as the functions above for those values (tests/test_recording.py).
 
-def chunk_crc_of(flow_id: int, direction: str, ts_ns: int, data: bytes, _crc: Any = zlib.crc32,
-                 _pack: Any = _INTS.pack) -> int:
-    return int(_crc(data, _crc(_pack(flow_id, _DIRECTIONS[direction], ts_ns))))
-
-
-def message_crc_of(call_id: int, direction: str, seq: int, ts_ns: int, data: bytes, compressed: int,
-                   _crc: Any = zlib.crc32, _pack: Any = _MESSAGE_INTS.pack) -> int:
-    return int(_crc(data, _crc(_pack(call_id, _DIRECTIONS[direction], seq, ts_ns, compressed))))
+def with_chunk_crcs(rows: list[tuple[int, str, int, bytes]]) -> list[tuple[int, str, int, bytes, int]]:
+    """(flow_id, direction, ts_ns, data) rows -> the same rows with chunk_crc as a last column."""
+    crc, pack, dirs = zlib.crc32, _INTS.pack, _DIRECTIONS
+    return [(f, d, t, b, crc(b, crc(pack(f, dirs[d], t)))) for f, d, t, b in rows]
 
 
-def call_crc_of(row: tuple[Any, ...]) -> int:
-    return zlib.crc32(_SEP.join(["" if v is None else str(v) for v in row]).encode("utf-8", "surrogatepass"))
+def with_message_crcs(rows: list[tuple[int, str, int, int, bytes, int]]) -> list[tuple[Any, ...]]:
+    """(call_id, direction, seq, ts_ns, data, compressed) rows -> with message_crc as a last column."""
+    crc, pack, dirs = zlib.crc32, _MESSAGE_INTS.pack, _DIRECTIONS
+    return [(c, d, q, t, b, z, crc(b, crc(pack(c, dirs[d], q, t, z)))) for c, d, q, t, b, z in rows]
+
+
+def with_call_crcs(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """(id, *CALL_COLUMNS) rows -> with call_crc over the columns after id as a last column."""
+    crc, sep = zlib.crc32, _SEP
+    return [(*r, crc(sep.join(["" if v is None else str(v) for v in r[1:]]).encode("utf-8", "surrogatepass")))
+            for r in rows]
 
 
 # The calls columns the CRC covers, in the order call_crc takes them (the INSERT's order after id).

@@ -341,21 +341,31 @@ def test_bad_chunk_timestamp_is_a_corrupt_recording_error(tmp_path: Path) -> Non
 
 
 def test_the_writer_s_fast_row_crcs_equal_the_checker_s() -> None:
-    """The writer computes row CRCs without conversions (its values are ints, strs and None); the
-    integrity check and readers use the general functions: both must give the same number, or every
-    row written would read as damaged."""
+    """The writer computes row CRCs in batches without conversions (its values are ints, strs and
+    None); the integrity check and readers use the general functions: both must give the same number,
+    or every row written would read as damaged."""
     import random
 
-    from capture.rowcrc import call_crc, call_crc_of, chunk_crc, chunk_crc_of, message_crc, message_crc_of
+    from capture.rowcrc import (
+        call_crc,
+        chunk_crc,
+        message_crc,
+        with_call_crcs,
+        with_chunk_crcs,
+        with_message_crcs,
+    )
 
     rng = random.Random(9)
+    chunks, messages, calls = [], [], []
     for _ in range(300):
         data = rng.randbytes(rng.randint(0, 300))
         flow, ts, seq = rng.randint(1, 1 << 40), rng.randint(0, 1 << 62), rng.randint(0, 9)
         direction = rng.choice(["c2s", "s2c"])
-        assert chunk_crc_of(flow, direction, ts, data) == chunk_crc(flow, direction, ts, data)
-        assert message_crc_of(flow, direction, seq, ts, data, seq % 2) == message_crc(flow, direction, seq, ts,
-                                                                                      data, seq % 2)
-        row = tuple(rng.choice([None, rng.randint(-5, 1 << 50), "GET /a?x=é", "[[\"k\", \"v\"]]", "\udcff", ""])
-                    for _ in range(14))
-        assert call_crc_of(row) == call_crc(*row)
+        chunks.append((flow, direction, ts, data))
+        messages.append((flow, direction, seq, ts, data, seq % 2))
+        calls.append((flow, *(rng.choice([None, rng.randint(-5, 1 << 50), "GET /a?x=é", "[[\"k\", \"v\"]]",
+                                           "\udcff", ""]) for _ in range(14))))
+    assert [r[-1] for r in with_chunk_crcs(chunks)] == [chunk_crc(*r) for r in chunks]
+    assert [r[-1] for r in with_message_crcs(messages)] == [message_crc(*r) for r in messages]
+    assert [r[-1] for r in with_call_crcs(calls)] == [call_crc(*r[1:]) for r in calls]
+    assert [r[:-1] for r in with_call_crcs(calls)] == calls

@@ -104,6 +104,14 @@ class H1FieldMasker:
         self.opaque_spans = opaque
         return out + [(ts_ns, chunk)]
 
+    def plain_read(self, data: bytes) -> bool:
+        """True when `data` passes unchanged and leaves this masker as it was (feed's fast path, for
+        callers that want to skip the chunk list): the usual read of one whole message."""
+        if self.pre is None and self.mode == _HEAD and not self.head and self._whole_and_plain(data):
+            self.opaque_spans = []
+            return True
+        return False
+
     def _whole_and_plain(self, data: bytes) -> bool:
         """The usual read: exactly one whole message with nothing to mask (no query string; a body no
         scanner reads, or one without a trace of a credential name, or none), after which a head is
@@ -115,7 +123,7 @@ class H1FieldMasker:
         stop += len(_HEAD_END)
         if self.request and self.policy.names and data.find(b"?", 0, data.find(b"\n", 0, stop)) >= 0:
             return False
-        plan = _plan(data[:stop], self.request)
+        plan = _plan(data, self.request, stop)
         if plan.lose:
             return False
         if plan.mode == _HEAD:
@@ -368,14 +376,16 @@ _PLANS: dict[tuple[int, int, bool], _Plan] = {}
 _PLANS_CAP = 4096
 
 
-def _plan(head: bytes, request: bool) -> _Plan:
-    part = head[head.find(b"\n"):] if request else head
+def _plan(head: bytes, request: bool, stop: int | None = None) -> _Plan:
+    """The plan of the head `head[:stop]` (all of it when stop is None)."""
+    end = len(head) if stop is None else stop
+    part = head[head.find(b"\n", 0, end):end] if request else head[:end] if stop is not None else head
     key = (hash(part), len(part), request)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_CAP:
             _PLANS.clear()
-        plan = _PLANS[key] = _read_plan(head, request)
+        plan = _PLANS[key] = _read_plan(head[:end] if stop is not None else head, request)
     return plan
 
 

@@ -216,6 +216,9 @@ class _Direction:
         if self.line is None:
             return [(ts_ns, data)]
         if self.h1 is not None:           # first: LineMasker blanks a joined stream's first line
+            if self.h1.plain_read(data):  # the usual read: one whole message, no field to mask
+                data = self.line.feed(data)
+                return [(ts_ns, data if self.body is None else self.body(data))]
             out = self.h1.feed(ts_ns, data)
             last, opaque = len(out) - 1, self.h1.opaque_spans
             for i, (ts, chunk) in enumerate(out):
