@@ -380,7 +380,9 @@ def scenario_rate_name(scenario: Scenario) -> str:
 
 @contextlib.contextmanager
 def _signals_to_exceptions() -> Iterator[None]:
-    """SIGTERM raises Interrupted in the main thread (SIGINT already raises KeyboardInterrupt)."""
+    """SIGTERM raises Interrupted in the main thread, SIGINT KeyboardInterrupt: installed explicitly,
+    because a process started in the background by a non-interactive shell (a CI script's `run &`)
+    inherits SIGINT ignored, and an interrupt must still undo the faults, as the recorder's does."""
     def on_term(signum: int, frame: Any) -> None:
         raise Interrupted("SIGTERM")
     try:
@@ -388,10 +390,12 @@ def _signals_to_exceptions() -> Iterator[None]:
     except ValueError:           # not the main thread: nothing to install, the caller handles stop
         yield
         return
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _tls_and_headers(s: Scenario) -> dict[str, Any]:

@@ -142,7 +142,9 @@ def test_interrupt_removes_every_fault_and_still_writes_the_report(tmp_path: Pat
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "chaos", "run", str(scenario),
                              "--report-dir", str(out), "--no-png"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ},
+                            # as a CI script's background job starts it: SIGINT inherited ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     deadline = time.monotonic() + 120
     assert proc.stdout is not None
