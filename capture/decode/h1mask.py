@@ -85,7 +85,7 @@ class H1FieldMasker:
         self.opaque_spans = []
         if self.pre is not None:
             return self._joined(ts_ns, data)
-        if self.mode == _HEAD and not self.head and self._whole_and_plain(data):
+        if self.plain_read(data):
             return [(ts_ns, data)]
         out: list[tuple[int, bytes]] = []
         if self.mode == _LOST:
@@ -308,7 +308,7 @@ class H1FieldMasker:
     def _head_done(self, head: bytes) -> None:
         """A whole head: what body follows, how it is framed, and its scanner."""
         self.line, self.query = _METHOD, None
-        plan = _plan(head, self.request)
+        plan = _plan(head, self.request, len(head))
         if plan.lose:
             self._lose()
             return
@@ -376,16 +376,15 @@ _PLANS: dict[tuple[int, int, bool], _Plan] = {}
 _PLANS_CAP = 4096
 
 
-def _plan(head: bytes, request: bool, stop: int | None = None) -> _Plan:
-    """The plan of the head `head[:stop]` (all of it when stop is None)."""
-    end = len(head) if stop is None else stop
-    part = head[head.find(b"\n", 0, end):end] if request else head[:end] if stop is not None else head
+def _plan(data: bytes, request: bool, end: int) -> _Plan:
+    """The plan of the head `data[:end]` (a slice of a whole read is not copied first)."""
+    part = data[data.find(b"\n", 0, end):end] if request else data[:end]
     key = (hash(part), len(part), request)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_CAP:
             _PLANS.clear()
-        plan = _PLANS[key] = _read_plan(head[:end] if stop is not None else head, request)
+        plan = _PLANS[key] = _read_plan(data[:end], request)
     return plan
 
 

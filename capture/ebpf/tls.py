@@ -50,6 +50,7 @@ BPF_SOURCE = Path(__file__).with_name("tls.bpf.c")
 TLS_MODES = ("auto", "on", "off")
 MAX_BYTES_LIMIT = 262144    # plaintext kept per SSL call (OpenSSL hands out at most 16 KiB records)
 POLL_S = 0.1                 # how long the full drain thread waits before it looks again
+IDLE_S = 1.0                 # the longest a TLS thread sleeps with no wake-up (light traffic: the poller drains)
 # The program wakes the drain thread once per WAKE_BYTES written on a CPU: at download speed a
 # megabyte comes in milliseconds, not in POLL_S. (With a 100 ms timer alone and the decoding in the same
 # thread, four clients downloading 8 MiB files lost 800-5,000 records a run to an 8 MiB ring; with the
@@ -228,7 +229,7 @@ class TlsProgram:
                 self._taken.wait(POLL_S)
                 self._taken.clear()
                 continue
-            self._ring.wait(1.0)
+            self._ring.wait(IDLE_S)
             self.drain_now()
 
     def drain_now(self) -> None:
@@ -371,7 +372,7 @@ class TlsBackend:
         (orphans and calls cut short expire, counters go to the sink)."""
         last = time.monotonic()
         while not self._stop.is_set():
-            program.more.wait(1.0)
+            program.more.wait(IDLE_S)
             program.more.clear()
             assert self.joiner is not None
             self.joiner.poll()
