@@ -80,9 +80,18 @@ def with_message_crcs(rows: list[tuple[int, str, int, int, bytes, int]]) -> list
 
 def with_call_crcs(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """(id, *CALL_COLUMNS) rows -> with call_crc over the columns after id as a last column."""
-    crc, sep = zlib.crc32, _SEP
-    return [(*r, crc(sep.join(["" if v is None else str(v) for v in r[1:]]).encode("utf-8", "surrogatepass")))
-            for r in rows]
+    crc = zlib.crc32
+    out = []
+    for r in rows:
+        # call_crc's text spelled out column by column: one string built, no list, no str() calls
+        _id, f, p, m, k, s, rq, rs, st, sm, t1, t2, t3, mu, mr = r
+        text = (f"{'' if f is None else f}\x1f{'' if p is None else p}\x1f{'' if m is None else m}"
+                f"\x1f{'' if k is None else k}\x1f{'' if s is None else s}\x1f{'' if rq is None else rq}"
+                f"\x1f{'' if rs is None else rs}\x1f{'' if st is None else st}\x1f{'' if sm is None else sm}"
+                f"\x1f{'' if t1 is None else t1}\x1f{'' if t2 is None else t2}\x1f{'' if t3 is None else t3}"
+                f"\x1f{'' if mu is None else mu}\x1f{'' if mr is None else mr}")
+        out.append((*r, crc(text.encode("utf-8", "surrogatepass"))))
+    return out
 
 
 # The calls columns the CRC covers, in the order call_crc takes them (the INSERT's order after id).

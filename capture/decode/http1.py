@@ -46,7 +46,7 @@ class _Parser:
         if end < 0 or head_only:
             return None
         lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-        headers = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:])]
+        headers = _headers(lines)
         h = dict(headers)
         body_start = end + 4
         if "chunked" in h.get("transfer-encoding", "").lower():
@@ -74,7 +74,7 @@ class _Parser:
         if end < 0:
             return None
         lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-        headers = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:])]
+        headers = _headers(lines)
         body_start = end + 4
         h = dict(headers)
         if head_only:
@@ -121,6 +121,13 @@ class _Parser:
         self.holed, self.skip = None, 0
         self.first_ts = None if not self.buf else ts_ns
         return line, headers, b"", first, missing      # never the partial body: it has a hole
+
+
+def _headers(lines: list[str]) -> list[tuple[str, str]]:
+    """The header lines after the start line as (lower-cased name, value), both stripped; a line
+    without ':' is a name with an empty value."""
+    # `for k, _, v in (x,)` is a plain assignment in a comprehension (no generator): half the cost
+    return [(k.strip().lower(), v.strip()) for ln in lines[1:] for k, _, v in (ln.partition(":"),)]
 
 
 def _dechunk(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
@@ -183,7 +190,8 @@ class Http1Decoder:
         return self._drain(ts_ns)
 
     def _drain(self, ts_ns: int, at_eof: bool = False) -> list[Call]:
-        while (m := self.req.next_message(ts_ns)) is not None:
+        # (an empty parser with no body being stepped over has no message: most reads skip a side)
+        while (self.req.buf or self.req.holed is not None) and (m := self.req.next_message(ts_ns)) is not None:
             line, headers, body, first, missing = m
             call = Call(protocol="http1", method=line.rsplit(" ", 1)[0], request_ts_ns=first,
                         flow_id=self.flow_id, kind="request", request_metadata=headers)
@@ -199,7 +207,7 @@ class Http1Decoder:
                 call.status, call.status_message = None, OUTCOME_UNKNOWN
                 done.append(call)
             return done
-        while self.pending:
+        while self.pending and (self.resp.buf or self.resp.holed is not None):
             head_only = self.pending[0].method is not None and self.pending[0].method.startswith("HEAD ")
             m = self.resp.next_message(ts_ns, head_only=head_only or self._bodyless(), at_eof=at_eof)
             if m is None:
@@ -227,6 +235,8 @@ class Http1Decoder:
         return done
 
     def _bodyless(self) -> bool:
+        if self.resp.buf[9:13] == b"200 " and self.resp.buf[:9] in (b"HTTP/1.1 ", b"HTTP/1.0 "):
+            return False                 # the usual answer, without the split
         head = bytes(self.resp.buf[:16]).split(b" ")
         return len(head) > 1 and head[1].isdigit() and (int(head[1]) in _BODYLESS_STATUS
                                                         or 100 <= int(head[1]) < 200)
@@ -247,8 +257,7 @@ class Http1Decoder:
                 line = bytes(parser.buf[:end]).decode("latin-1").split("\r\n")
                 call = Call(protocol="http1", method=line[0].rsplit(" ", 1)[0],
                             request_ts_ns=parser.first_ts or 0, flow_id=self.flow_id, kind="request",
-                            request_metadata=[(k.strip().lower(), v.strip())
-                                              for k, _, v in (ln.partition(":") for ln in line[1:])])
+                            request_metadata=_headers(line))
                 call.status_message = _body_missing("request", None)   # the gap may hold more
                 self.pending.append(call)
         elif direction == "c2s" and parser.holed is not None:

@@ -40,11 +40,12 @@ class Streams:
     def whole(self, key: Key, direction: Direction, ts_ns: int, pos: int, payload: bytes) -> None:
         """A syscall whose bytes are all in one record: the usual case."""
         sk = (key, direction)
-        if sk in self._pending:
+        if self._pending and sk in self._pending:
             self._finish(sk)
-        if self._next.get(sk, 0) != pos:
+        nxt = self._next
+        if nxt.get(sk, 0) != pos:
             self._catch_up(key, direction, pos)
-        self._next[sk] = pos + len(payload)
+        nxt[sk] = pos + len(payload)
         self.sink.data(key, direction, ts_ns, payload)
 
     def piece(self, key: Key, direction: Direction, ts_ns: int, pos: int, offset: int, total: int,
