@@ -438,3 +438,44 @@ def test_a_whole_message_in_one_read_is_scanned_when_any_credential_name_may_be_
             ("", b"user=ann&api_k%65y=Zq7Kx9Lw2", b"Zq7Kx9Lw2")):       # no type: sniffed as a form
         got = one_read(ctype, body)
         assert secret not in got and len(got) > len(body), (ctype, body, got)
+
+
+def test_a_header_block_seen_before_is_masked_as_the_first_time_and_its_neighbours_read_afresh() -> None:
+    """Header blocks are remembered by hash (a client repeats its headers): the same block later masks
+    the same values; a block that differs only in its credential is read again; the line before the
+    block (a text protocol's first line may be a header) and the lines after it are read every time."""
+    from capture.decode.streammask import FlowMasker
+
+    def masked(data: bytes, proto: str = "http1") -> bytes:
+        masker = FlowMasker(build_redactor(True, []), joined=False)
+        out = masker.feed("c2s", 1, data, proto) + masker.flush()
+        return b"".join(chunk for _d, _ts, chunk in out)
+
+    def request(path: bytes, token: bytes, after: bytes = b"") -> bytes:
+        return (b"GET %s HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer %s\r\nAccept: */*\r\n\r\n%s"
+                % (path, token, after))
+
+    first = masked(request(b"/a", b"tok-AAAA1111"))
+    assert b"tok-AAAA1111" not in first and b"Authorization: " + b"*" * 17 in first
+    for _ in range(3):       # the same block behind another request line: masked from the memo alike
+        again = masked(request(b"/a/much/longer/path?x=1", b"tok-AAAA1111"))
+        assert b"tok-AAAA1111" not in again and again.count(b"*" * 17) == 1
+    other = masked(request(b"/a", b"tok-BBBB2222"))               # same length, other token: read again
+    assert b"tok-BBBB2222" not in other
+    swapped = masked(b"GET /a HTTP/1.1\r\nAccept: */*\r\nHost: api\r\nAuthorization: Bearer tok-AAAA1111\r\n\r\n")
+    assert b"tok-AAAA1111" not in swapped            # the same length, its lines in another order
+    longer = masked(request(b"/a", b"tok-CCCC3333-and-more"))
+    assert b"tok-CCCC3333-and-more" not in longer
+    # what follows the block is read each time: a second message in the same read
+    two = masked(request(b"/a", b"tok-AAAA1111", request(b"/b", b"tok-DDDD4444")))
+    assert b"tok-AAAA1111" not in two and b"tok-DDDD4444" not in two
+    # a raw-TCP text whose first line is itself a credential line, then a remembered block
+    block = b"Host: api\r\nAccept: */*\r\n\r\n"
+    masked(b"HELLO\r\n" + block, "tcp")
+    tcp = masked(b"Proxy-Authorization: Digest k-EEEE5555\r\n" + block, "tcp")   # no raw-TCP pattern for it
+    assert b"k-EEEE5555" not in tcp
+    # an HTTP/1 head whose second read starts with a credential line
+    masker = FlowMasker(build_redactor(True, []), joined=False)
+    out = masker.feed("c2s", 1, b"GET /a HTTP/1.1\r\n", "http1")
+    out += masker.feed("c2s", 2, b"Cookie: sid-FFFF6666\r\n" + block, "http1") + masker.flush()
+    assert b"sid-FFFF6666" not in b"".join(chunk for _d, _ts, chunk in out)

@@ -58,6 +58,9 @@ class LineMasker:
         # one (HeaderRule.line_pattern, line_hints): most reads have no credential header at all
         self.lines: re.Pattern[bytes] | None = lines[0] if lines is not None else None
         self.hints: re.Pattern[bytes] | None = lines[1] if lines is not None else None
+        if self.lines is not None and self.lines not in _BLOCK_SPANS and len(_BLOCK_SPANS) >= 64:
+            _BLOCK_SPANS.clear()
+        self.blocks = _BLOCK_SPANS.setdefault(self.lines, {}) if self.lines is not None else {}
         self.mode = _NAME
         self.name = b""
         self.first = joined          # the first line of a joined stream may be the tail of a value
@@ -112,8 +115,7 @@ class LineMasker:
         if pos < n:
             # `pos` is at a line start: whole lines at C speed, then the state of the last one
             if self.lines is not None:
-                if self.hints is None or self.hints.search(data.lower(), pos) is not None:
-                    spans += [m.span(1) for m in self.lines.finditer(data, pos) if m.end(1) > m.start(1)]
+                spans += self._line_spans(data, pos)
             else:
                 for m in _LINE.finditer(data, pos):
                     if m.end(2) > m.start(2) and self.matches(m.group(1).decode("latin-1")):
@@ -143,6 +145,46 @@ class LineMasker:
         for s, e in spans:
             out[s:e] = b"*" * (e - s)
         return bytes(out)
+
+
+    def _line_spans(self, data: bytes, pos: int) -> list[tuple[int, int]]:
+        """The values to blank in the whole lines of `data` from `pos` (a line start), by the rule's
+        line regex. A header block (up to its blank line) is looked up by the hash of its lines after
+        the first: a client sends the same headers call after call, and a server mostly the same, so
+        the regex reads each distinct block once. The first line (request or status line, which
+        differs from call to call) and what follows the block (a body) are read each time."""
+        lines, hints = self.lines, self.hints
+        assert lines is not None
+        spans: list[tuple[int, int]] = []
+        end = data.find(b"\r\n\r\n", pos)
+        if end >= 0:
+            stop = end + 4
+            second = data.find(b"\n", pos, stop) + 1       # the block has a second line: end + 2 at most
+            if data.find(b":", pos, second) >= 0:           # a request or status line has none, mostly
+                m = lines.match(data, pos)
+                if m is not None and m.end(1) > m.start(1) and m.end(1) < second:
+                    spans.append(m.span(1))
+            block = data[second:stop]
+            key = (hash(block), len(block))                 # offsets only: no header bytes are kept
+            rel = self.blocks.get(key)
+            if rel is None:
+                if len(self.blocks) >= _BLOCK_SPANS_CAP:
+                    self.blocks.clear()
+                rel = self.blocks[key] = () if hints is not None and hints.search(block.lower()) is None else \
+                    tuple(m.span(1) for m in lines.finditer(block) if m.end(1) > m.start(1))
+            if rel:
+                spans += [(a + second, b + second) for a, b in rel]
+            if stop == len(data):
+                return spans
+            pos = stop
+        if hints is None or hints.search(data.lower(), pos) is not None:
+            spans += [m.span(1) for m in lines.finditer(data, pos) if m.end(1) > m.start(1)]
+        return spans
+
+
+# Header blocks' value spans (LineMasker._line_spans) by line regex, then by the block's hash and length.
+_BLOCK_SPANS: dict[re.Pattern[bytes], dict[tuple[int, int], tuple[tuple[int, int], ...]]] = {}
+_BLOCK_SPANS_CAP = 4096
 
 
 class PatternMasker:
@@ -308,7 +350,11 @@ class FlowMasker:
             for d, t, b in held:
                 out += [(d, ts, c) for ts, c in self._dir(d).feed(t, b)]
             return out + [(direction, ts, c) for ts, c in self._dir(direction).feed(ts_ns, data)]
-        return [(direction, ts, c) for ts, c in self._dir(direction).feed(ts_ns, data)]
+        done = (self.dirs.get(direction) or self._dir(direction)).feed(ts_ns, data)
+        if len(done) == 1:                # the usual read: one chunk out, no comprehension's frame
+            ts, c = done[0]
+            return [(direction, ts, c)]
+        return [(direction, ts, c) for ts, c in done]
 
     def _dir(self, direction: Direction) -> _Direction:
         m = self.dirs.get(direction)
