@@ -31,7 +31,8 @@ def sparkline(values: list[float | None], width: int = 24) -> str:
 
 @dataclass
 class Snapshot:
-    """What the runner knows at one instant (all rates per second, latencies in ms)."""
+    """What the runner knows at one instant (all rates per second, latencies in ms). p50/p95/p99 are
+    the completed periods' values, oldest first; None for a period without calls (or too few)."""
 
     elapsed_s: float
     total_s: float
@@ -50,8 +51,9 @@ class Snapshot:
 
 
 def _last(values: list[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    return f"{known[-1]:.1f}ms" if known else "-"
+    """The latest period's value, or `-` when that period has none (no calls, or too few for a
+    percentile): never an older period's value repeated as if it were now."""
+    return f"{values[-1]:.1f}ms" if values and values[-1] is not None else "-"
 
 
 def plain_line(s: Snapshot) -> str:

@@ -3,7 +3,8 @@
     check leftovers --> start agent + proxy --> scrape once (counters before)
         t0: traffic starts (open loop, own thread)
         phase 1 .. n: faults applied at phase start (+after), removed at phase end (or after `for`),
-                      each logged with when it really took effect; live view 4x a second
+                      each logged with when it really took effect; live view 4x a second;
+                      one line when the traffic runs out before the last phase ends
         end: faults off, traffic stopped and drained, final scrape and events
     --> timeline --> checks --> RunResult (reports are written by the caller)
 
@@ -34,7 +35,7 @@ from harness.live import LiveView, Snapshot
 from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
 from harness.prom import PrometheusServer
 from harness.report import RunResult
-from harness.scenario import Scenario
+from harness.scenario import RecordingTraffic, Scenario
 from harness.scenario_load import RUN_PHASE
 from harness.target import Running, open_target
 from harness.timeline import FaultWindow, MetricSample, Timeline
@@ -86,6 +87,7 @@ class Runner:
         self.t0 = 0.0
         self._leg_log = ""
         self._prom: PrometheusServer | None = None
+        self.ran_out: str | None = None      # the line said when the traffic ran out early (also a note)
 
     def log(self, message: str) -> None:
         t = self.clock.now() - self.t0 if self.t0 else 0.0
@@ -221,6 +223,8 @@ class Runner:
                 self._do(actions.pop(0), faults)
             if traffic.error is not None:
                 raise RunError(f"the traffic stopped: {traffic.error}") from traffic.error
+            if self.ran_out is None:
+                self._check_ran_out(now, traffic)
             if now - last_view >= _VIEW_S:
                 last_view = now
                 self.view.update(self._snapshot(now, current or phases[0][0], traffic, followers, faults))
@@ -228,6 +232,28 @@ class Runner:
         for action in actions:        # removals due exactly at the end
             if not action.apply:
                 self._do(action, faults)
+
+    def _check_ran_out(self, now: float, traffic: TrafficRun) -> None:
+        """Say once, when it happens, that the traffic ran out before the run ends, and which phases
+        get no calls (their checks are then skipped: see checks.base.no_calls)."""
+        s = self.scenario
+        last = traffic.ran_out(s.duration_s, s.period_s)
+        if last is None or now < last:
+            return
+        empty = [n for n, (a, _) in s.phase_bounds().items() if a > last or not traffic.planned]
+        if traffic.planned:
+            what = (f"traffic ran out: its last call was due at {last:.2f}s, {s.duration_s - last:.1f}s "
+                    "before the run ends")
+        else:
+            what = "traffic ran out: it planned no calls at all"
+        if empty:
+            what += f"; no calls in phase{'s' if len(empty) > 1 else ''} {', '.join(empty)}"
+        traffic_spec = s.traffic
+        if isinstance(traffic_spec, RecordingTraffic) and not traffic_spec.until_end and traffic.planned:
+            what += (f" (the recording played {traffic.loops} time{'s' if traffic.loops != 1 else ''}; "
+                     "'loop: until_end' repeats it until the scenario ends)")
+        self.ran_out = what
+        self.log(what)
 
     def _do(self, action: _Action, faults: FaultSession) -> None:
         w = action.window
@@ -303,6 +329,8 @@ class Runner:
             tl.outside["sched"] = list(followers["cpu"].sched)
         verdicts = judge(tl, s)
         notes = list(self.options.notes)
+        if self.ran_out is not None:
+            notes.append(self.ran_out)
         for name, f in followers.items():
             if f.failures:
                 notes.append(f"{name} follower failed {f.failures} time(s): {f.last_error}")

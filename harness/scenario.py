@@ -65,15 +65,27 @@ class ExternalTarget:
 Target = AgentTarget | ExternalTarget
 
 
+UNTIL_END = "until_end"       # `loop: until_end`: repeat the recording until the scenario ends
+
+
 @dataclass(frozen=True)
 class RecordingTraffic:
-    """Replay a recording file (path resolved relative to the scenario file)."""
+    """Replay a recording file (path resolved relative to the scenario file).
+
+    `loop` is a count, or UNTIL_END (as many passes as the phases need; the runner works it out from
+    the recording's span). `line`: where the scenario file says how long it plays (the `loop` entry,
+    else the traffic's), for warnings."""
 
     path: str
     speed: float = 1.0
-    loop: int = 1
+    loop: int | str = 1
     methods: tuple[str, ...] = ()
     window: tuple[float, float] | None = None   # seconds into the recording
+    line: int | None = None
+
+    @property
+    def until_end(self) -> bool:
+        return self.loop == UNTIL_END
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,8 @@ class Scenario:
     source: str | None = None        # the file it came from
     faults: tuple[FaultSpec, ...] = ()   # held for the whole run (e.g. a small CPU quota: the container)
     prometheus: PrometheusSpec | None = None   # judge alerts as a real Prometheus evaluates the rules
+    # The run's policy, not the file's: `chaos run --strict` (a skipped check fails the run).
+    strict: bool = False
 
     @property
     def duration_s(self) -> float:

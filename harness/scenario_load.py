@@ -18,6 +18,7 @@ from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
 from harness.faultspecs import FAULT_FAMILIES, GRPC_STATUS, MAX_TOXIC_MS, fault_bounds, fault_problem
 from harness.scenario import (
+    UNTIL_END,
     AgentTarget,
     CheckSpec,
     ExternalTarget,
@@ -127,6 +128,8 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
         return _grpc_status(node, what, bound)
     if kind == "duration":
         return node.duration(what, bound)
+    if kind == "loop":
+        return _loop(node, what, bound)
     if kind == "bool":
         return node.boolean(what)
     if kind == "strlist":
@@ -155,6 +158,20 @@ def _grpc_status(node: Node, what: str, bound: Bound | None) -> int:
             node.fail(f"{what}: {raw!r} is not a gRPC status; use a code 1..16 or a name such as UNAVAILABLE, "
                       "RESOURCE_EXHAUSTED, INTERNAL, DEADLINE_EXCEEDED")
         return code
+    return node.integer(what, bound)
+
+
+def _loop(node: Node, what: str, bound: Bound | None) -> int | str:
+    """A recording's `loop`: a whole number of passes, or `until_end` (as many as the phases need)."""
+    raw = node.scalar(what)
+    if raw == UNTIL_END:
+        return UNTIL_END
+    if isinstance(raw, str):
+        try:
+            float(raw)
+        except ValueError:
+            node.fail(f"{what}: expected a whole number of passes or {UNTIL_END} (repeat the recording until "
+                      f"the scenario ends), got {raw!r}")
     return node.integer(what, bound)
 
 
@@ -297,13 +314,16 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
                 "stream_share": Param("number")}
         return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
                                                bounds=TRAFFIC_BOUNDS))
-    spec = {"recording": Param("str", required=True), "speed": Param("number"), "loop": Param("int"),
-            "methods": Param("strlist"), "window": Param("str")}
+    spec = {"recording": Param("str", required=True), "speed": Param("number"),
+            "loop": Param("loop", help=f"passes, or {UNTIL_END}"), "methods": Param("strlist"),
+            "window": Param("str")}
     values = typed_params(node, spec, "traffic", bounds=TRAFFIC_BOUNDS)
     path = Path(values.pop("recording"))
     values["path"] = str(path if path.is_absolute() else base / path)
     if "window" in values:
         values["window"] = _window(entries["window"])
+    # Where a warning that the traffic ends early points: the `loop` entry, else the traffic itself.
+    values["line"] = entries["loop"].line if "loop" in entries else node.line
     return RecordingTraffic(**values)
 
 
@@ -448,6 +468,38 @@ def _prometheus(node: Node, base: Path | None) -> PrometheusSpec:
     from harness.prom import parse_prometheus  # the rule files are read where the scenario lives
 
     return parse_prometheus(node, base or Path("."))
+
+
+def scenario_warnings(s: Scenario) -> tuple[list[str], float | None]:
+    """What a valid scenario will get wrong when it runs, as one-line `FILE:LINE: ...` warnings, and
+    until when (seconds into the run) its traffic lasts (None when that cannot be told).
+
+    The traffic against the phases: a recording that ends before the scenario leaves the phases after
+    it without calls (their checks are then skipped). The recording is read (without its messages) to
+    work this out; one that cannot be read is a warning here, and an error when the scenario runs."""
+    from capture.errors import CaptureError
+    from harness.traffic import coverage
+    from replay.errors import ReplayError
+
+    traffic = s.traffic
+    line = getattr(traffic, "line", None)
+    where = f"{s.source or '<scenario>'}:{line}" if line else (s.source or "<scenario>")
+    try:
+        cov = coverage(s)
+    except (CaptureError, ReplayError, OSError) as exc:
+        return [f"{where}: traffic: cannot tell how long the recording lasts: {exc}"], None
+    if not cov.short:
+        return [], cov.ends_s
+    if cov.loops_needed is None:
+        return [f"{where}: traffic: {cov.how}: no phase gets any call, so every check will be skipped"], 0.0
+    bounds = s.phase_bounds()
+    empty = [name for name, (start, _) in bounds.items() if start >= cov.ends_s]
+    none = f"; none at all in {', '.join(empty)}" if empty else ""
+    loads = "" if all(p.load == 1.0 for p in s.phases) else " (their durations x load)"
+    return [f"{where}: traffic runs out at {cov.ends_s:.1f}s of the scenario's {cov.run_s:g}s: {cov.how} lasts "
+            f"{cov.lasts_s:.3g}s, the phases use {cov.needs_s:.3g}s of it{loads}; no calls after "
+            f"{cov.ends_s:.1f}s in phase {cov.phase}{none} (checks bound to a phase without calls are skipped); "
+            f"use 'loop: until_end' (or 'loop: {cov.loops_needed}')"], cov.ends_s
 
 
 def load_scenario(path: str | Path) -> Scenario:

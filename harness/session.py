@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -36,11 +37,14 @@ def run_scenario(scenario: Scenario, *, report_dir: str | None = None, junit: st
 
 
 def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scale: float,
-                   clear_leftovers: bool, png: bool, as_json: bool) -> int:
-    """The `chaos run` command: exit 0 when every check passed, else 1."""
+                   clear_leftovers: bool, png: bool, as_json: bool, strict: bool = False) -> int:
+    """The `chaos run` command: exit 0 when every check passed, else 1. `strict`: a skipped check
+    fails the run (the scenario carries it, so the verdict, summary line and reports agree)."""
     scenario = load_scenario(path)
     if scale != 1.0:
         scenario = scenario.scaled(scale)
+    if strict:
+        scenario = replace(scenario, strict=True)
     out = sys.stderr if as_json else sys.stdout
     try:
         result, paths = run_scenario(scenario, report_dir=report_dir, junit=junit, png=png, stream=out,

@@ -11,6 +11,7 @@ CLOCK_MONOTONIC, which the replayer, the harness and the agent's events (`mono`)
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -176,6 +177,14 @@ class Timeline:
                            outcomes["rejected"], outcomes["error"], outcomes["timeout"], outcomes["not_sent"],
                            q(0.50), q(0.95), q(0.99))
 
+    @cached_property
+    def _due_times(self) -> list[float]:
+        return sorted(c.intended_s for c in self.calls)
+
+    def calls_due(self, start: float, end: float) -> int:
+        """How many calls were due in [start, end) (planned there, whatever became of them)."""
+        return bisect.bisect_left(self._due_times, end) - bisect.bisect_left(self._due_times, start)
+
     def calls_between(self, start: float, end: float) -> list[CallResult]:
         """Calls that completed (or were due, if never done) in [start, end)."""
         return [c for c in self.calls if start <= (c.done_s if c.done_s is not None else c.intended_s) < end]
@@ -214,6 +223,13 @@ class Timeline:
             return _intervals([(e.t, e.data.get("to") == "firing") for e in evs])
         name = self.metric_names.get("alert_firing", "agent_alert_firing") + f'{{alert="{alert}"}}'
         return _intervals([(t, v >= 1) for t, v in self.metric(name)])
+
+    def alert_observed(self, alert: str = "P99High") -> bool:
+        """Whether the run could see the alert's state at all: the target's event stream (which carries
+        its alert transitions) said something, or a scrape held its firing gauge. Without either, an
+        alert that never fired is not known to have stayed silent."""
+        name = self.metric_names.get("alert_firing", "agent_alert_firing") + f'{{alert="{alert}"}}'
+        return bool(self.events) or any(name in s.values for s in self.samples)
 
     def tier_series(self) -> list[tuple[float, str]]:
         """(t, tier) at each tier change: events, else scraped agent_model_tier{tier="light"}."""

@@ -153,12 +153,13 @@ def test_verdict_table_off_a_terminal_keeps_each_check_on_one_line() -> None:
     from harness.report import RunResult
     from harness.report.table import print_verdicts
     from harness.scenario_load import load_scenario_text
-    from harness.timeline import CallResult, Timeline
+    from harness.timeline import CallResult, MetricSample, Timeline
 
     s = load_scenario_text("name: long\nseed: 1\ntarget: {agent: {}}\ntraffic: {generator: {rate: 20}}\n"
                            "phases: [{name: baseline, duration: 2s}]\nexpect:\n  - {alert_silent: {phase: baseline}}\n")
     calls = [CallResult(i * 0.05, i * 0.05, i * 0.05 + 0.005, "/Decide", "ok") for i in range(40)]
-    tl = Timeline(1.0, 20.0, [("baseline", 0.0, 2.0)], calls=calls, min_samples=5)
+    gauge = [MetricSample(t, {'agent_alert_firing{alert="P99High"}': 0.0}) for t in (0.0, 2.0)]  # silence seen
+    tl = Timeline(1.0, 20.0, [("baseline", 0.0, 2.0)], calls=calls, samples=gauge, min_samples=5)
     evidence = "the alert stayed inactive in every period; " + "x" * 300
     verdicts = [replace(v, summary=evidence) for v in evaluate_all(tl, s.expect)]
     out = io.StringIO()

@@ -206,6 +206,10 @@ class AlertSilent:
         if hits:
             return verdict(spec, False, f"{alert} fired at {hits[0][0]:.1f}s: a false alarm in "
                            f"{start:.1f}-{end:.1f}s", **evidence)
+        if source != "prometheus" and not tl.alert_observed(spec.params.get("alert", "P99High")):
+            name = tl.metric_names.get("alert_firing", "agent_alert_firing")
+            return nothing_to_judge(spec, f"the target reported no alert state (no events, no {name} samples): "
+                                    f"{alert} never firing there is not silence seen", **evidence)
         if spec.params.get("service_breach") and not breached:
             return nothing_to_judge(spec, f"the service's own P99 never exceeded {tl.threshold_ms:g} ms in "
                                     f"{start:.1f}-{end:.1f}s, so its silence does not show that a short "
@@ -285,6 +289,12 @@ class Restores:
         if still:
             return verdict(spec, False, f"{alert} was still firing at {end:.1f}s: nothing restored",
                            **evidence)
+        if not light_ever:
+            # The alert fired and resolved but the tier never left full (or the target reports no tier):
+            # "full again" would pass on nothing restored; degrades judges whether it should have gone light.
+            unseen = "" if tiers else " (the target reported no tier at all)"
+            return nothing_to_judge(spec, f"the tier was never light by {end:.1f}s{unseen} although {alert} "
+                                    "fired: nothing to restore", **evidence)
         since = max(resolved[-1], start) if resolved else start
         deadline = since + within
         full = [t for t, tier in tiers if tier == "full" and since - tl.period_s <= t <= deadline]

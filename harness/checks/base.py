@@ -19,7 +19,7 @@ class Param:
     """One argument a check (or fault) accepts in a scenario file.
 
     `type` is one of: phase, number, int, duration, str, bool, strlist, grpc_status (a code 1..16 or
-    its name, e.g. UNAVAILABLE).
+    its name, e.g. UNAVAILABLE), loop (a whole number or `until_end`).
     """
 
     type: str
@@ -83,6 +83,27 @@ def verdict(spec: CheckSpec, passed: bool, summary: str, **evidence: Any) -> Ver
     """A verdict for `spec` with its id and phase filled in."""
     return Verdict(id=spec.id, kind=spec.kind, passed=passed, summary=summary, evidence=evidence,
                    phase=spec.params.get("phase"))
+
+
+def no_calls(tl: Timeline, spec: CheckSpec, params: dict[str, Param]) -> Verdict | None:
+    """A skipped verdict when a phase the check is bound to (its `phase`, or any other phase parameter
+    such as a baseline) had no calls, or, for a check of the whole run, when the run had none; None
+    otherwise. A check judged on a phase without traffic would judge nothing (a silent alert, a
+    limiter at rest), so it never passes: the traffic ran out, or never covered that phase."""
+    names = [str(v) for k, v in spec.params.items() if k in params and params[k].type == "phase" and v]
+    if not names:
+        if tl.calls_due(0.0, tl.duration_s) or not tl.phases:
+            return None
+        return nothing_to_judge(spec, f"no calls in the run (0.0-{tl.duration_s:.1f}s)", calls=0)
+    for name in names:
+        bounds = tl.phase_bounds(name)
+        if bounds is None:        # a phase an interrupted run never reached: the check says what it makes of it
+            continue
+        start, end = bounds
+        if not tl.calls_due(start, end):
+            return nothing_to_judge(spec, f"no calls in the phase {name!r} ({start:.1f}-{end:.1f}s)", calls=0,
+                                    phase_s=[round(start, 3), round(end, 3)])
+    return None
 
 
 def nothing_to_judge(spec: CheckSpec, why: str, **evidence: Any) -> Verdict:

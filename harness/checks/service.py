@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.base import Param, Verdict, phase_window, register, verdict
+from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
 from harness.checks.truth import leg_values, sched_rates
 from harness.scenario import CheckSpec
 from harness.timeline import FaultWindow, Timeline, percentile
@@ -57,7 +57,8 @@ class ErrorRate:
 
 class NoLoss:
     """Exact: every call the client sent is counted by the service, rejections equal; any difference
-    fails (a call lost on the way, or counted twice, is what this check is for)."""
+    fails (a call lost on the way, or counted twice, is what this check is for). A target without
+    request counters has nothing to compare: skipped, never passed."""
 
     name = "no_loss"
     params: dict[str, Param] = {}
@@ -74,8 +75,11 @@ class NoLoss:
                            f"{accounted} accounted for (ok+rejected+errors+timeouts+not_sent)", **evidence)
         server = _server_counts(tl)
         if server is None:
-            return verdict(spec, True, f"all {scheduled} calls accounted for; the target exposes no "
-                           "request counters to compare", **evidence)
+            # The client's own books balance, but nothing was compared with the service: not a pass.
+            name = tl.metric_names.get("requests_total", "agent_requests_total")
+            return nothing_to_judge(spec, f"the target exposes no request counters to compare ({name} by "
+                                    f"outcome, scraped before and after the run); the client accounted for all "
+                                    f"{scheduled} calls", **evidence)
         # Every call the client sent reached the agent and was counted once: ok, rejected, invalid or
         # error there. (A client timeout is still a call the agent answered, or will, so totals compare.)
         sent = scheduled - client["not_sent"]
@@ -160,7 +164,10 @@ class FaultEffective:
             return verdict(spec, False, f"{f['fault']}: {f['summary']}: the fault did not reach the signal it "
                            f"alone moves" + (f" ({len(failed)} of {len(results)} faults)" if len(results) > 1 else ""),
                            **evidence)
-        return verdict(spec, True, "; ".join(f"{r['fault']}: {r['summary']}" for r in results), **evidence)
+        said = "; ".join(f"{r['fault']}: {r['summary']}" for r in results)
+        if all(r.get("skipped") for r in results):     # nothing moved because nothing was there to move
+            return nothing_to_judge(spec, said, **evidence)
+        return verdict(spec, True, said, **evidence)
 
     def _phase(self, tl: Timeline, spec: CheckSpec, phase: str, base: str, windows: list[FaultWindow]) -> Verdict:
         signal = spec.params["signal"]
@@ -200,6 +207,10 @@ def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict
     if signal == "target_cpu":
         cap = _quota_pct(w)
         if w.family == "process":
+            if before <= 2.0:
+                return out | {"ok": True, "skipped": True,
+                              "summary": f"target CPU only {before:.1f}% before the pause (not more than 2%): a "
+                                         "stopped process cannot be told from an idle one, nothing to judge"}
             ok = during <= 2.0
             why = f"target CPU {before:.1f}% -> {during:.1f}% while paused (needed <= 2%)"
         else:

@@ -11,14 +11,16 @@ if TYPE_CHECKING:
 
 
 def junit_xml(result: RunResult) -> str:
-    """The run as JUnit XML (what CI systems show as a test report)."""
-    failures = sum(not v.passed for v in result.verdicts)
+    """The run as JUnit XML (what CI systems show as a test report). Under --strict a skipped check is
+    a failure (type "skipped"), as it is for the run."""
+    strict = result.strict
+    failures = sum(not v.passed or (strict and v.skipped) for v in result.verdicts)
     suite = ET.Element("testsuite", name=f"shadowtest.{result.scenario.name}", tests=str(len(result.verdicts)),
-                       failures=str(failures), skipped=str(sum(v.skipped for v in result.verdicts)), errors="1" if result.interrupted else "0",
+                       failures=str(failures), skipped=str(0 if strict else result.skipped), errors="1" if result.interrupted else "0",
                        time=f"{result.timeline.duration_s:.3f}")
     props = ET.SubElement(suite, "properties")
     for key, value in (("seed", result.scenario.seed), ("source", result.scenario.source or ""),
-                       ("partial", result.timeline.partial)):
+                       ("partial", result.timeline.partial), ("strict", strict)):
         ET.SubElement(props, "property", name=key, value=str(value))
     for f in result.timeline.faults:   # every fault window, as the Markdown table shows it
         when = " ".join(f"{k} {'-' if t is None else f'{t:.2f}s'}" for k, t in
@@ -27,7 +29,10 @@ def junit_xml(result: RunResult) -> str:
     for v in result.verdicts:
         case = ET.SubElement(suite, "testcase", classname=f"shadowtest.{result.scenario.name}", name=v.id,
                              time="0")
-        if v.skipped:
+        if v.skipped and strict:
+            fail = ET.SubElement(case, "failure", message=f"skipped under --strict: {v.summary}", type="skipped")
+            fail.text = json.dumps(v.evidence, indent=2, default=str)
+        elif v.skipped:
             ET.SubElement(case, "skipped", message=v.summary)
         elif not v.passed:
             fail = ET.SubElement(case, "failure", message=v.summary, type=v.kind)

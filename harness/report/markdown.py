@@ -15,15 +15,16 @@ def _fmt(value: float | None, unit: str = "") -> str:
 def markdown(result: RunResult, png_name: str | None = None) -> str:
     """The run summarised in Markdown (verdict table, fault windows, per-phase client stats)."""
     s, tl = result.scenario, result.timeline
-    head = "PASSED" if result.passed else ("INTERRUPTED" if result.interrupted else "FAILED")
+    head = result.headline(partial="")
     lines = [f"## shadowtest chaos: {s.name} -- {head}", "",
              f"{result.tally()}; seed {s.seed}; "
              f"{tl.duration_s:.1f}s; period {tl.period_s:g}s; P99 threshold {tl.threshold_ms:g} ms."]
     if result.interrupted:
         lines += ["", f"**Run interrupted ({result.interrupted}): partial report.**"]
     lines += ["", "| check | verdict | why |", "|---|---|---|"]
+    skipped = "**skipped** (fails under --strict)" if result.strict else "skipped"
     for v in result.verdicts:
-        mark = {"pass": "pass", "fail": "**FAIL**", "skipped": "skipped"}[v.status]
+        mark = {"pass": "pass", "fail": "**FAIL**", "skipped": skipped}[v.status]
         lines.append(f"| `{v.id}` | {mark} | {v.summary.replace('|', '/')} |")
     lines += ["", "### Phases (client-side view)", "",
               "| phase | time | offered/s | achieved/s | ok | rejected | errors | worst period P50 ms | worst period P99 ms |",

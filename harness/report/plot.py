@@ -42,7 +42,7 @@ def plot_timeline(result: RunResult, path: Path) -> None:
         _shade(ax, tl)
     _legend(ax_lat)
     _legend(ax_rate)
-    verdict = "PASSED" if result.passed else "FAILED"
+    verdict = result.headline()
     ax_lat.set_title(f"{result.scenario.name} (seed {result.scenario.seed}): {verdict}")
     ax_tier.set_xlabel("seconds into the run")
     ax_tier.set_xlim(0, tl.duration_s + tl.period_s)

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 def print_verdicts(result: RunResult, stream: TextIO, rich: bool) -> None:
     """Print one row per check (PASS/FAIL, id, why) and the overall verdict."""
-    head = "PASSED" if result.passed else ("INTERRUPTED (partial)" if result.interrupted else "FAILED")
+    head = result.headline()
     total = result.tally()
     if not rich:
         for v in result.verdicts:

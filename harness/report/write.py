@@ -32,24 +32,44 @@ class RunResult:
     notes: list[str] = field(default_factory=list)        # e.g. which capture fallback and why
 
     @property
+    def strict(self) -> bool:
+        """`chaos run --strict`: a skipped check (nothing to judge) fails the run."""
+        return self.scenario.strict
+
+    @property
+    def skipped(self) -> int:
+        return sum(v.skipped for v in self.verdicts)
+
+    @property
     def passed(self) -> bool:
-        # Skipped verdicts fail nothing, but a run whose every check had nothing to judge passed nothing.
+        # Skipped verdicts fail nothing, but a run whose every check had nothing to judge passed nothing;
+        # under --strict any skipped check fails the run.
         return (self.interrupted is None and bool(self.verdicts) and all(v.passed for v in self.verdicts)
-                and any(not v.skipped for v in self.verdicts))
+                and any(not v.skipped for v in self.verdicts) and not (self.strict and self.skipped))
+
+    def headline(self, partial: str = " (partial)") -> str:
+        """PASSED, FAILED, INTERRUPTED (partial), or FAILED (--strict: ...) when only skipped checks failed it."""
+        if self.passed:
+            return "PASSED"
+        if self.interrupted:
+            return "INTERRUPTED" + partial
+        if self.strict and self.skipped and all(v.passed for v in self.verdicts):
+            return f"FAILED (--strict: {self.skipped} check{'s' if self.skipped != 1 else ''} skipped)"
+        return "FAILED"
 
     def tally(self) -> str:
         """'7/8 checks passed' (+ ', 1 skipped: nothing to judge' when some had nothing to judge)."""
         passed = sum(v.passed and not v.skipped for v in self.verdicts)
-        skipped = sum(v.skipped for v in self.verdicts)
         out = f"{passed}/{len(self.verdicts)} checks passed"
-        return out + (f", {skipped} skipped (nothing to judge)" if skipped else "")
+        return out + (f", {self.skipped} skipped (nothing to judge)" if self.skipped else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario.name, "source": self.scenario.source, "seed": self.scenario.seed,
                 "started_wall": self.started_wall, "duration_s": self.timeline.duration_s,
-                "passed": self.passed, "interrupted": self.interrupted, "partial": self.timeline.partial,
+                "passed": self.passed, "strict": self.strict, "interrupted": self.interrupted,
+                "partial": self.timeline.partial,
                 "checks": {"total": len(self.verdicts), "failed": sum(not v.passed for v in self.verdicts),
-                           "skipped": sum(v.skipped for v in self.verdicts)},
+                           "skipped": self.skipped},
                 "verdicts": [v.as_dict() for v in self.verdicts], "notes": self.notes, "log": self.log,
                 "timeline": self.timeline.as_dict()}
 
