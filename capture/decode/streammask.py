@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 from capture.decode.h1mask import H1FieldMasker
 from capture.decode.h2mask import H2ChunkMasker
-from capture.fields import FieldPolicy
+from capture.fields import FieldPolicy, Span
 from capture.recording import Direction
 from capture.redact import BodyRegexRule, HeaderRule, Redactor, mask_patterns
 
@@ -44,6 +45,17 @@ HOLD_CAP = 256 * 1024       # bytes held while the protocol is unknown (the deco
 
 _NAME, _WSP, _MASK, _SKIP = range(4)
 _DIRECTIONS: tuple[Direction, ...] = ("c2s", "s2c")
+BLOCKS_CAP = 4096          # header blocks remembered per rule set (LineMasker._line_spans), then forgotten
+
+
+class LineRule(NamedTuple):
+    """A header rule's lines at C speed (HeaderRule.line_pattern, line_hints), and the value spans of
+    the header blocks read with them so far, by the block's hash and length (offsets only: no header
+    bytes are kept). One per rule set, shared by every flow's maskers."""
+
+    lines: re.Pattern[bytes]
+    hints: re.Pattern[bytes] | None
+    blocks: dict[tuple[int, int], tuple[Span, ...]]
 
 
 class LineMasker:
@@ -52,15 +64,13 @@ class LineMasker:
     them); a line split over chunks is masked the same as a whole one."""
 
     def __init__(self, matches: Callable[[str], bool], joined: bool = False,
-                 lines: tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None = None) -> None:
+                 lines: LineRule | None = None) -> None:
         self.matches = matches
         # the lines `matches` accepts as one regex, and a quick test of lower-cased text that may hold
         # one (HeaderRule.line_pattern, line_hints): most reads have no credential header at all
-        self.lines: re.Pattern[bytes] | None = lines[0] if lines is not None else None
-        self.hints: re.Pattern[bytes] | None = lines[1] if lines is not None else None
-        if self.lines is not None and self.lines not in _BLOCK_SPANS and len(_BLOCK_SPANS) >= 64:
-            _BLOCK_SPANS.clear()
-        self.blocks = _BLOCK_SPANS.setdefault(self.lines, {}) if self.lines is not None else {}
+        self.lines: re.Pattern[bytes] | None = lines.lines if lines is not None else None
+        self.hints: re.Pattern[bytes] | None = lines.hints if lines is not None else None
+        self.blocks: dict[tuple[int, int], tuple[Span, ...]] = lines.blocks if lines is not None else {}
         self.mode = _NAME
         self.name = b""
         self.first = joined          # the first line of a joined stream may be the tail of a value
@@ -146,7 +156,6 @@ class LineMasker:
             out[s:e] = b"*" * (e - s)
         return bytes(out)
 
-
     def _line_spans(self, data: bytes, pos: int) -> list[tuple[int, int]]:
         """The values to blank in the whole lines of `data` from `pos` (a line start), by the rule's
         line regex. A header block (up to its blank line) is looked up by the hash of its lines after
@@ -168,7 +177,7 @@ class LineMasker:
             key = (hash(block), len(block))                 # offsets only: no header bytes are kept
             rel = self.blocks.get(key)
             if rel is None:
-                if len(self.blocks) >= _BLOCK_SPANS_CAP:
+                if len(self.blocks) >= BLOCKS_CAP:
                     self.blocks.clear()
                 rel = self.blocks[key] = () if hints is not None and hints.search(block.lower()) is None else \
                     tuple(m.span(1) for m in lines.finditer(block) if m.end(1) > m.start(1))
@@ -180,11 +189,6 @@ class LineMasker:
         if hints is None or hints.search(data.lower(), pos) is not None:
             spans += [m.span(1) for m in lines.finditer(data, pos) if m.end(1) > m.start(1)]
         return spans
-
-
-# Header blocks' value spans (LineMasker._line_spans) by line regex, then by the block's hash and length.
-_BLOCK_SPANS: dict[re.Pattern[bytes], dict[tuple[int, int], tuple[tuple[int, int], ...]]] = {}
-_BLOCK_SPANS_CAP = 4096
 
 
 class PatternMasker:
@@ -236,7 +240,7 @@ class _Direction:
 
     def __init__(self, proto: str, direction: Direction, joined: bool, header: Callable[[str], bool],
                  body: Callable[[bytes], bytes] | None, fields: FieldPolicy | None = None,
-                 lines: tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None = None) -> None:
+                 lines: LineRule | None = None) -> None:
         self.proto = proto
         self.body = body
         self.line: LineMasker | None = None
@@ -299,17 +303,17 @@ class _Direction:
 
 
 # HeaderRule patterns -> their line regex and hints: a recorder opens a FlowMasker per flow, same rules
-_LINE_PATTERNS: dict[tuple[str, ...], tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None] = {}
+_LINE_PATTERNS: dict[tuple[str, ...], LineRule | None] = {}
 
 
-def _line_patterns(rule: HeaderRule | None) -> tuple[re.Pattern[bytes], re.Pattern[bytes] | None] | None:
+def _line_patterns(rule: HeaderRule | None) -> LineRule | None:
     if rule is None:
         return None
     if rule.patterns not in _LINE_PATTERNS:
         if len(_LINE_PATTERNS) > 64:
             _LINE_PATTERNS.clear()
         lines = rule.line_pattern()
-        _LINE_PATTERNS[rule.patterns] = None if lines is None else (lines, rule.line_hints())
+        _LINE_PATTERNS[rule.patterns] = None if lines is None else LineRule(lines, rule.line_hints(), {})
     return _LINE_PATTERNS[rule.patterns]
 
 
