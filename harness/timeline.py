@@ -216,19 +216,23 @@ class Timeline:
             value = rate
         return value
 
+    def alert_metric(self, alert: str = "P99High") -> str:
+        """The scraped series of the alert's firing gauge (agent_alert_firing{alert=...} by default)."""
+        return self.metric_names.get("alert_firing", "agent_alert_firing") + f'{{alert="{alert}"}}'
+
     def alert_intervals(self, alert: str = "P99High") -> list[tuple[float, float | None]]:
         """(start, end) of each firing interval; end None when still firing at the end."""
         evs = [e for e in self.events_of("alert") if e.data.get("alert", alert) == alert]
         if evs:
             return _intervals([(e.t, e.data.get("to") == "firing") for e in evs])
-        name = self.metric_names.get("alert_firing", "agent_alert_firing") + f'{{alert="{alert}"}}'
+        name = self.alert_metric(alert)
         return _intervals([(t, v >= 1) for t, v in self.metric(name)])
 
     def alert_observed(self, alert: str = "P99High") -> bool:
         """Whether the run could see the alert's state at all: the target's event stream (which carries
         its alert transitions) said something, or a scrape held its firing gauge. Without either, an
         alert that never fired is not known to have stayed silent."""
-        name = self.metric_names.get("alert_firing", "agent_alert_firing") + f'{{alert="{alert}"}}'
+        name = self.alert_metric(alert)
         return bool(self.events) or any(name in s.values for s in self.samples)
 
     def tier_series(self) -> list[tuple[float, str]]:

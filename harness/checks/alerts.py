@@ -206,10 +206,10 @@ class AlertSilent:
         if hits:
             return verdict(spec, False, f"{alert} fired at {hits[0][0]:.1f}s: a false alarm in "
                            f"{start:.1f}-{end:.1f}s", **evidence)
-        if source != "prometheus" and not tl.alert_observed(spec.params.get("alert", "P99High")):
-            name = tl.metric_names.get("alert_firing", "agent_alert_firing")
-            return nothing_to_judge(spec, f"the target reported no alert state (no events, no {name} samples): "
-                                    f"{alert} never firing there is not silence seen", **evidence)
+        if source != "prometheus" and not tl.alert_observed(alert):      # (alert: still the plain name here)
+            return nothing_to_judge(spec, f"the target reported no alert state (no events, no "
+                                    f"{tl.alert_metric(alert)} samples): {alert} never firing there is not "
+                                    "silence seen", **evidence)
         if spec.params.get("service_breach") and not breached:
             return nothing_to_judge(spec, f"the service's own P99 never exceeded {tl.threshold_ms:g} ms in "
                                     f"{start:.1f}-{end:.1f}s, so its silence does not show that a short "
