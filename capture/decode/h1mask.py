@@ -82,11 +82,15 @@ class H1FieldMasker:
 
     # ---- chunks in, chunks out -------------------------------------------------------------------
     def feed(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        if self.plain_read(data):
+            return [(ts_ns, data)]
+        return self.feed_scanned(ts_ns, data)
+
+    def feed_scanned(self, ts_ns: int, data: bytes) -> list[tuple[int, bytes]]:
+        """feed for a read that plain_read has just turned down (the state machine's steps)."""
         self.opaque_spans = []
         if self.pre is not None:
             return self._joined(ts_ns, data)
-        if self.plain_read(data):
-            return [(ts_ns, data)]
         out: list[tuple[int, bytes]] = []
         if self.mode == _LOST:
             if not _MESSAGE_START.match(data):

@@ -265,7 +265,7 @@ class _Direction:
             if self.h1.plain_read(data):  # the usual read: one whole message, no field to mask
                 data = self.line.feed(data)
                 return [(ts_ns, data if self.body is None else self.body(data))]
-            out = self.h1.feed(ts_ns, data)
+            out = self.h1.feed_scanned(ts_ns, data)   # plain_read said no: not asked twice
             last, opaque = len(out) - 1, self.h1.opaque_spans
             for i, (ts, chunk) in enumerate(out):
                 chunk = self._lines(chunk, opaque if i == last else [])
