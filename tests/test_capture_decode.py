@@ -590,3 +590,27 @@ def test_inspect_blames_a_gap_not_a_join_for_methods_a_gap_hid(tmp_path) -> None
     assert summary["joined_flows"] == 0 and summary["unresolved_method_calls"] == 2
     problem = next(p for p in summary["problems"] if "unknown method" in p)
     assert "before a gap in the recorded bytes" in problem and "joined" not in problem
+
+
+def test_http1_answers_to_requests_never_seen_are_dropped_not_paired_with_the_next() -> None:
+    # A connection joined mid-stream: its first server bytes answer a request read before the capture
+    # (here two answers, one with an interim 100 first). Paired with the next request, every answer on
+    # the connection would shift by one; they are counted and dropped instead.
+    from capture.decode.http1 import Http1Decoder
+
+    dec = Http1Decoder(flow_id=1, joined=True)
+    calls: list[Call] = []
+    calls += dec.feed("s2c", 1, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nold")
+    calls += dec.feed("s2c", 2, b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nold2")
+    for n in range(3):
+        calls += dec.feed("c2s", 10 + n, b"GET /x/%d HTTP/1.1\r\nHost: t\r\n\r\n" % n)
+        # a response that starts while its request is still being read is that request's (early answer)
+        calls += dec.feed("s2c", 20 + n, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nnew-%d" % n)
+    calls += dec.feed("c2s", 30, b"POST /y HTTP/1.1\r\nContent-Length: 4\r\n\r\nab")
+    calls += dec.feed("s2c", 31, b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+    calls += dec.feed("c2s", 32, b"cd")
+    calls += dec.finish()
+    assert [(c.method, c.status, b"".join(m.data for m in c.responses)) for c in calls] == [
+        ("GET /x/0", 200, b"new-0"), ("GET /x/1", 200, b"new-1"), ("GET /x/2", 200, b"new-2"),
+        ("POST /y", 413, b"")]
+    assert dec.unasked == 2

@@ -180,6 +180,7 @@ class Http1Decoder:
         self.resp = _Parser(True)
         self.pending: deque[Call] = deque()
         self.how: dict[Direction, str] = {}   # why the body being stepped over is missing (e.g. sendfile)
+        self.unasked = 0   # responses to requests never seen (read before the capture): dropped, not paired
 
     def feed(self, direction: Direction, ts_ns: int, data: bytes) -> list[Call]:
         parser = self.req if direction == "c2s" else self.resp
@@ -201,6 +202,17 @@ class Http1Decoder:
                 call.status_message = _body_missing("request", missing, self.how.pop("c2s", None))
             self.pending.append(call)
         done: list[Call] = []
+        # Server bytes while no request is pending or being read answer a request the capture never
+        # saw (a connection joined mid-stream, a request read before the capture began): pairing
+        # them with the next request would shift every answer on the connection by one.
+        while not self.pending and self.resp.buf and self.resp.holed is None and not self.resp.broken \
+                and not self.req.buf and self.req.holed is None and not self.req.broken:
+            m = self.resp.next_message(ts_ns, head_only=self._bodyless(), at_eof=at_eof)
+            if m is None:
+                break
+            parts = m[0].split(" ", 2)
+            if not (len(parts) > 1 and parts[1][:1] == "1"):     # an interim answer is not a response
+                self.unasked += 1
         if self.resp.broken:             # nothing after the server-side gap can be paired
             while self.pending:
                 call = self.pending.popleft()

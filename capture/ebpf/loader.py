@@ -277,11 +277,17 @@ class EbpfBackend:
         b[b"events"].open_ring_buffer(self._on_event)
         self._ring = RingReader(b, b"events")
         self._learn_listeners()
+        self._arm()
         self._join_open_connections()
         self._thread = threading.Thread(target=self._poll, name="ebpf-poll", daemon=True)
         self._worker = threading.Thread(target=self._work, name="ebpf-decode", daemon=True)
         self._thread.start()
         self._worker.start()
+
+    def _arm(self) -> None:
+        """Every probe is attached: from now on new connections enter the socket map (recorder.bpf.c,
+        `armed`); the ones opened before are joined from /proc right after."""
+        self._table(b"armed")[ctypes.c_int(0)] = ctypes.c_uint32(1)
 
     def _table(self, name: bytes) -> Any:
         """One of the program's maps (a bcc table: untyped)."""

@@ -173,9 +173,20 @@ BPF_HASH(closing, u64, struct closing_sock, 1024);
 /* One record buffer per CPU. A plain array indexed by CPU, not a per-CPU array: per-CPU values
  * are limited to 32 KiB and CHUNK may be 64 KiB. */
 BPF_ARRAY(scratch, struct ev_buf, SCRATCH_CPUS);
+/* 0 until the loader has attached every probe. bcc attaches the tracepoints one by one, over
+ * hundreds of milliseconds: a connection accepted half-way would have its reads recorded and its
+ * writes not, and its requests paired with later answers. So a socket enters `socks` only once
+ * armed; the loader joins the connections opened before that from /proc. */
+BPF_ARRAY(armed, u32, 1);
 BPF_PERCPU_ARRAY(lost, u64, 1);
 BPF_PERCPU_ARRAY(truncated, u64, 1);
 BPF_PERCPU_ARRAY(unwoken, u64, 1);    /* payload bytes written on this CPU since its last wake-up */
+
+static __always_inline int is_armed(void) {
+    int zero = 0;
+    u32 *a = armed.lookup(&zero);
+    return a && *a;
+}
 
 static __always_inline int wanted_task(u32 tgid) {
     if (FILTER_PID && tgid != FILTER_PID)
@@ -336,6 +347,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_accept) { return accept_enter((u64)args->up
 
 /* accept with no address: the listener says whether it is ours; the peer is found later. */
 static __always_inline int accept_unaddressed(u32 tgid, u32 lfd, u32 fd) {
+    if (!is_armed())
+        return 0;
     u64 lkey = sock_key(tgid, lfd);
     struct listener *l = listeners.lookup(&lkey);
     if (!l) {
@@ -372,7 +385,7 @@ static __always_inline int accept_exit(long ret) {
     u64 addr = a->addr;
     u32 lfd = a->fd;
     accepting.delete(&id);
-    if (ret < 0)
+    if (ret < 0 || !is_armed())
         return 0;
     if (!addr)
         return accept_unaddressed(id >> 32, lfd, (u32)ret);
@@ -416,7 +429,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_accept) { return accept_exit(args->ret); }
 /* ---- client side: the destination is in connect's own arguments ---- */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
-    if (SIDE_SERVER)
+    if (SIDE_SERVER || !is_armed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
