@@ -85,8 +85,12 @@ class Http1Sender:
         conn.writer.write(self._request(planned, body))
         await conn.writer.drain()
         status, headers = await _read_head(conn.reader)
-        data = await _read_body(conn.reader, headers, head_only=(planned.method or "").startswith("HEAD "))
-        if headers.get("connection", "").lower() == "close":
+        # No body after a HEAD, a 204 or a 304 (RFC 9112 6.3), whatever their headers say.
+        bodyless = (planned.method or "").startswith("HEAD ") or status in (204, 304)
+        data = await _read_body(conn.reader, headers, head_only=bodyless)
+        to_close = not bodyless and "content-length" not in headers and "chunked" not in headers.get(
+            "transfer-encoding", "").lower()
+        if to_close or headers.get("connection", "").lower() == "close":
             await self._drop(conn)
         return http_outcome(status, data)
 
