@@ -9,8 +9,10 @@ import socket
 import struct
 from typing import Any, cast
 
+from faults.proxy.calls import CallRule, rule_of
 from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
-from faults.proxy.h2tap import CallRule, H2Tap
+from faults.proxy.h1tap import H1Tap, looks_like_http1
+from faults.proxy.h2tap import H2Tap
 from faults.proxy.link import Link
 from faults.proxy.model import ApiError, ToxicSpec
 from wire.h2 import PREFACE
@@ -74,7 +76,7 @@ class Connection:
         self.upstream: asyncio.Transport | None = None
         self.up: Link | None = None
         self.down: Link | None = None
-        self.tap: H2Tap | None = None
+        self.tap: H2Tap | H1Tap | None = None
         self._proto_known = False
         self._early_down: list[bytes] = []
         self._pre: list[tuple[str, bytes | None]] = []
@@ -149,13 +151,25 @@ class Connection:
             self.down.push(Chunk(data, self.loop.time()))
 
     def _detect(self, data: bytes) -> None:
+        """Tap the connection when its first bytes say HTTP/2 (the preface) or HTTP/1.x (a request)."""
         self._proto_known = True
+        up, down = self.up, self.down
+        assert up is not None and down is not None
+        loop = self.loop
+
+        def push_up(b: bytes) -> None:
+            up.push(Chunk(b, loop.time()))
+
+        def push_down(b: bytes) -> None:
+            down.push(Chunk(b, loop.time()))
+
+        rng = random.Random(self.rng.getrandbits(64))
         if data[:len(PREFACE)] == PREFACE[:len(data)]:
-            up, down = self.up, self.down
-            assert up is not None and down is not None
-            self.tap = H2Tap(lambda b: up.push(Chunk(b, self.loop.time())),
-                             lambda b: down.push(Chunk(b, self.loop.time())),
-                             self.call_rules, random.Random(self.rng.getrandbits(64)))
+            self.tap = H2Tap(push_up, push_down, self.call_rules, rng)
+        elif looks_like_http1(data):
+            self.tap = H1Tap(push_up, push_down, self.call_rules, rng,
+                             end_down=lambda: down.push(Chunk(b"", loop.time(), EOF)))
+        if self.tap is not None:
             for early in self._early_down:
                 self.tap.sync_down(early)
         self._early_down = []
@@ -170,7 +184,7 @@ class Connection:
             if key not in self._call_draws:
                 self._call_draws[key] = self.rng.random() < spec.toxicity
             if self._call_draws[key]:
-                rules.append(CallRule("delay" if spec.type == "grpc_delay" else "error", spec.attributes))
+                rules.append(rule_of(spec.type, spec.attributes))
         return rules
 
     def on_eof(self, role: str) -> None:
@@ -178,10 +192,14 @@ class Connection:
             self._pre.append((role, None))
             return
         if role == "client":
+            up = self.up
             if self.tap is not None:
-                self.tap.flush_up()
-            self.up.push(Chunk(b"", self.loop.time(), EOF))
+                self.tap.end_up(lambda: up.push(Chunk(b"", self.loop.time(), EOF)))
+            else:
+                up.push(Chunk(b"", self.loop.time(), EOF))
         else:
+            if self.tap is not None:
+                self.tap.eof_down()
             self.down.push(Chunk(b"", self.loop.time(), EOF))
 
     def on_lost(self, role: str) -> None:
@@ -227,6 +245,16 @@ class Connection:
             if link is not None:
                 link.stop()
         self.proxy.connections.discard(self)
+        for key, value in self.call_counts().items():
+            self.proxy.closed_totals[key] += value
+
+    def call_counts(self) -> dict[str, int]:
+        """This connection (1) and the calls its tap saw, delayed and failed."""
+        tap = self.tap
+        if tap is None:
+            return {"connections": 1, "calls_seen": 0, "calls_delayed": 0, "calls_failed": 0, "calls_cut": 0}
+        return {"connections": 1, "calls_seen": tap.calls_seen, "calls_delayed": tap.calls_delayed,
+                "calls_failed": tap.calls_failed, "calls_cut": tap.calls_cut}
 
     def reset(self) -> None:
         """Abort both sockets with SO_LINGER 0, so each peer gets a TCP RST."""
@@ -252,6 +280,8 @@ class Proxy:
         self.rng = rng
         self.toxics: list[ToxicSpec] = []
         self.connections: set[Connection] = set()
+        self.closed_totals = {"connections": 0, "calls_seen": 0, "calls_delayed": 0, "calls_failed": 0,
+                              "calls_cut": 0}
         self._server: asyncio.Server | None = None
 
     def to_json(self, with_toxics: bool = True) -> dict[str, Any]:

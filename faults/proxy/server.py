@@ -249,16 +249,15 @@ class EmbeddedToxiproxy:
         return self.call(_stamped(lambda c: c.reset()))[1]
 
     def call_stats(self, proxy: str) -> dict[str, int]:
-        """Calls seen, delayed and failed by call-level toxics on the proxy's live HTTP/2 connections."""
+        """Connections and the calls seen, delayed, failed and cut short (a delay released early) by
+        call-level toxics on the proxy's HTTP connections since it was created (closed ones included)."""
 
         async def run(c: ProxyCollection) -> dict[str, int]:
-            out = {"connections": 0, "calls_seen": 0, "calls_delayed": 0, "calls_failed": 0}
-            for conn in c.get(proxy).connections:
-                out["connections"] += 1
-                if conn.tap is not None:
-                    out["calls_seen"] += conn.tap.calls_seen
-                    out["calls_delayed"] += conn.tap.calls_delayed
-                    out["calls_failed"] += conn.tap.calls_failed
+            p = c.get(proxy)
+            out = dict(p.closed_totals)
+            for conn in p.connections:
+                for key, value in conn.call_counts().items():
+                    out[key] += value
             return out
 
         return self.call(run)

@@ -46,6 +46,7 @@ class Toxic:
             setattr(self, key, value)
 
     LIMITS: ClassVar[dict[str, tuple[float, float]]] = {}
+    MAX_TEXT: ClassVar[int] = 1 << 16   # a string attribute (a body, a path glob) is bounded too
 
     @classmethod
     def check(cls, attrs: dict[str, Any]) -> None:
@@ -53,7 +54,12 @@ class Toxic:
         Toxiproxy's toxics assume: a negative size or duration has no meaning), `LIMITS` narrows more."""
         for key, default in cls.ATTRS.items():
             value = attrs.get(key, default)
-            if isinstance(value, str) or isinstance(value, bool):
+            if isinstance(value, str):
+                if len(value) > cls.MAX_TEXT:
+                    raise ValueError(f"{cls.GO_NAME}.attributes.{key} is {len(value)} characters; at most "
+                                     f"{cls.MAX_TEXT}")
+                continue
+            if isinstance(value, bool):
                 continue
             lo, hi = cls.LIMITS.get(key, (0, float("inf")))
             if not lo <= value <= hi:
@@ -358,6 +364,29 @@ class GrpcErrorToxic(Toxic):
     ATTRS = {"status": 14, "message": "injected by shadowtest proxy", "share": 1.0, "method": ""}
     LIMITS = {"share": (0.0, 1.0), "status": (1, 16)}
     GO_NAME = "GrpcErrorToxic"
+    stage = False
+
+
+@register("http_delay")
+class HttpDelayToxic(Toxic):
+    """Call-level (HTTP/1.x, HTTP/2): holds `share` of the requests (optionally only those of HTTP
+    `method`, a `path` prefix or glob, a `header`) `delay` +/- `jitter` ms before they go upstream
+    (an HTTP/2 request without a body: its response's DATA is held instead)."""
+
+    ATTRS = {"delay": 0, "jitter": 0, "share": 1.0, "method": "", "path": "", "header": ""}
+    LIMITS = {"share": (0.0, 1.0)}
+    GO_NAME = "HttpDelayToxic"
+    stage = False
+
+
+@register("http_error")
+class HttpErrorToxic(Toxic):
+    """Call-level (HTTP/1.x, HTTP/2): answers `share` of the requests (filters as http_delay) with HTTP
+    `status` and `body` itself; the server never sees them."""
+
+    ATTRS = {"status": 503, "body": "", "share": 1.0, "method": "", "path": "", "header": ""}
+    LIMITS = {"share": (0.0, 1.0), "status": (200, 599)}
+    GO_NAME = "HttpErrorToxic"
     stage = False
 
 
