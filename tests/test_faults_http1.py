@@ -106,7 +106,9 @@ def test_http_delay_moves_only_the_chosen_requests_and_not_the_upstream_leg(
     assert min(took["/search"]) >= 0.125                       # 150 +/- 20 ms, on every chosen request
     assert statistics.median(took["/static"]) < 0.05 and statistics.median(took["/missing"]) < 0.05
     # The leg is the server's side of the proxy: one line per request, none holding the proxy's delay.
-    legs = read_leg_log(legs_file, 0.0)
+    deadline = time.monotonic() + 2      # the proxy's thread writes the last line as curl exits
+    while len(legs := read_leg_log(legs_file, 0.0)) < len(paths) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(legs) == len(paths)
     assert max(done - sent for sent, done, _ in legs) < 0.1
     # Served: 1 for nginx's 200s, 0 for its 404s (in request order: search, static, missing, ...).

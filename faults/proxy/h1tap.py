@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -195,6 +196,56 @@ def _chunk_size(line: bytes) -> int | None:
         return None
 
 
+# A head we will not frame: whitespace before a field's colon, a folded (obsolete) line, a line without a
+# colon. Servers refuse these or read them their own way; a proxy that guessed would lose its place.
+_MALFORMED = re.compile(rb"\n(?:[^:\r\n]*[ \t]:|[ \t]|[^:\r\n]+\r?\n)")
+
+
+def _scan(head: bytes) -> tuple[list[bytes], bytes] | None:
+    """The start line's parts and the whole head in lower case (for `_values`), or None when malformed.
+    Cheaper than `_fields`: the framing needs two or three headers, not all of them decoded."""
+    nl = head.find(b"\n")
+    start = head[:nl].rstrip(b"\r").split(b" ", 2)
+    if len(start) < 2:
+        return None
+    low = head.lower()
+    if _MALFORMED.search(low, nl):
+        return None
+    return start, low
+
+
+def _values(low: bytes, key: bytes) -> list[bytes]:
+    """The values of header `key` (b"\\nname:", lower case) in a lower-cased head."""
+    out = []
+    i = low.find(key)
+    while i >= 0:
+        start = i + len(key)
+        end = low.find(b"\n", start)
+        out.append(low[start:end].strip())
+        i = low.find(key, start)
+    return out
+
+
+_TE, _CL, _UPGRADE = b"\ntransfer-encoding:", b"\ncontent-length:", b"\nupgrade:"
+_CONNECTION, _EXPECT = b"\nconnection:", b"\nexpect:"
+
+
+def _body_framing(low: bytes) -> tuple[int, int] | None:
+    """(framing, length) from Transfer-Encoding / Content-Length; None when they are ambiguous."""
+    if _TE in low:
+        codings = [c.strip() for c in b",".join(_values(low, _TE)).split(b",") if c.strip()]
+        return (_CHUNKED, 0) if codings and codings[-1] == b"chunked" else None
+    if _CL not in low:
+        return _UNSAID, 0
+    lengths = set(_values(low, _CL))
+    if len(lengths) != 1:
+        return None
+    value = lengths.pop()
+    if not value.isdigit() or len(value) > 18:
+        return None
+    return _FIXED, int(value)
+
+
 def _fields(head: bytes) -> tuple[list[bytes], list[tuple[str, str]]] | None:
     """The start line's parts and the header fields (names lower case), or None when malformed."""
     lines = head.split(b"\n")
@@ -211,23 +262,6 @@ def _fields(head: bytes) -> tuple[list[bytes], list[tuple[str, str]]] | None:
             return None
         fields.append((name.decode("latin-1").lower(), value.strip().decode("latin-1")))
     return start, fields
-
-
-def _body_framing(fields: list[tuple[str, str]]) -> tuple[int, int] | None:
-    """(framing, length) from Transfer-Encoding / Content-Length; None when they are ambiguous."""
-    te = [v for k, v in fields if k == "transfer-encoding"]
-    if te:
-        codings = [c.strip().lower() for c in ",".join(te).split(",") if c.strip()]
-        return (_CHUNKED, 0) if codings and codings[-1] == "chunked" else None
-    lengths = {v.strip() for k, v in fields if k == "content-length"}
-    if not lengths:
-        return _UNSAID, 0
-    if len(lengths) != 1:
-        return None
-    value = lengths.pop()
-    if not value.isdigit() or len(value) > 18:
-        return None
-    return _FIXED, int(value)
 
 
 class _Slot:
@@ -269,7 +303,7 @@ class H1Tap:
         self._reqs: deque[_Req] = deque()     # requests not yet wholly forwarded (or dropped)
         self._slots: deque[_Slot] = deque()   # responses owed to the client, in order
         self._cur: _Req | None = None          # the request being read
-        self._parsed: deque[tuple[list[bytes], list[tuple[str, str]]] | None] = deque()  # heads framed, in order
+        self._parsed: deque[tuple[list[bytes], bytes] | None] = deque()   # request heads framed, in order
         self._up = _Framer(self._on_request_head)
         self._down = _Framer(self._on_response_head, self._on_response_end)
         self._ended = 0                        # responses the down framer ended, not yet handled
@@ -343,17 +377,18 @@ class H1Tap:
 
     def _start_request(self, head: bytes, framed: bool) -> None:
         self.calls_seen += 1
-        parsed = self._parsed.popleft() if self._parsed else _fields(head)
-        method, target, version = b"", b"", b"HTTP/1.1"
-        fields: list[tuple[str, str]] = []
+        parsed = self._parsed.popleft() if self._parsed else _scan(head)
+        method, target, version, low = b"", b"", b"HTTP/1.1", b""
         if parsed is not None:
-            start, fields = parsed
+            start, low = parsed
             method, target = start[0], start[1]
             version = start[2] if len(start) > 2 else b"HTTP/1.0"
         slot = _Slot(head_only=method == b"HEAD")
         fate = Fate()
         rules = self._rules() if framed else []
         if rules and parsed is not None:
+            # every field decoded only for a rule that looks at one
+            fields = (_fields(head) or ([], []))[1] if any(r.attrs.get("header") for r in rules) else []
             call = Call(method.decode("latin-1"), _path(target.decode("latin-1")), fields)
             fate = fate_of(rules, call, self._rng, _HTTP)
         req = _Req(slot)
@@ -361,8 +396,8 @@ class H1Tap:
             req.drop = True
             self.calls_failed += 1
             # A client waiting for 100-continue may never send the body we would have to skip.
-            expects = any(k == "expect" and v.lower() == "100-continue" for k, v in fields)
-            slot.close_after = expects or _wants_close(version, fields)
+            expects = b"100-continue" in _values(low, _EXPECT)
+            slot.close_after = expects or _wants_close(version, low)
             slot.inject = _answer(version, fate.error[1], fate.error[2], slot.head_only, slot.close_after)
         elif fate.delay_s > 0:
             self.calls_delayed += 1
@@ -375,14 +410,14 @@ class H1Tap:
             self._answer_ready()
 
     def _on_request_head(self, head: bytes) -> tuple[int, int]:
-        parsed = _fields(head)
+        parsed = _scan(head)
         self._parsed.append(parsed)          # read again by _start_request, in the same order
         if parsed is None or not parsed[0][0].isalpha() or not parsed[0][-1].startswith(b"HTTP/1."):
             return _OFF, 0
-        (method, *_), fields = parsed
-        if method == b"CONNECT" or any(k == "upgrade" for k, _ in fields):
+        (method, *_), low = parsed
+        if method == b"CONNECT" or _UPGRADE in low:
             return _OFF, 0   # the connection may stop being HTTP/1 after this request
-        framing = _body_framing(fields)
+        framing = _body_framing(low)
         if framing is None:
             return _OFF, 0
         return (_NONE, 0) if framing[0] == _UNSAID else framing
@@ -462,9 +497,10 @@ class H1Tap:
         pos = 0
         for at, what, _head, _framing in events:
             if what == "end":
+                self._ended -= 1
+                self._time_leg()                # timed as its last byte arrived, before it goes on
                 self._push_down(buf[pos:at])
                 pos = at
-                self._ended -= 1
                 self._response_done()
                 if self._down_off:          # the client side went off and nothing more is owed
                     break
@@ -496,6 +532,7 @@ class H1Tap:
         """The server closed its side: a response framed by the close is complete."""
         if self._down.eof():
             self._ended -= 1 if self._ended > 0 else 0
+            self._time_leg()
             self._response_done()
 
     def _server_slot(self) -> _Slot:
@@ -513,10 +550,10 @@ class H1Tap:
 
     def _on_response_head(self, head: bytes) -> tuple[int, int]:
         slot = self._server_slot()
-        parsed = _fields(head)
+        parsed = _scan(head)
         if parsed is None or not parsed[0][0].startswith(b"HTTP/1.") or len(parsed[0]) < 2:
             return _OFF, 0
-        (_, code, *_), fields = parsed
+        (_, code, *_), low = parsed
         if not code.isdigit() or len(code) != 3:
             return _OFF, 0
         status = int(code)
@@ -527,7 +564,7 @@ class H1Tap:
         slot.status = status
         if slot.head_only or status in (204, 304):
             return _NONE, 0
-        framing = _body_framing(fields)
+        framing = _body_framing(low)
         if framing is None:
             return _OFF, 0
         return (_CLOSE, 0) if framing[0] == _UNSAID else framing
@@ -535,16 +572,20 @@ class H1Tap:
     def _on_response_end(self) -> None:
         self._ended += 1
 
-    def _response_done(self) -> None:
-        """The server's response at the head of the line ended: time its leg, then send what follows."""
-        if not self._slots:
-            return
-        slot = self._slots.popleft()
-        if self._legs is not None and slot.sent is not None:
+    def _time_leg(self) -> None:
+        """The server's response at the head of the line ended: write its leg."""
+        slot = self._slots[0] if self._slots else None
+        if self._legs is not None and slot is not None and slot.sent is not None:
             try:
                 self._legs.write(f"{slot.sent:.6f} {time.monotonic():.6f} {int(slot.status < 400)}\n")
             except OSError:
                 self._legs = None
+
+    def _response_done(self) -> None:
+        """The server's response at the head of the line went on: send the answers that follow it."""
+        if not self._slots:
+            return
+        self._slots.popleft()
         self._answer_ready()
         if self.off and not any(s.inject is None for s in self._slots):
             self._down_off = True
@@ -573,11 +614,11 @@ def _path(target: str) -> str:
     return target
 
 
-def _wants_close(version: bytes, fields: list[tuple[str, str]]) -> bool:
-    tokens = {t.strip().lower() for k, v in fields if k == "connection" for t in v.split(",")}
+def _wants_close(version: bytes, low: bytes) -> bool:
+    tokens = {t.strip() for v in _values(low, _CONNECTION) for t in v.split(b",")}
     if version == b"HTTP/1.0":
-        return "keep-alive" not in tokens
-    return "close" in tokens
+        return b"keep-alive" not in tokens
+    return b"close" in tokens
 
 
 def _answer(version: bytes, status: int, body: str, head_only: bool, close: bool) -> bytes:
