@@ -17,7 +17,7 @@ from typing import Any
 from harness.errors import RunError
 from harness.faultapi import APPLIERS, Applier, FaultContext, register
 from harness.faultimpl import NetworkProxy, check_leftovers, clear_leftovers  # also registers cpu/process
-from harness.faultspecs import GRPC_STATUS
+from harness.faultspecs import CALL_FAULTS, GRPC_STATUS
 from harness.scenario import FaultSpec
 
 
@@ -72,9 +72,13 @@ _TOXIC_ATTRS = {"latency": {"latency_ms": "latency", "jitter_ms": "jitter"},
                 "limit_data": {"bytes": "bytes"},
                 # call-level toxics of shadowtest's proxy (docs/faults.md): per call, not per connection
                 "grpc_delay": {"delay_ms": "delay", "jitter_ms": "jitter", "share": "share", "method": "method"},
-                "grpc_error": {"status": "status", "message": "message", "share": "share", "method": "method"}}
-_CALL_TOXICS = {"grpc_delay", "grpc_error"}
-_AS_GIVEN = {"share": float, "method": str, "message": str}
+                "grpc_error": {"status": "status", "message": "message", "share": "share", "method": "method"},
+                "http_delay": {"delay_ms": "delay", "jitter_ms": "jitter", "share": "share", "method": "method",
+                               "path": "path", "header": "header"},
+                "http_error": {"status": "status", "body": "body", "share": "share", "method": "method",
+                               "path": "path", "header": "header"}}
+_CALL_TOXICS = CALL_FAULTS
+_AS_GIVEN = {"share": float, "method": str, "message": str, "path": str, "header": str, "body": str}
 
 
 def toxic_of(spec: FaultSpec) -> dict[str, Any]:
@@ -109,11 +113,28 @@ def _call_note(toxic: dict[str, Any]) -> str:
     a = toxic["attributes"]
     if toxic["type"] not in _CALL_TOXICS:
         return ""
+    if toxic["type"].startswith("http_"):
+        picked = " ".join(x for x in (a.get("method"), a.get("path")) if x) or "all"
+        who = f"{a.get('share', 1.0) * 100:g}% of {picked} requests" + (
+            f" with {a['header']}" if a.get("header") else "")
+        if toxic["type"] == "http_error":
+            code = int(a.get("status", 503))
+            return f" ({who} answered {code} {_http_phrase(code)} by the proxy)"
+        return f" ({who} held {a.get('delay', 0)} ms +/- {a.get('jitter', 0)} ms)"
     who = f"{a.get('share', 1.0) * 100:g}% of {a.get('method') or 'all'} calls"
     if toxic["type"] == "grpc_error":
         code = int(a.get("status", 14))
         return f" ({who} fail with {code} {GRPC_STATUS.get(code, '')})"
     return f" ({who} held {a.get('delay', 0)} ms +/- {a.get('jitter', 0)} ms)"
+
+
+def _http_phrase(code: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return ""
 
 
 __all__ = ["APPLIERS", "Applier", "FaultContext", "FaultSession", "NetworkProxy", "check_leftovers",

@@ -20,6 +20,10 @@ _TOXICITY = Param("number", help="share of connections affected, 0..1 (default 1
 _SHARE = Param("number", help="share of the calls affected, 0..1 (default 1)")
 _SHARE_PCT = Param("number", help="the same share in percent, 0..100 (give share or share_pct)")
 _METHOD = Param("str", help="only calls of this method: /pkg.Service/Method, pkg.Service/Method or Method")
+_HTTP_METHOD = Param("str", help="only requests of this HTTP method (GET, POST, ...)")
+_PATH = Param("str", help="only requests whose target starts with this path, or matches it as a glob (* ? [])")
+_HEADER = Param("str", help="only requests carrying this header: `name`, or `name: value` (the value may be a glob)")
+_HTTP_FILTERS = {"share": _SHARE, "share_pct": _SHARE_PCT, "method": _HTTP_METHOD, "path": _PATH, "header": _HEADER}
 
 FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
     "network": {
@@ -40,6 +44,12 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
                                                          "(default 14, UNAVAILABLE)"),
                        "message": Param("str", help="grpc-message the client gets"),
                        "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
+        # Call-level (HTTP/1.x and HTTP/2): per request, as Envoy's fault filter
+        "http_delay": {"delay_ms": Param("int", required=True, help="how long the chosen requests are held "
+                                                                     "before they go to the target"),
+                       "jitter_ms": Param("int"), **_HTTP_FILTERS},
+        "http_error": {"status": Param("int", help="the HTTP status the proxy answers with (default 503)"),
+                       "body": Param("str", help="the body of that answer (default empty)"), **_HTTP_FILTERS},
     },
     "cpu": {
         "contention": {"workers": Param("int", help="competing busy workers (default: one per CPU)"),
@@ -79,7 +89,13 @@ _BOUNDS: dict[str, Bound] = {
     "share_pct": Bound(0, 100, "%", note="of the calls"),
     "status": Bound(1, 16, whole=True, note="(a gRPC status code: 4 DEADLINE_EXCEEDED, 8 RESOURCE_EXHAUSTED, "
                                             "13 INTERNAL, 14 UNAVAILABLE, ...)"),
+    "http_error.status": Bound(200, 599, whole=True, note="(an HTTP status: 429, 500, 503, ...)"),
 }
+# The faults that act per call (only shadowtest's own proxy has them; they must read the traffic)
+CALL_FAULTS = frozenset({"grpc_delay", "grpc_error", "http_delay", "http_error"})
+MAX_BODY = 4096                  # an http_error body: an error page, not a payload
+_HTTP_METHOD_RE = re.compile(r"[A-Z][A-Z-]{0,19}")
+_HEADER_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}(\s*:\s*[ -~]{0,200})?")
 
 GRPC_STATUS = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
                6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
@@ -115,6 +131,8 @@ def fault_problem(kind: str, params: dict[str, Any]) -> tuple[str, str] | None:
     if kind == "quota" and "period_ms" in params and "pct" in params and params["pct"] * params["period_ms"] / 100 < 1:
         return "period_ms", (f" {params['period_ms']} at {params['pct']:g} % gives less than 1 ms of CPU per period, "
                              "the kernel's smallest quota; use a longer period")
+    if kind.startswith("http_"):
+        return _http_problem(params)
     method = params.get("method")
     if method is not None and not _METHOD_RE.fullmatch(method):
         return "method", (f" {method!r} must be a gRPC method: /pkg.Service/Method, pkg.Service/Method or "
@@ -122,4 +140,23 @@ def fault_problem(kind: str, params: dict[str, Any]) -> tuple[str, str] | None:
     message = params.get("message")
     if message is not None and (len(message) > MAX_MESSAGE or not message.isascii() or not message.isprintable()):
         return "message", f" must be printable ASCII of at most {MAX_MESSAGE} characters"
+    return None
+
+
+def _http_problem(params: dict[str, Any]) -> tuple[str, str] | None:
+    method = params.get("method")
+    if method is not None and not _HTTP_METHOD_RE.fullmatch(method):
+        return "method", f" {method!r} must be an HTTP method in capitals: GET, POST, PUT, DELETE, ..."
+    path = params.get("path")
+    if path is not None and not (path[:1] in ("/", "*") and len(path) <= 200 and path.isascii()
+                                 and path.isprintable() and " " not in path):
+        return "path", (f" {path!r} must be a request path (starting with /) or a glob (/search*), printable "
+                        "ASCII without spaces, at most 200 characters")
+    header = params.get("header")
+    if header is not None and not _HEADER_RE.fullmatch(header):
+        return "header", (f" {header!r} must be a header name (x-canary) or `name: value` (x-canary: 1, the "
+                          "value may be a glob)")
+    body = params.get("body")
+    if body is not None and len(body) > MAX_BODY:
+        return "body", f" is {len(body)} characters; at most {MAX_BODY}"
     return None

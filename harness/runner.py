@@ -322,6 +322,9 @@ class Runner:
                       partial=interrupted is not None, alert_periods=s.alert_periods)
         if running.proxy is not None and self._leg_log:
             tl.outside["proxy_legs"] = read_leg_log(self._leg_log, self.t0)
+            if getattr(s.target, "tls", None) is not None:
+                tl.outside["legs_unreadable"] = ("the traffic is TLS: the proxy carries it without reading it, so it "
+                                                 "cannot time the upstream leg of a call")
         prom = self._prometheus_alerts()
         if prom is not None:
             tl.outside["prometheus"] = prom

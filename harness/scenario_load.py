@@ -16,7 +16,14 @@ from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
 from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
-from harness.faultspecs import FAULT_FAMILIES, GRPC_STATUS, MAX_TOXIC_MS, fault_bounds, fault_problem
+from harness.faultspecs import (
+    CALL_FAULTS,
+    FAULT_FAMILIES,
+    GRPC_STATUS,
+    MAX_TOXIC_MS,
+    fault_bounds,
+    fault_problem,
+)
 from harness.scenario import (
     UNTIL_END,
     AgentTarget,
@@ -213,7 +220,7 @@ def _target(node: Node, base: Path) -> AgentTarget | ExternalTarget:
     _unknown(ext, spec | {"metrics": Param("str"), "allow": Param("str"), "tls": Param("str"),
                           "set_headers": Param("str")}, "target.external")
     if "address" not in ext:
-        ext_node.fail("target.external: missing 'address' (host:port of your gRPC service)")
+        ext_node.fail("target.external: missing 'address' (host:port of your service)")
     values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k)) for k, v in ext.items()}
     _external_allowed(ext["address"], values["address"], allow_node)
     names = MetricNames()
@@ -360,7 +367,8 @@ def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
     entries = {k: v for k, v in entries.items() if k not in ("after", "for")}
     _unknown(entries, kinds[kind], f"{what} ({family}: {kind})")
     bounds = fault_bounds()
-    params = {k: typed(v, kinds[kind][k], f"{what}.{k}", bound=bounds.get(k)) for k, v in entries.items()}
+    params = {k: typed(v, kinds[kind][k], f"{what}.{k}", bound=bounds.get(f"{kind}.{k}", bounds.get(k)))
+              for k, v in entries.items()}
     for name, param in kinds[kind].items():
         if param.required and name not in params:
             node.fail(f"{what} ({family}: {kind}): missing {name!r} ({param.help or param.type})")
@@ -451,7 +459,7 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
                    for j, f in enumerate(entries["faults"].sequence("faults"))) \
         if "faults" in entries and entries["faults"].value() else ()
     if getattr(target, "tls", None) is not None:
-        calls = sorted({f.kind for p in phases for f in p.faults + faults if f.kind.startswith("grpc_")})
+        calls = sorted({f.kind for p in phases for f in p.faults + faults if f.kind in CALL_FAULTS})
         if calls:
             entries["target"].fail(f"target.external.tls: {', '.join(calls)} cannot be applied to TLS traffic "
                                    "(the fault proxy cannot read it); use network faults, or a plaintext target")

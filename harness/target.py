@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import RunError
+from harness.faultspecs import CALL_FAULTS
 from harness.scenario import AgentTarget, ExternalTarget, MetricNames, Scenario
 
 
@@ -45,7 +46,7 @@ def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout
     if scenario.proxy:
         from harness.faultrun import NetworkProxy
 
-        calls = any(f.kind.startswith("grpc_") for p in scenario.phases for f in p.faults + scenario.faults)
+        calls = any(f.kind in CALL_FAULTS for p in scenario.phases for f in p.faults + scenario.faults)
         proxy = stack.enter_context(NetworkProxy(running.grpc_address, name=f"st-{scenario.name}"[:40],
                                                  seed=scenario.seed, call_toxics=calls))
         running.proxy = proxy

@@ -109,3 +109,21 @@ def test_ci_workflow_runs_a_scenario_and_publishes_junit() -> None:
     assert any("junit" in str(s.get("with", {}).get("report_paths", "")) for s in steps)
     for scenario in flow["jobs"]["chaos"]["strategy"]["matrix"]["scenario"]:
         assert (ROOT / scenario).exists()
+
+
+def test_ci_workflow_runs_the_own_service_example_with_unique_artifact_names() -> None:
+    flow = yaml.safe_load((ROOT / "deploy" / "github-actions.yml").read_text())
+    steps = flow["jobs"]["http-example"]["steps"]
+    script = "\n".join(str(s.get("run", "")) for s in steps)
+    # The example's parts are in the repository, and the job starts the service before it runs the scenario.
+    for path in ("deploy/http-example/nginx.conf", "scenarios/http-faults.yaml"):
+        assert path in script and (ROOT / path).exists(), path
+    assert script.index("nginx -p") < script.index("shadowtest chaos run scenarios/http-faults.yaml")
+    assert "18080" in (ROOT / "deploy" / "http-example" / "nginx.conf").read_text()
+    assert "127.0.0.1:18080" in (ROOT / "scenarios" / "http-faults.yaml").read_text()
+    # Artifact names differ between the jobs, between matrix entries and between attempts of a run.
+    names = [s["with"]["name"] for job in flow["jobs"].values() for s in job["steps"]
+             if str(s.get("uses", "")).startswith("actions/upload-artifact")]
+    assert len(names) == len(set(names)) == 2
+    assert all("github.run_attempt" in n for n in names)
+    assert "strategy.job-index" in names[0] or "matrix" in names[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
-from harness.checks.truth import leg_values, sched_rates
+from harness.checks.truth import leg_values, proxy_legs, sched_rates
 from harness.scenario import CheckSpec
 from harness.timeline import FaultWindow, Timeline, percentile
 
@@ -129,7 +129,7 @@ _SIGNALS = "choice:client_latency,server_latency,host_cpu,target_cpu,proxy_added
 #   cpu:contention              -> target_runqueue: ms per s the target's threads waited for a CPU
 #   cpu:quota                   -> target_cpu: the target's CPU use held at the quota
 #   process:pause               -> target_cpu: no CPU at all while stopped
-_LATENCY_TOXICS = {"latency", "bandwidth", "slicer", "grpc_delay"}
+_LATENCY_TOXICS = {"latency", "bandwidth", "slicer", "grpc_delay", "http_delay"}
 # proxy_added's noise without any toxic: a service that stalls (a CPU quota) answers in bursts, and the
 # client stamps a burst's calls one after another; measured up to +1 ms (mean of P5-P95) on a 2-core
 # host. A latency toxic that adds less than the floor cannot be told from that.
@@ -179,6 +179,8 @@ class FaultEffective:
         evidence = {"signal": signal, "baseline_phase": base, "before": before, "during": after,
                     "faults": [f.label for f in windows]}
         if before is None or after is None:
+            if signal == "proxy_added" and proxy_legs(tl) is None:
+                return nothing_to_judge(spec, f"{signal} cannot be measured: {_no_legs(tl)}", **evidence)
             return verdict(spec, False, f"no {signal} data to compare ({base}: {before}, {phase}: {after})",
                            **evidence)
         return _judge(spec, signal, before, after, evidence)
@@ -200,6 +202,9 @@ def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict
         signal, q = "target_cpu", "p99"
     else:
         signal, q = "server_latency", spec.params.get("quantile", "p99")
+    if signal == "proxy_added" and proxy_legs(tl) is None:
+        return out | {"signal": signal, "ok": True, "skipped": True,
+                      "summary": f"{signal} cannot be measured: {_no_legs(tl)}"}
     before, during = _signal(tl, signal, b0, b1, q), _signal(tl, signal, start, end, q)
     out |= {"signal": signal, "before": before, "during": during}
     if before is None or during is None:
@@ -230,6 +235,12 @@ def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict
     unit = {"proxy_added": " ms", "target_runqueue": " ms/s", "client_failures": "%"}.get(signal, "")
     return out | {"ok": ok, "moved": round(moved, 3),
                   "summary": f"{signal} {before:.1f} -> {during:.1f}{unit}, needed {need}"}
+
+
+def _no_legs(tl: Timeline) -> str:
+    """Why the run has no upstream-leg timings."""
+    return str(tl.outside.get("legs_unreadable") or "the proxy timed no call's upstream leg (no proxy, a proxy "
+               "other than shadowtest's, or traffic other than HTTP/1.x and HTTP/2 in the clear)")
 
 
 def mid_mean(values: list[float]) -> float:
