@@ -9,16 +9,24 @@ per scenario, passed runs out of N, and for every check that ever failed (or was
 judge) how often and the first summary, so a flaky check is named with its evidence, and for each fault
 the spread of how far it moved the signal fault_effective judges it on (the margin to the floor). Needs root (CPU
 quota faults) like `chaos run`. Exit status 0 when every run passed, else 1. Results go in
-bench/RESULTS.md by hand, with the command, the date and the machine's load.
+bench/RESULTS.md by hand, with the command, the date and the machine's load. http-faults.yaml plays
+against the example nginx (deploy/http-example/): the soak starts it for that scenario (its own prefix in
+a temp dir, ended by its PID) unless something already listens on 127.0.0.1:18080.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,6 +36,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MAX_RUNS = 1000
+
+
+@contextlib.contextmanager
+def example_service(path: Path) -> Any:
+    """The example nginx on 127.0.0.1:18080 for scenarios/http-faults.yaml (nothing for the others)."""
+    if path.name != "http-faults.yaml" or _listening(18080):
+        yield
+        return
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    with tempfile.TemporaryDirectory(prefix="soak-web-") as d:
+        proc = subprocess.Popen([nginx, "-p", d, "-c", str(ROOT / "deploy" / "http-example" / "nginx.conf")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while not _listening(18080):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the example nginx did not start (see {d}/error.log)")
+                time.sleep(0.1)
+            yield
+        finally:
+            proc.send_signal(signal.SIGQUIT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
 
 
 def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
@@ -92,7 +132,8 @@ def main() -> int:
           f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} CPUs", flush=True)
     results = []
     for path in paths:
-        results.append(soak(path, args.runs, args.scale))
+        with example_service(path):
+            results.append(soak(path, args.runs, args.scale))
     print("\nscenario                  passed   failing checks (runs)")
     for r in results:
         fails = ", ".join(f"{k} ({n})" for k, n in sorted(r["failures"].items())) or "-"
