@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from harness.scenario import MetricNames
 from harness.timeline import CpuSample, Event, MetricSample
@@ -121,10 +122,11 @@ class EventsFollower(_Poller):
 
 
 class CpuFollower(_Poller):
-    """Samples the target's CPU (% of one core; None when it is not our process) and the host's, and
-    the target's scheduler stats (`sched`: (t, CPU s, run-queue wait s), cumulative, from /proc)."""
+    """Samples the target's CPU (% of one core; None when it is not our process) and the host's, the
+    target's scheduler stats (`sched`: (t, CPU s, run-queue wait s), cumulative, from /proc) and its
+    memory (`memory`: (t, MB): the process's RSS, or its cgroup's memory.current)."""
 
-    def __init__(self, pid: int | None, t0: float, every_s: float = 0.5) -> None:
+    def __init__(self, pid: int | None, t0: float, every_s: float = 0.5, cgroup: str | None = None) -> None:
         super().__init__(every_s, "shadowtest-cpu")
         import psutil
 
@@ -137,6 +139,10 @@ class CpuFollower(_Poller):
         psutil.cpu_percent(None)
         self.samples: list[CpuSample] = []
         self.sched: list[tuple[float, float, float]] = []
+        self.memory: list[tuple[float, float]] = []
+        self._cgroup = cgroup
+        self.memory_of = (f"cgroup {cgroup} (memory.current)" if cgroup else
+                          f"process {pid} (RSS)" if pid else "")
 
     def recent_pct(self, window_s: float) -> float | None:
         """The target's CPU use (% of one core) over about the last `window_s` seconds, from its
@@ -166,6 +172,22 @@ class CpuFollower(_Poller):
             stat = read_schedstat(self._pid)
             if stat is not None:
                 self.sched.append((now, *stat))
+        mb = self._memory_mb()
+        if mb is not None and len(self.memory) < 1_000_000:
+            self.memory.append((now, mb))
+
+    def _memory_mb(self) -> float | None:
+        if self._cgroup:
+            try:
+                return round(int(Path(self._cgroup, "memory.current").read_text().split()[0]) / 2**20, 3)
+            except (OSError, ValueError, IndexError):
+                return None
+        if self._proc is None:
+            return None
+        try:
+            return round(self._proc.memory_info().rss / 2**20, 3)
+        except self._psutil.Error:
+            return None
 
 
 def wait_http(url: str, timeout_s: float) -> None:

@@ -178,7 +178,7 @@ class Runner:
             out["metrics"] = MetricsFollower(running.metrics_url, running.names, self.t0, every)
         if running.events_url:
             out["events"] = EventsFollower(running.events_url, self.t0, min(0.2, every))
-        out["cpu"] = CpuFollower(running.pid, self.t0, every)
+        out["cpu"] = CpuFollower(running.pid or running.watch_pid, self.t0, every, cgroup=running.watch_cgroup)
         for f in out.values():
             f.start()
             stack.callback(f.stop)
@@ -330,6 +330,9 @@ class Runner:
             tl.outside["prometheus"] = prom
         if "cpu" in followers and followers["cpu"].sched:
             tl.outside["sched"] = list(followers["cpu"].sched)
+        if "cpu" in followers and followers["cpu"].memory:
+            tl.outside["memory"] = list(followers["cpu"].memory)
+            tl.outside["memory_of"] = followers["cpu"].memory_of
         verdicts = judge(tl, s)
         notes = list(self.options.notes)
         if self.ran_out is not None:

@@ -60,6 +60,8 @@ class ExternalTarget:
     period_s: float = 1.0
     tls: Any = None                                  # replay.senders.tls.TlsConfig: traffic speaks TLS
     set_headers: tuple[tuple[str, str], ...] = ()    # metadata added to every call (shadow credentials)
+    pid: int | None = None                           # the service's process, watched (memory, CPU), never touched
+    cgroup: str | None = None                        # or its cgroup v2 directory (memory.current)
 
 
 Target = AgentTarget | ExternalTarget

@@ -212,7 +212,8 @@ def _target(node: Node, base: Path) -> AgentTarget | ExternalTarget:
     ext_node = entries["external"]
     ext = ext_node.mapping("target.external")
     spec = {"address": Param("str", required=True), "metrics_url": Param("str"), "events_url": Param("str"),
-            "p99_threshold_ms": Param("number"), "alert_periods": Param("int"), "period_s": Param("number")}
+            "p99_threshold_ms": Param("number"), "alert_periods": Param("int"), "period_s": Param("number"),
+            "pid": Param("int"), "cgroup": Param("str")}
     metrics_node = ext.pop("metrics", None)
     allow_node = ext.pop("allow", None)
     tls_node = ext.pop("tls", None)
@@ -221,7 +222,11 @@ def _target(node: Node, base: Path) -> AgentTarget | ExternalTarget:
                           "set_headers": Param("str")}, "target.external")
     if "address" not in ext:
         ext_node.fail("target.external: missing 'address' (host:port of your service)")
-    values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k)) for k, v in ext.items()}
+    values = {k: typed(v, spec[k], f"target.external.{k}", bound=AGENT_BOUNDS.get(k) or _WATCH_BOUNDS.get(k))
+              for k, v in ext.items()}
+    if "cgroup" in values and not Path(values["cgroup"], "memory.current").is_file():
+        ext["cgroup"].fail(f"target.external.cgroup {values['cgroup']!r}: no memory.current there (a cgroup v2 "
+                           "directory, e.g. /sys/fs/cgroup/system.slice/my.service)")
     _external_allowed(ext["address"], values["address"], allow_node)
     names = MetricNames()
     if metrics_node is not None:
@@ -347,6 +352,9 @@ def _window(node: Node) -> tuple[float, float]:
         node.fail(f"traffic.window {text} must have START before END, and END at most "
                   f"{format_duration(MAX_DURATION_S)} into the recording")
     return start, end
+
+
+_WATCH_BOUNDS = {"pid": Bound(1, 1 << 22, whole=True, note="(a process id)")}
 
 
 def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:

@@ -30,6 +30,8 @@ class Running:
     names: MetricNames
     proxy: object | None = None        # harness.faultrun.NetworkProxy when traffic goes through one
     log_tail: object | None = None     # callable returning the agent's last log lines
+    watch_pid: int | None = None       # a process only observed (an external service's `pid:`)
+    watch_cgroup: str | None = None    # or its cgroup directory
 
 
 def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout_s: float = 120.0,
@@ -76,4 +78,5 @@ def _external(target: ExternalTarget) -> Running:
     if metrics and not metrics.rstrip("/").endswith("/metrics") and not events:
         base = metrics.rstrip("/")
         metrics, events = base + "/metrics", base + "/events"
-    return Running(target.address, target.address, metrics, events, None, target.metrics)
+    return Running(target.address, target.address, metrics, events, None, target.metrics,
+                   watch_pid=target.pid, watch_cgroup=target.cgroup)

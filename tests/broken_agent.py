@@ -13,6 +13,8 @@ process by `BrokenAgent` (an AgentProcess whose command runs this file). The def
     limiter_flat       the limiter never changes its rate
     limiter_leaky      the limiter reports its rate but admits every call
     limiter_stuck_low  the limiter cuts but never grows back
+    limiter_grows      each healthy period doubles the rate (x2 where the policy says x1.1)
+    leak               every finished call keeps 64 KB for good
     degrade_never      the tier never changes
     degrade_stuck      once light, the tier never returns to full
     flapping           the tier flips at forward passes, up to 5 times a second
@@ -38,6 +40,7 @@ from agent_under_test.limiter import Adjustment, Limiter
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
 
 DEFECTS = ("alert_late", "alert_early", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
+           "limiter_grows", "leak",
            "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
 
 
@@ -84,6 +87,10 @@ class _LimiterDefect:
         if self.defect == "limiter_stuck_low" and adjustment is not None and adjustment.new_rate > before:
             self.inner.bucket.set_rate(before)    # (the seed and gradient limiters sit on a token bucket)
             return None
+        if self.defect == "limiter_grows" and adjustment is not None and adjustment.new_rate > before:
+            doubled = min(before * 2, self.inner.s.max_rate)
+            self.inner.bucket.set_rate(doubled)
+            return dataclasses.replace(adjustment, new_rate=doubled, reason=f"{adjustment.reason} (doubled)")
         return adjustment
 
     def set_threshold(self, threshold_ms: float) -> None:
@@ -157,7 +164,7 @@ class BrokenGuard(protection.ProtectionGuard):
     def __init__(self, config: GuardConfig, clock: Any = None) -> None:
         super().__init__(config, clock)
         d = self.defects
-        for defect in ("limiter_flat", "limiter_leaky", "limiter_stuck_low"):
+        for defect in ("limiter_flat", "limiter_leaky", "limiter_stuck_low", "limiter_grows"):
             if defect in d:
                 self.limiter = _LimiterDefect(self.limiter, defect)
         if "alert_late" in d:
@@ -170,6 +177,7 @@ class BrokenGuard(protection.ProtectionGuard):
             if defect in d:
                 self.tiers = _Tiers(defect, config)
         self._finished = 0
+        self._kept: list[bytes] = []
         self._batches = 0
         self._admitted = 0
 
@@ -193,6 +201,8 @@ class BrokenGuard(protection.ProtectionGuard):
 
     def finish(self, method: str, latency_s: float, outcome: str) -> None:
         self._finished += 1
+        if "leak" in self.defects:
+            self._kept.append(b"\x01" * 65536)   # written, so resident: RSS grows 64 KB a call
         if "lose_counts" in self.defects and self._finished % 25 == 0:
             with self._lock:
                 self._recorder.record(latency_s, outcome)

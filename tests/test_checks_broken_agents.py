@@ -166,3 +166,42 @@ def test_an_alert_that_fires_on_one_breaching_period_fails_the_bundled_short_spi
     assert "false alarm" in v["alert_silent[spike]"].summary
     assert v["alert_silent[spike]"].evidence["service_breach_periods"], _status(v)   # the spike was seen
     assert v["alert_rule"].status == "fail" and "the service fired" in v["alert_rule"].summary, _status(v)
+
+
+STEADY = """\
+name: steady
+seed: 5
+target: {agent: {limiter: seed, p99_threshold_ms: 50, period_s: 0.5, initial_rate: 60, max_rate: 120,
+                 min_samples: 5}}
+traffic: {generator: {rate: 100}}
+phases:
+  - {name: warmup, duration: 2s}
+  - {name: steady, duration: 6s}
+expect:
+  - {limiter_stable: {}}
+  - {memory_flat: {phase: steady}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", ["", "limiter_grows", "leak"])
+def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passes(tmp_path: Path,
+                                                                                    defect: str) -> None:
+    # No fault at all: a steady load the agent serves healthily. Its seed limiter climbs x1.1 a period from
+    # 60/s to its 120/s cap and stays; the agent's RSS stays flat once it has warmed up. A limiter that doubles
+    # after each healthy period and an agent that keeps 64 KB of every call are the owner's fears here.
+    scenario = load_scenario_text(STEADY, "steady.yaml")
+    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
+                                             agent_class=broken(defect) if defect else None)).run()
+    v = {x.id: x for x in result.verdicts}
+    want = {"": {"limiter_stable": "pass", "memory_flat[steady]": "pass"},
+            "limiter_grows": {"limiter_stable": "fail", "memory_flat[steady]": "pass"},
+            "leak": {"limiter_stable": "pass", "memory_flat[steady]": "fail"}}[defect]
+    assert {k: x.status for k, x in v.items()} == want, _status(v)
+    if defect == "limiter_grows":
+        assert "more than its seed policy's +10% a step" in v["limiter_stable"].summary
+    if defect == "leak":
+        assert v["memory_flat[steady]"].evidence["slope_mb_per_min"] > 100, v["memory_flat[steady]"].summary
+    else:
+        assert v["memory_flat[steady]"].evidence["samples"] >= 8

@@ -188,3 +188,34 @@ def test_good_http_faults_map_onto_the_proxys_call_toxics_and_are_refused_with_t
     tls = TEMPLATE.replace('"127.0.0.1:18080"}', '"127.0.0.1:18080", tls: {insecure: true}}')
     with pytest.raises(ScenarioError, match="http_delay cannot be applied to TLS traffic"):
         load_scenario_text(tls.replace("FAULT", "http_delay, delay_ms: 5"))
+
+
+WATCHED = """\
+name: watched
+target: {external: {address: "ADDRESS", pid: PID, period_s: 0.5, p99_threshold_ms: 50}}
+proxy: false
+traffic: {recording: http-faults.rec, loop: until_end}
+phases:
+  - {name: only, duration: 4s}
+expect:
+  - memory_flat: {warmup_s: 0.5s}
+"""
+
+
+def test_an_external_service_is_watched_by_its_pid_and_never_touched(tmp_path: Path, web: tuple[str, Path]) -> None:
+    address, log = web
+    pid = int((log.parent / "nginx.pid").read_text())
+    code, output, reports = _run(tmp_path, WATCHED.replace("ADDRESS", address).replace("PID", str(pid)), "watched")
+    v = json.loads((reports / "results.json").read_text())["verdicts"][0]
+    assert code == 0 and v["status"] == "pass", v
+    assert v["evidence"]["of"] == f"process {pid} (RSS)" and v["evidence"]["samples"] >= 5
+    assert 0 < v["evidence"]["first_mb"] < 200          # nginx's few MB, not the harness's own RSS
+
+
+def test_a_cgroup_without_memory_accounting_is_refused_at_its_line(tmp_path: Path) -> None:
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario_text
+
+    text = WATCHED.replace("pid: PID", f"cgroup: {tmp_path}").replace("ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ScenarioError, match=r"^w.yaml:2: target.external.cgroup .*: no memory.current there"):
+        load_scenario_text(text, "w.yaml")

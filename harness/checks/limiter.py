@@ -8,6 +8,10 @@
     limiter_obeys     what the limiter admitted (the client's calls that were not refused, per period)
                       stays within the rate it reports, in every period where the offered load was
                       above that rate; a limiter that reports cuts but admits everything fails it.
+    limiter_stable    in a steady phase the rate settles: its swing ((max - min) / 2 over the mean, in
+                      the phase's second half) stays within a bound, and no single adjustment grows the
+                      rate by more than its policy declares (seed x1.1, gradient x1.5 towards its
+                      ceiling); a limiter that doubles after each healthy period fails it.
 """
 
 from __future__ import annotations
@@ -155,5 +159,60 @@ class LimiterObeys:
                        f"limiter admitted within its reported rate (+{tol:g}% and its burst)", **evidence)
 
 
-for _check in (LimiterReduces(), LimiterRecovers(), LimiterObeys()):
+# The largest growth of one adjustment each policy declares (agent_under_test/limiter.py): the seed
+# rule's x1.1, the gradient limiter's busy_step x1.5. Unknown policies: the check's max_step_pct.
+POLICY_STEP_PCT = {"seed": 10.0, "gradient": 50.0}
+_STEP_SLACK_PCT = 0.5          # rounding of the rates in the events (6 decimals) and float noise
+
+
+class LimiterStable:
+    name = "limiter_stable"
+    params = {"phase": Param("phase", help="default: the whole run"),
+              "max_swing_pct": Param("number", help="(max - min) / 2 of the rate over its mean, in the phase's "
+                                                    "second half (default 15)"),
+              "max_step_pct": Param("number", help="largest growth of one adjustment, % (default: what the "
+                                                   "limiter's policy declares: seed 10, gradient 50)")}
+
+    def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
+        start, end = phase_window(tl, spec)
+        mid = (start + end) / 2
+        swing_max = spec.params.get("max_swing_pct", 15.0)
+        at_mid = tl.rate_at(mid)
+        rates = ([at_mid] if at_mid is not None else []) + [r for _, r in _series_in(tl, mid, end)]
+        if not rates:
+            return verdict(spec, False, "no limiter rate was observed (no limiter events or agent_limiter_rate "
+                           "samples): its stability cannot be judged")
+        mean = sum(rates) / len(rates)
+        swing = (max(rates) - min(rates)) / 2 / mean * 100 if mean > 0 else 0.0
+        steps: list[dict[str, Any]] = []
+        for e in tl.events_of("limiter"):
+            old, new = e.data.get("old_rate"), e.data.get("new_rate")
+            if start <= e.t <= end and isinstance(old, (int, float)) and isinstance(new, (int, float)) and 0 < old < new:
+                policy = str(e.data.get("policy", ""))
+                declared = spec.params.get("max_step_pct", POLICY_STEP_PCT.get(policy))
+                steps.append({"t": round(e.t, 3), "old": old, "new": new, "pct": round((new / old - 1) * 100, 2),
+                              "policy": policy, "declared_pct": declared})
+        evidence = {"second_half_s": [round(mid, 3), round(end, 3)], "min": round(min(rates), 3),
+                    "max": round(max(rates), 3), "mean": round(mean, 3), "swing_pct": round(swing, 2),
+                    "max_swing_pct": swing_max, "growth_steps": len(steps),
+                    "largest_step": max(steps, key=lambda s: s["pct"]) if steps else None}
+        big = [s for s in steps if s["declared_pct"] is not None and s["pct"] > s["declared_pct"] + _STEP_SLACK_PCT]
+        if big:
+            s = max(big, key=lambda s: s["pct"])
+            return verdict(spec, False, f"the limiter grew its rate {s['old']:.0f} -> {s['new']:.0f}/s at "
+                           f"{s['t']:.1f}s (+{s['pct']:.0f}%), more than its {s['policy'] or 'declared'} policy's "
+                           f"+{s['declared_pct']:g}% a step; {len(big)} of {len(steps)} growth steps too large",
+                           **evidence)
+        if swing > swing_max:
+            return verdict(spec, False, f"the limiter's rate swung +-{swing:.0f}% around {mean:.0f}/s "
+                           f"({min(rates):.0f}-{max(rates):.0f}/s) in the second half of "
+                           f"{repr(spec.params['phase']) if spec.params.get('phase') else 'the run'}; "
+                           f"at most +-{swing_max:g}%: it does not settle", **evidence)
+        how = (f"largest growth step +{max(s['pct'] for s in steps):.1f}%" if steps else "no growth step")
+        unjudged = "" if tl.events_of("limiter") else " (steps not judged: no limiter events, only scraped rates)"
+        return verdict(spec, True, f"the limiter settled: +-{swing:.1f}% around {mean:.0f}/s in the second half "
+                       f"(at most +-{swing_max:g}%), {how}{unjudged}", **evidence)
+
+
+for _check in (LimiterReduces(), LimiterRecovers(), LimiterObeys(), LimiterStable()):
     register(_check)

@@ -1,0 +1,106 @@
+"""What a service owner fears beyond the protection checks: a limiter that does not settle (`limiter_stable`)
+and memory that grows (`memory_flat`). Exact synthetic timelines here; real agents, one broken on purpose
+for each, in test_checks_broken_agents.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.checks import CHECKS, Verdict
+from harness.scenario import CheckSpec
+from harness.timeline import CallResult, Event, Timeline
+
+PHASES = [("baseline", 0.0, 10.0), ("steady", 10.0, 20.0)]
+
+
+def _calls() -> list[CallResult]:
+    return [CallResult(t / 10, t / 10, t / 10 + 0.005, "/Decide", "ok") for t in range(200)]
+
+
+def timeline(events: list[Event] | None = None, **outside: Any) -> Timeline:
+    return Timeline(period_s=1.0, threshold_ms=20.0, phases=PHASES, calls=_calls(), events=events or [],
+                    outside=outside)
+
+
+def run(kind: str, tl: Timeline, **params: Any) -> Verdict:
+    return CHECKS[kind].evaluate(tl, CheckSpec(kind, params))
+
+
+def steps(start: float, rate: float, factors: list[float], policy: str = "seed", every: float = 1.0) -> list[Event]:
+    out = []
+    for i, f in enumerate(factors):
+        out.append(Event(start + i * every, "limiter", {"policy": policy, "old_rate": rate, "new_rate": rate * f}))
+        rate *= f
+    return out
+
+
+def test_a_limiter_that_grows_by_its_policy_and_settles_is_stable() -> None:
+    # The seed limiter: x1.1 a healthy second from 100/s to its 146/s cap, reached at 13 s, then flat.
+    tl = timeline(steps(10.0, 100.0, [1.1] * 4))
+    v = run("limiter_stable", tl, phase="steady")
+    assert v.passed and not v.skipped, v.summary
+    assert v.summary == ("the limiter settled: +-0.0% around 146/s in the second half (at most +-15%), largest "
+                         "growth step +10.0%")
+    assert v.evidence["growth_steps"] == 4 and v.evidence["largest_step"]["pct"] == 10.0
+
+
+def test_a_limiter_that_doubles_fails_on_its_step_whatever_its_swing() -> None:
+    # x2 a healthy period: the same cap reached in one step less; steady by the second half all the same.
+    tl = timeline(steps(10.0, 50.0, [2.0, 1.46]))
+    v = run("limiter_stable", tl, phase="steady")
+    assert not v.passed
+    assert v.summary == ("the limiter grew its rate 50 -> 100/s at 10.0s (+100%), more than its seed policy's "
+                         "+10% a step; 2 of 2 growth steps too large")
+    # The gradient policy declares x1.5 towards its ceiling: +40% passes, +60% does not; the check's own bound
+    # replaces the policy's.
+    assert run("limiter_stable", timeline(steps(10.0, 100.0, [1.4], "gradient")), phase="steady").passed
+    assert not run("limiter_stable", timeline(steps(10.0, 100.0, [1.6], "gradient")), phase="steady").passed
+    assert run("limiter_stable", tl, phase="steady", max_step_pct=100).passed
+
+
+def test_a_limiter_that_never_settles_fails_on_its_swing() -> None:
+    # Grows by the book, x1.1 five times, then halves, again and again: every step legal, never steady.
+    cycle = [1.1] * 5 + [0.5 * 1.1 ** -5 * 1.1 ** 5]
+    tl = timeline(steps(10.0, 100.0, cycle * 2, every=0.8))
+    v = run("limiter_stable", tl, phase="steady")
+    assert not v.passed and "does not settle" in v.summary, v.summary
+    assert v.evidence["swing_pct"] > 15
+    assert run("limiter_stable", tl, phase="steady", max_swing_pct=60).passed
+    # Cuts are not growth: only the rise is held to the policy's step.
+    assert v.evidence["largest_step"]["pct"] == 10.0
+
+
+def test_no_limiter_is_said_not_passed() -> None:
+    v = run("limiter_stable", timeline(), phase="steady")
+    assert not v.passed and "no limiter rate was observed" in v.summary
+
+
+def _memory(mb_at: Any, until: float = 20.0) -> list[tuple[float, float]]:
+    return [(k / 2, mb_at(k / 2)) for k in range(int(until * 2) + 1)]
+
+
+def test_memory_that_grows_is_a_leak_and_flat_memory_passes() -> None:
+    leak = timeline(memory=_memory(lambda t: 134.0 + 6.0 * t), memory_of="process 42 (RSS)")
+    v = run("memory_flat", leak)
+    assert not v.passed
+    # 6 MB/s = 360 MB/min, after the 2 s warm-up: 149 -> 251 MB (the medians of the first and last 3) over 18 s
+    assert v.evidence["slope_mb_per_min"] == 360.0 and v.evidence["first_mb"] == 149.0
+    assert v.summary.startswith("memory grows: process 42 (RSS): 149 -> 251 MB (max 254) over 18s, +360.0 MB/min")
+    # Noise around a flat line (an allocator returning and taking a few MB) is not a leak.
+    flat = timeline(memory=_memory(lambda t: 200.0 + (3.0 if int(t * 2) % 3 == 0 else -2.0)))
+    ok = run("memory_flat", flat)
+    assert ok.passed and abs(ok.evidence["slope_mb_per_min"]) < 20, ok.summary
+    # A steep slope over a few MB (a cache filling once) stays under the growth floor: not failed ...
+    small = timeline(memory=_memory(lambda t: 100.0 + min(t, 6.0)))
+    assert run("memory_flat", small, phase="steady").passed
+    # ... but judged on the window asked for: the baseline's growth is left out of the steady phase.
+    ramp = timeline(memory=_memory(lambda t: 100.0 + 10 * min(t, 10.0)))
+    assert not run("memory_flat", ramp, phase="baseline").passed
+    assert run("memory_flat", ramp, phase="steady").passed
+
+
+def test_without_memory_samples_there_is_nothing_to_judge() -> None:
+    v = run("memory_flat", timeline())
+    assert v.skipped and "needs `pid:` or `cgroup:`" in v.summary
+    few = run("memory_flat", timeline(memory=[(0.0, 1.0), (19.5, 9.0)]), phase="steady")
+    assert few.skipped and "too few for a slope" in few.summary
