@@ -58,6 +58,8 @@ class Batcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.max_batch_seen = 0
+        self.expired_dropped = 0     # calls whose caller was gone when their batch formed: not computed
+        self.expired_computed = 0    # ... computed all the same (a guard that does not drop them)
 
     @property
     def depth(self) -> int:
@@ -92,6 +94,9 @@ class Batcher:
             except BaseException:
                 self._slots.release()
                 raise
+            if not batch:                # every call of it had expired: no forward pass at all
+                self._slots.release()
+                continue
             task = asyncio.get_running_loop().create_task(self._forward(batch, depth))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -111,10 +116,23 @@ class Batcher:
                 timer.cancel()
         depth = len(self._queue)
         n = min(depth, self.max_batch)
-        return [self._queue.popleft() for _ in range(n)], depth
+        batch = [self._queue.popleft() for _ in range(n)]
+        # A call whose deadline passed while it waited was cancelled by its server (its future is done):
+        # computing it would spend a forward pass on an answer nobody reads.
+        if self._guard.drops_expired():
+            live = [i for i in batch if not i.future.done()]
+            if len(live) < n:
+                self.expired_dropped += n - len(live)
+                self._guard.on_expired("dropped", n - len(live))
+                batch = live
+        return batch, depth
 
     async def _forward(self, batch: list[_Item], depth: int) -> None:
         try:
+            gone = sum(1 for i in batch if i.future.done())
+            if gone:
+                self.expired_computed += gone
+                self._guard.on_expired("computed", gone)
             tier = self._guard.choose_tier(depth)
             start = time.perf_counter()
             loop = asyncio.get_running_loop()

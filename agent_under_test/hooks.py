@@ -58,6 +58,14 @@ class Guard(Protocol):
     def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
         """After each forward pass."""
 
+    def drops_expired(self) -> bool:
+        """Whether calls whose deadline passed (their caller gone) before their forward pass are taken
+        out of the batch rather than computed for nobody."""
+
+    def on_expired(self, fate: str, n: int) -> None:
+        """`n` calls of a batch were past their deadline (or their client gone) when it formed: `fate`
+        'dropped' (taken out) or 'computed' (run all the same: wasted work)."""
+
     def on_stage(self, stage: str, seconds: float) -> None:
         """Per pipeline stage of each request (parse, features, strategy, risk, order)."""
 
@@ -84,6 +92,12 @@ class NullGuard:
         return self.tier
 
     def on_batch(self, size: int, queue_depth: int, tier: str) -> None:
+        pass
+
+    def drops_expired(self) -> bool:
+        return True
+
+    def on_expired(self, fate: str, n: int) -> None:
         pass
 
     def on_stage(self, stage: str, seconds: float) -> None:

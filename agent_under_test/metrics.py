@@ -111,6 +111,9 @@ class Metrics:
         self.saturation = Gauge("agent_loop_saturation", "Serving thread's busy share of the last period "
                                 "(on a CPU or waiting for one; 1 = no spare capacity)", registry=r)
         self.queue_depth = Gauge("agent_queue_depth", "Batcher queue depth after the last batch", registry=r)
+        expired = Counter("agent_expired_calls", "Calls past their deadline (client gone) when their batch "
+                          "formed: dropped before the forward pass, or computed for nobody", ["fate"], registry=r)
+        self.expired = {f: expired.labels(f) for f in ("dropped", "computed")}
         self.batch_size = FastHistogram("agent_batch_size", "Requests per forward pass", _BATCH_BUCKETS, r)
         self.stage = FastHistogram("agent_stage_latency_seconds", "Per pipeline stage latency", _STAGE_BUCKETS, r,
                                    ["stage"])

@@ -90,6 +90,12 @@ class ProtectionGuard:
         self.metrics.batch_size.observe(size)
         self.metrics.queue_depth.set(queue_depth)
 
+    def drops_expired(self) -> bool:
+        return True
+
+    def on_expired(self, fate: str, n: int) -> None:
+        self.metrics.expired[fate].inc(n)
+
     def on_stage(self, stage: str, seconds: float) -> None:
         self.metrics.observe_stage(stage, seconds)
 

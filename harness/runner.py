@@ -148,8 +148,9 @@ class Runner:
         before = self._scrape(running)
         self.t0 = self.clock.now() + _START_DELAY_S
         followers = self._followers(running, stack)
+        timeout_s = s.traffic.timeout_ms / 1000 if s.traffic.timeout_ms else max(2.0, s.period_s * 4)
         traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
-                             timeout_s=max(2.0, s.period_s * 4), **_tls_and_headers(s))
+                             timeout_s=timeout_s, **_tls_and_headers(s))
         traffic.start()
         stack.callback(traffic.stop)
         faults = FaultSession(running, s.seed, self.log)

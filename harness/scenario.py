@@ -26,6 +26,7 @@ class MetricNames:
     alert_firing: str = "agent_alert_firing"
     model_tier: str = "agent_model_tier"
     queue_depth: str = "agent_queue_depth"
+    expired_calls: str = "agent_expired_calls_total"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class RecordingTraffic:
     methods: tuple[str, ...] = ()
     window: tuple[float, float] | None = None   # seconds into the recording
     line: int | None = None
+    timeout_ms: float | None = None             # each call's deadline; None: the runner's default
 
     @property
     def until_end(self) -> bool:
@@ -98,6 +100,7 @@ class GeneratorTraffic:
     pattern: str = "poisson"
     seed: int | None = None                    # None: the scenario's seed
     stream_share: float = 0.0
+    timeout_ms: float | None = None            # each call's deadline (grpc-timeout); None: the runner's default
 
 
 Traffic = RecordingTraffic | GeneratorTraffic

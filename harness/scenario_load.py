@@ -82,7 +82,10 @@ AGENT_BOUNDS: dict[str, Bound] = {
 TRAFFIC_BOUNDS: dict[str, Bound] = {
     "rate": Bound(0.1, MAX_RATE, "calls/s"), "seed": SEED, "stream_share": Bound(0, 1),
     "speed": Bound(MIN_SPEED, MAX_SPEED, "x the recorded pace"), "loop": Bound(1, 1000, "times", whole=True),
+    "timeout_ms": Bound(1, 600_000, "ms"),
 }
+_TIMEOUT = Param("number", help="each call's deadline in ms, sent as grpc-timeout (default: 4 periods, at "
+                                "least 2 s)")
 PHASE_BOUNDS: dict[str, Bound] = {
     "duration": _DURATION, "load": Bound(0.01, 100, "x the traffic's rate"), "after": _OFFSET, "for": _DURATION,
 }
@@ -323,12 +326,12 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
         _unknown(entries, {"generator"}, "traffic")
         spec = {"rate": Param("number", required=True, help="calls/s"),
                 "pattern": Param("choice:poisson,bursty,constant"), "seed": Param("int"),
-                "stream_share": Param("number")}
+                "stream_share": Param("number"), "timeout_ms": _TIMEOUT}
         return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
                                                bounds=TRAFFIC_BOUNDS))
     spec = {"recording": Param("str", required=True), "speed": Param("number"),
             "loop": Param("loop", help=f"passes, or {UNTIL_END}"), "methods": Param("strlist"),
-            "window": Param("str")}
+            "window": Param("str"), "timeout_ms": _TIMEOUT}
     values = typed_params(node, spec, "traffic", bounds=TRAFFIC_BOUNDS)
     path = Path(values.pop("recording"))
     values["path"] = str(path if path.is_absolute() else base / path)

@@ -15,6 +15,7 @@ process by `BrokenAgent` (an AgentProcess whose command runs this file). The def
     limiter_stuck_low  the limiter cuts but never grows back
     limiter_grows      each healthy period doubles the rate (x2 where the policy says x1.1)
     leak               every finished call keeps 64 KB for good
+    deadlines_ignored  calls whose deadline passed while they queued are computed all the same
     degrade_never      the tier never changes
     degrade_stuck      once light, the tier never returns to full
     flapping           the tier flips at forward passes, up to 5 times a second
@@ -40,7 +41,7 @@ from agent_under_test.limiter import Adjustment, Limiter
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
 
 DEFECTS = ("alert_late", "alert_early", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
-           "limiter_grows", "leak",
+           "limiter_grows", "leak", "deadlines_ignored",
            "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
 
 
@@ -191,6 +192,9 @@ class BrokenGuard(protection.ProtectionGuard):
         if "p99_is_p95" in self.defects and not isinstance(value, _P95Recorder):
             value = _P95Recorder(value.start)
         self.__dict__["_rec"] = value
+
+    def drops_expired(self) -> bool:
+        return "deadlines_ignored" not in self.defects
 
     def admit(self, method: str) -> float | None:
         if "slow" in self.defects:

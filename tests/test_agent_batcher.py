@@ -122,3 +122,49 @@ def test_inline_mode_batches_without_an_executor() -> None:
     guard, results = asyncio.run(main())
     assert [r.output[0] for r in results] == list(range(6)) and {r.batch_size for r in results} == {6}
     assert guard.calls[-1] == ("batch", 6, 0, "full")
+
+
+class _Expiry(Seen):
+    def __init__(self, drops: bool) -> None:
+        super().__init__()
+        self.drops, self.expired = drops, []
+
+    def drops_expired(self) -> bool:
+        return self.drops
+
+    def on_expired(self, fate: str, n: int) -> None:
+        self.expired.append((fate, n))
+
+
+@pytest.mark.parametrize("drops", [True, False])
+def test_calls_whose_caller_is_gone_are_not_computed(drops: bool) -> None:
+    # Five calls wait out a 50 ms window; the servers cancel three of them at their deadline meanwhile.
+    # An agent that honours deadlines takes them out of the batch; one that does not computes them for nobody.
+    seen: list[list[float]] = []
+
+    def forward(items, tier):
+        seen.append([float(f.x[0, 0]) for f in items])
+        return run_fn(items, tier)
+
+    async def main() -> list[bool]:
+        guard = _Expiry(drops)
+        batcher = Batcher(forward, guard, None, window_s=0.05, max_batch=32)
+        batcher.start()
+        tasks = [asyncio.create_task(batcher.submit(feat(i))) for i in range(5)]
+        await asyncio.sleep(0.01)
+        for i in (0, 2, 3):
+            tasks[i].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        # A batch of nothing but expired calls runs no forward pass at all.
+        lone = asyncio.create_task(batcher.submit(feat(9)))
+        await asyncio.sleep(0.01)
+        lone.cancel()
+        await asyncio.sleep(0.1)
+        await batcher.close()
+        assert guard.expired == ([("dropped", 3), ("dropped", 1)] if drops else [("computed", 3), ("computed", 1)])
+        assert (batcher.expired_dropped, batcher.expired_computed) == ((4, 0) if drops else (0, 4))
+        return [isinstance(d, asyncio.CancelledError) for d in done]
+
+    cancelled = asyncio.run(main())
+    assert cancelled == [True, False, True, True, False]
+    assert seen == ([[1.0, 4.0]] if drops else [[0.0, 1.0, 2.0, 3.0, 4.0], [9.0]])

@@ -205,3 +205,35 @@ def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passe
         assert v["memory_flat[steady]"].evidence["slope_mb_per_min"] > 100, v["memory_flat[steady]"].summary
     else:
         assert v["memory_flat[steady]"].evidence["samples"] >= 8
+
+
+EXPIRING = """\
+name: expiring
+seed: 5
+target: {agent: {limiter: off, p99_threshold_ms: 500, period_s: 0.5, batch_window_ms: 300, max_batch: 256}}
+traffic: {generator: {rate: 40, timeout_ms: 100}}
+phases:
+  - {name: only, duration: 4s}
+expect:
+  - {deadlines_honored: {}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", ["", "deadlines_ignored"])
+def test_an_agent_that_computes_expired_calls_fails_deadlines_honored(tmp_path: Path, defect: str) -> None:
+    # Every call waits out a 300 ms batching window with a 100 ms deadline: most are past it (their
+    # server cancelled them) when their batch forms. The agent drops them; the broken one computes them.
+    scenario = load_scenario_text(EXPIRING, "expiring.yaml")
+    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
+                                             agent_class=broken(defect) if defect else None)).run()
+    v = result.verdicts[0]
+    ev = v.evidence
+    assert ev["client_timeouts"] > 40, v.summary            # the deadlines did pass, as the client saw
+    if defect:
+        assert v.status == "fail" and "it computes answers nobody will read" in v.summary, v.summary
+        assert ev["computed"] > 40 and ev["dropped"] == 0
+    else:
+        assert v.status == "pass", v.summary
+        assert ev["dropped"] > 40 and ev["computed"] <= 2

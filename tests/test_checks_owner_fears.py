@@ -104,3 +104,45 @@ def test_without_memory_samples_there_is_nothing_to_judge() -> None:
     assert v.skipped and "needs `pid:` or `cgroup:`" in v.summary
     few = run("memory_flat", timeline(memory=[(0.0, 1.0), (19.5, 9.0)]), phase="steady")
     assert few.skipped and "too few for a slope" in few.summary
+
+
+def _expired(dropped: float, computed: float) -> list:
+    from harness.timeline import MetricSample
+
+    key = 'agent_expired_calls_total{fate="%s"}'
+    return [MetricSample(0.0, {key % "dropped": 0.0, key % "computed": 0.0}),
+            MetricSample(20.0, {key % "dropped": dropped, key % "computed": computed})]
+
+
+def test_deadlines_honored_reads_the_targets_expired_calls_by_fate() -> None:
+    from harness.timeline import CallResult
+
+    timeouts = [CallResult(t / 10, t / 10, None, "/Decide", "timeout") for t in range(30)]
+    tl = timeline()
+    tl.calls = _calls() + timeouts
+    tl.samples = _expired(60, 1)
+    v = run("deadlines_honored", tl)
+    assert v.passed and not v.skipped
+    assert v.summary == ("61 calls were past their deadline when their batch formed: 60 dropped, 1 computed (the "
+                         "client timed out 30); at most 3 computed allowed")
+    tl.samples = _expired(0, 61)
+    bad = run("deadlines_honored", tl)
+    assert not bad.passed and "it computes answers nobody will read (at most 3 allowed)" in bad.summary
+    tl.samples = _expired(0, 0)
+    assert run("deadlines_honored", tl).skipped
+    tl.samples = []
+    none = run("deadlines_honored", tl)
+    assert none.skipped and "exports no agent_expired_calls_total" in none.summary and "30 calls" in none.summary
+
+
+def test_a_traffic_deadline_is_read_and_bounded() -> None:
+    import pytest
+
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario_text
+
+    text = "name: t\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10, timeout_ms: TIMEOUT}}\n" \
+           "phases: [{name: a, duration: 1s}]\n"
+    assert load_scenario_text(text.replace("TIMEOUT", "250")).traffic.timeout_ms == 250
+    with pytest.raises(ScenarioError, match=r"^t.yaml:3: traffic.generator.timeout_ms 0 must be between 1 and 600000"):
+        load_scenario_text(text.replace("TIMEOUT", "0"), "t.yaml")

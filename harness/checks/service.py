@@ -315,5 +315,51 @@ def _signal(tl: Timeline, signal: str, start: float, end: float, quantile: str) 
     return round(sum(vals) / len(vals), 2) if vals else None
 
 
-for _check in (Slo(), ErrorRate(), NoLoss(), FaultEffective()):
+def _counter_delta(tl: Timeline, name: str, label: str) -> dict[str, float] | None:
+    """A labelled counter's growth over the run (last scrape minus first), by that label; None when
+    the target does not export it."""
+    if len(tl.samples) < 2:
+        return None
+    first, last = tl.samples[0].values, tl.samples[-1].values
+    out: dict[str, float] = {}
+    for key, value in last.items():
+        if key.startswith(name + "{") and f'{label}="' in key:
+            out[key.split(f'{label}="', 1)[1].split('"', 1)[0]] = value - first.get(key, 0.0)
+    return out or None
+
+
+class DeadlinesHonored:
+    """Calls whose deadline passed while they waited are not computed. The target counts, at each batch,
+    the calls whose caller was already gone (its server cancelled them at the deadline): `dropped`
+    before the forward pass, or `computed` for nobody. The client's own count of calls that ran out of
+    time is the evidence beside it."""
+
+    name = "deadlines_honored"
+    params = {"max_computed_pct": Param("number", help="expired calls computed all the same, % of the "
+                                                       "expired ones (default 5; 2 calls always allowed: a "
+                                                       "call may expire as its pass starts)")}
+
+    def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
+        name = tl.metric_names.get("expired_calls", "agent_expired_calls_total")
+        counts = _counter_delta(tl, name, "fate")
+        timed_out = sum(1 for c in tl.calls if c.outcome == "timeout")
+        if counts is None:
+            return nothing_to_judge(spec, f"the target exports no {name} (by fate: dropped, computed): what it "
+                                    f"did with the {timed_out} calls the client gave up on cannot be seen")
+        dropped, computed = counts.get("dropped", 0.0), counts.get("computed", 0.0)
+        expired = dropped + computed
+        evidence = {"dropped": dropped, "computed": computed, "client_timeouts": timed_out}
+        if expired == 0:
+            return nothing_to_judge(spec, f"no call was past its deadline when its batch formed (the client "
+                                    f"timed out {timed_out})", **evidence)
+        allowed = max(2.0, expired * spec.params.get("max_computed_pct", 5.0) / 100)
+        said = (f"{expired:.0f} calls were past their deadline when their batch formed: {dropped:.0f} dropped, "
+                f"{computed:.0f} computed (the client timed out {timed_out})")
+        if computed > allowed:
+            return verdict(spec, False, f"{said}: it computes answers nobody will read (at most {allowed:.0f} "
+                           "allowed)", **evidence)
+        return verdict(spec, True, f"{said}; at most {allowed:.0f} computed allowed", **evidence)
+
+
+for _check in (Slo(), ErrorRate(), NoLoss(), FaultEffective(), DeadlinesHonored()):
     register(_check)
