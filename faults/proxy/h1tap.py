@@ -78,6 +78,14 @@ class _Framer:
         self.left = 0
         self.carry = b""
 
+    def _give_up(self, buf: bytes, events: list[tuple[int, str, bytes, int]],
+                 i: int) -> tuple[bytes, list[tuple[int, str, bytes, int]]]:
+        """Framing stops at `i` (unframeable bytes, or a protocol switch): everything from there on is
+        the caller's to pass through as it is."""
+        self.state = _S_OFF
+        events.append((i, "off", b"", 0))
+        return buf, events
+
     def _end(self, events: list[tuple[int, str, bytes, int]], i: int) -> None:
         events.append((i, "end", b"", 0))
         self.on_end()
@@ -111,10 +119,7 @@ class _Framer:
                 end = _head_end(buf, i)
                 if end < 0:
                     if n - i > MAX_HEAD:
-                        self.state = _S_OFF
-                        events.append((i, "off", b"", 0))
-                        i = n
-                        break
+                        return self._give_up(buf, events, i)
                     self.carry = buf[i:]
                     return buf[:i], events
                 head = buf[i:end]
@@ -122,10 +127,8 @@ class _Framer:
                 framing, length = self.on_head(head)
                 events.append((i, "head", head, framing))
                 if framing == _OFF:
-                    self.state = _S_OFF
-                    events.append((i, "off", b"", 0))
-                    i = n
-                elif framing == _INTERIM:
+                    return self._give_up(buf, events, i)
+                if framing == _INTERIM:
                     pass
                 elif framing == _NONE or (framing == _FIXED and length == 0):
                     self._end(events, i)
@@ -140,10 +143,7 @@ class _Framer:
             nl = buf.find(b"\n", i, i + MAX_LINE + 2)
             if nl < 0:
                 if n - i > MAX_LINE:
-                    self.state = _S_OFF
-                    events.append((i, "off", b"", 0))
-                    i = n
-                    break
+                    return self._give_up(buf, events, i)
                 self.carry = buf[i:]
                 return buf[:i], events
             line = buf[i:nl].rstrip(b"\r")
@@ -151,20 +151,15 @@ class _Framer:
             if st == _S_SIZE:
                 size = _chunk_size(line)
                 if size is None:
-                    self.state = _S_OFF
-                    events.append((i, "off", b"", 0))
-                    i = n
-                elif size == 0:
+                    return self._give_up(buf, events, i)
+                if size == 0:
                     self.state = _S_TRAILER
                 else:
                     self.state, self.left = _S_DATA, size
             elif st == _S_DATA_END:
                 if line:
-                    self.state = _S_OFF
-                    events.append((i, "off", b"", 0))
-                    i = n
-                else:
-                    self.state = _S_SIZE
+                    return self._give_up(buf, events, i)
+                self.state = _S_SIZE
             elif not line:        # the empty line that ends the trailer section
                 self.state = _S_HEAD
                 self._end(events, i)
