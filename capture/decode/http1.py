@@ -181,6 +181,7 @@ class Http1Decoder:
         self.pending: deque[Call] = deque()
         self.how: dict[Direction, str] = {}   # why the body being stepped over is missing (e.g. sendfile)
         self.unasked = 0   # responses to requests never seen (read before the capture): dropped, not paired
+        self._before_first = joined   # a joined connection whose first request the decoder has not seen yet
 
     def feed(self, direction: Direction, ts_ns: int, data: bytes) -> list[Call]:
         parser = self.req if direction == "c2s" else self.resp
@@ -202,11 +203,13 @@ class Http1Decoder:
                 call.status_message = _body_missing("request", missing, self.how.pop("c2s", None))
             self.pending.append(call)
         done: list[Call] = []
-        # Server bytes while no request is pending or being read answer a request the capture never
-        # saw (a connection joined mid-stream, a request read before the capture began): pairing
-        # them with the next request would shift every answer on the connection by one.
-        while not self.pending and self.resp.buf and self.resp.holed is None and not self.resp.broken \
-                and not self.req.buf and self.req.holed is None and not self.req.broken:
+        # On a connection joined mid-stream, server bytes before the first request the capture saw answer
+        # requests it never saw (read before it began): paired with the next request they would shift
+        # every answer on the connection by one. (Once a request was seen, every answer has its request:
+        # a server reads a request before it answers it.)
+        if self.pending or self.req.buf or self.req.holed is not None:
+            self._before_first = False
+        while self._before_first and self.resp.buf and self.resp.holed is None and not self.resp.broken:
             m = self.resp.next_message(ts_ns, head_only=self._bodyless(), at_eof=at_eof)
             if m is None:
                 break
