@@ -35,7 +35,7 @@ from harness.live import LiveView, Snapshot
 from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
 from harness.prom import PrometheusServer
 from harness.report import RunResult
-from harness.scenario import RecordingTraffic, Scenario
+from harness.scenario import AgentTarget, RecordingTraffic, Scenario
 from harness.scenario_load import RUN_PHASE
 from harness.target import Running, open_target
 from harness.timeline import FaultWindow, MetricSample, Timeline
@@ -150,7 +150,7 @@ class Runner:
         followers = self._followers(running, stack)
         timeout_s = s.traffic.timeout_ms / 1000 if s.traffic.timeout_ms else max(2.0, s.period_s * 4)
         traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
-                             timeout_s=timeout_s, **_tls_and_headers(s))
+                             timeout_s=timeout_s, compare=_validator(s), **_tls_and_headers(s))
         traffic.start()
         stack.callback(traffic.stop)
         faults = FaultSession(running, s.seed, self.log)
@@ -431,6 +431,22 @@ def _signals_to_exceptions() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def _validator(s: Scenario) -> Any:
+    """The responses_valid checks' rules, as the replay engine's comparer (None without such checks)."""
+    from harness.responses import ResponseRules, Validator
+
+    sets = {c.id: ResponseRules(c.params["rules"], c.params.get("method", "")) for c in s.expect
+            if c.kind == "responses_valid"}
+    if not sets:
+        return None
+    from replay.compare import descriptors_from_modules
+
+    # The bundled agent's messages are known; another service's responses are read as JSON bodies.
+    descriptors = descriptors_from_modules("agent_under_test.proto.agent_pb2") \
+        if isinstance(s.target, AgentTarget) else None
+    return Validator(sets, descriptors)
 
 
 def _tls_and_headers(s: Scenario) -> dict[str, Any]:

@@ -140,6 +140,8 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
         return node.duration(what, bound)
     if kind == "loop":
         return _loop(node, what, bound)
+    if kind == "rules":
+        return _response_rules(node, what)
     if kind == "bool":
         return node.boolean(what)
     if kind == "strlist":
@@ -169,6 +171,45 @@ def _grpc_status(node: Node, what: str, bound: Bound | None) -> int:
                       "RESOURCE_EXHAUSTED, INTERNAL, DEADLINE_EXCEEDED")
         return code
     return node.integer(what, bound)
+
+
+_RULE_KEYS = {"field", "min", "max", "in", "non_empty", "equals_request"}
+
+
+def _response_rules(node: Node, what: str) -> tuple[Any, ...]:
+    """responses_valid's rules: [{field: PATH, min/max/in/non_empty/equals_request}, ...]."""
+    from harness.responses import MAX_RULES, ResponseRule
+
+    items = node.sequence(what)
+    if not items:
+        node.fail(f"{what}: expected at least one rule ({{field: confidence, min: 0, max: 1}})")
+    if len(items) > MAX_RULES:
+        node.fail(f"{what}: {len(items)} rules; at most {MAX_RULES}")
+    rules = []
+    for i, item in enumerate(items):
+        w = f"{what}[{i}]"
+        entries = item.mapping(w)
+        _unknown(entries, _RULE_KEYS, w)
+        if "field" not in entries:
+            item.fail(f"{w}: missing 'field' (a dotted path in the response: confidence, risk.limit)")
+        path = entries["field"].string(f"{w}.field")
+        if not path or len(path) > 200 or any(not part for part in path.split(".")):
+            entries["field"].fail(f"{w}.field {path!r} must be a dotted path of field names")
+        if len(entries) == 1:
+            item.fail(f"{w}: a rule needs at least one of min, max, in, non_empty, equals_request")
+        allowed = None
+        if "in" in entries:
+            values = entries["in"].sequence(f"{w}.in")
+            if not values or len(values) > 1000:
+                entries["in"].fail(f"{w}.in: expected 1 to 1000 allowed values")
+            allowed = tuple(v.scalar(f"{w}.in") for v in values)
+        rules.append(ResponseRule(
+            path, min=entries["min"].number(f"{w}.min") if "min" in entries else None,
+            max=entries["max"].number(f"{w}.max") if "max" in entries else None, allowed=allowed,
+            non_empty=entries["non_empty"].boolean(f"{w}.non_empty") if "non_empty" in entries else False,
+            equals_request=entries["equals_request"].string(f"{w}.equals_request")
+            if "equals_request" in entries else None))
+    return tuple(rules)
 
 
 def _loop(node: Node, what: str, bound: Bound | None) -> int | str:

@@ -30,6 +30,7 @@ class CallResult:
     method: str
     outcome: str            # ok | rejected | error | timeout | not_sent
     code: str | None = None
+    invalid: tuple[str, ...] = ()   # responses_valid: the rules an OK response broke ("invalid[ID]: ...")
 
     @property
     def latency_ms(self) -> float | None:

@@ -248,7 +248,8 @@ class TrafficRun:
     """
 
     def __init__(self, traffic: Traffic, profile: list[tuple[float, float, float]], target: str, t0_ns: int,
-                 seed: int, timeout_s: float = 5.0, *, tls: Any = None, headers: Any = None) -> None:
+                 seed: int, timeout_s: float = 5.0, *, tls: Any = None, headers: Any = None,
+                 compare: Any = None) -> None:
         from capture.errors import CaptureError
         from replay.engine import ReplayOptions, ReplayRun
         from replay.errors import ReplayError
@@ -284,7 +285,8 @@ class TrafficRun:
                 self._recording, plan = None, generator_plan(traffic, base_duration(profile), seed)
                 self.plan_cut = True
             source: Any = self._follow(warp(plan, profile))
-            options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s, tls=tls, headers=headers)
+            options = ReplayOptions(schedule=schedule, start_at_ns=t0_ns, timeout_s=timeout_s, tls=tls, headers=headers,
+                                    compare=compare)
             self._run = ReplayRun(source, target, options, on_result=self._on_result)
         except (ReplayError, CaptureError) as exc:
             raise RunError(f"cannot set up the traffic: {exc}") from exc
@@ -323,7 +325,8 @@ class TrafficRun:
         outcome = "error" if r.outcome == "connection_error" else r.outcome
         call = CallResult(intended_s=(r.intended_ns - self.t0_ns) / 1e9, sent_s=rel(r.sent_ns),
                           done_s=rel(r.done_ns) if r.sent_ns else None, method=r.method or "?",
-                          outcome=outcome, code=r.code)
+                          outcome=outcome, code=r.code,
+                          invalid=tuple(m for m in r.mismatch if m.startswith("invalid[")) if r.mismatch else ())
         with self._lock:
             self.calls.append(call)
             self.counts[outcome] = self.counts.get(outcome, 0) + 1

@@ -16,6 +16,7 @@ process by `BrokenAgent` (an AgentProcess whose command runs this file). The def
     limiter_grows      each healthy period doubles the rate (x2 where the policy says x1.1)
     leak               every finished call keeps 64 KB for good
     deadlines_ignored  calls whose deadline passed while they queued are computed all the same
+    constant_light     the light tier answers every call with the same decision (status OK, wrong answer)
     degrade_never      the tier never changes
     degrade_stuck      once light, the tier never returns to full
     flapping           the tier flips at forward passes, up to 5 times a second
@@ -41,7 +42,7 @@ from agent_under_test.limiter import Adjustment, Limiter
 from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
 
 DEFECTS = ("alert_late", "alert_early", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
-           "limiter_grows", "leak", "deadlines_ignored",
+           "limiter_grows", "leak", "deadlines_ignored", "constant_light",
            "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
 
 
@@ -234,6 +235,18 @@ def main() -> None:
         return BrokenGuard(config, clock)
 
     protection.build_guard = build   # the one swap: the app builds its guard through this
+    if "constant_light" in defects:  # ... and one in the pipeline: the light tier's answer is canned
+        from agent_under_test import pipeline
+        from agent_under_test.proto import agent_pb2
+
+        real = pipeline.Pipeline.decide
+        canned = agent_pb2.Decision(sequence_id=1, symbol="ACME", side=agent_pb2.HOLD, confidence=0.5, tier="light")
+
+        async def decide(self: Any, msg: Any, received_ns: int) -> Any:
+            out = await real(self, msg, received_ns)
+            return canned if out.tier == "light" else out
+
+        pipeline.Pipeline.decide = decide  # type: ignore[method-assign]
     from agent_under_test.__main__ import main as agent_main
 
     sys.argv = [sys.argv[0], *sys.argv[2:]]

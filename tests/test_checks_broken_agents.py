@@ -237,3 +237,41 @@ def test_an_agent_that_computes_expired_calls_fails_deadlines_honored(tmp_path: 
     else:
         assert v.status == "pass", v.summary
         assert ev["dropped"] > 40 and ev["computed"] <= 2
+
+
+ANSWERS = """\
+name: answers
+seed: 5
+target: {agent: {limiter: off, tier: light, p99_threshold_ms: 500, period_s: 0.5}}
+traffic: {generator: {rate: 40}}
+phases:
+  - {name: only, duration: 3s}
+expect:
+  - responses_valid:
+      method: Decide
+      rules:
+        - {field: sequence_id, equals_request: sequence_id}
+        - {field: symbol, equals_request: symbol}
+        - {field: confidence, min: 0, max: 1}
+        - {field: side, in: [HOLD, BUY, SELL]}
+        - {field: tier, in: [full, light]}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", ["", "constant_light"])
+def test_a_light_tier_that_answers_a_constant_fails_responses_valid(tmp_path: Path, defect: str) -> None:
+    # The agent serves its light tier throughout; every answer must echo its request's sequence id and
+    # symbol. A canned answer (status OK, the same decision for every call) breaks both.
+    scenario = load_scenario_text(ANSWERS, "answers.yaml")
+    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
+        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
+                                             agent_class=broken(defect) if defect else None)).run()
+    v = result.verdicts[0]
+    assert v.evidence["checked"] > 60, v.summary
+    if defect:
+        assert v.status == "fail", v.summary
+        assert v.evidence["invalid"] >= v.evidence["checked"] - 1        # the odd call may carry id 1 itself
+        assert "sequence_id: '1' != request.sequence_id" in v.summary, v.summary
+    else:
+        assert v.status == "pass" and v.evidence["invalid"] == 0, v.summary

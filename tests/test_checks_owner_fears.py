@@ -146,3 +146,60 @@ def test_a_traffic_deadline_is_read_and_bounded() -> None:
     assert load_scenario_text(text.replace("TIMEOUT", "250")).traffic.timeout_ms == 250
     with pytest.raises(ScenarioError, match=r"^t.yaml:3: traffic.generator.timeout_ms 0 must be between 1 and 600000"):
         load_scenario_text(text.replace("TIMEOUT", "0"), "t.yaml")
+
+
+def test_response_rules_read_json_and_protobuf_alike() -> None:
+    from types import SimpleNamespace
+
+    from harness.responses import ResponseRule, ResponseRules, Validator, broken_rules, values_at
+    from replay.compare import descriptors_from_modules
+
+    doc = {"order": {"id": "7", "items": [{"qty": 2}, {"qty": 0}]}, "state": "accepted", "note": ""}
+    assert values_at(doc, "order.items.qty") == [2, 0] and values_at(doc, "order.nope") == []
+    assert broken_rules(ResponseRule("order.items.qty", min=1), doc, {}) == "order.items.qty: 0 < 1"
+    assert broken_rules(ResponseRule("state", allowed=("accepted", "queued")), doc, {}) is None
+    assert broken_rules(ResponseRule("state", allowed=("queued",)), doc, {}) == "state: 'accepted' not in ['queued']"
+    assert broken_rules(ResponseRule("note", non_empty=True), doc, {}) == "note: empty"
+    assert broken_rules(ResponseRule("order.id", equals_request="id"), doc, {"id": "7"}) is None
+    assert broken_rules(ResponseRule("order.id", equals_request="id"), doc, {"id": "8"}) == \
+        "order.id: '7' != request.id '8'"
+    assert broken_rules(ResponseRule("missing", max=3), doc, {}) == "missing: missing"
+    # The engine's comparer slot: OK calls of the method only; protobuf by the method's types, JSON otherwise.
+    from agent_under_test.proto import agent_pb2
+
+    v = Validator({"responses_valid": ResponseRules((ResponseRule("sequence_id", equals_request="sequence_id"),
+                                                     ResponseRule("confidence", max=1)), "Decide")},
+                  descriptors_from_modules("agent_under_test.proto.agent_pb2"))
+    method = "/shadowtest.agent.v1.TradingAgent/Decide"
+    req = SimpleNamespace(method=method, messages=[SimpleNamespace(
+        data=agent_pb2.MarketSnapshot(sequence_id=41).SerializeToString())])
+
+    def out(**fields: Any) -> Any:
+        return SimpleNamespace(outcome="ok", responses=[agent_pb2.Decision(**fields).SerializeToString()])
+
+    assert v.compare(req, out(sequence_id=41, confidence=0.9)) == []
+    assert v.compare(req, out(sequence_id=40, confidence=1.5)) == [
+        "invalid[responses_valid]: sequence_id: '40' != request.sequence_id '41'",
+        "invalid[responses_valid]: confidence: 1.5 > 1"]
+    assert v.compare(req, SimpleNamespace(outcome="error", responses=[])) == []
+    assert v.compare(SimpleNamespace(method="/x.Y/Other", messages=[]), out(confidence=9)) == []
+    assert v.summary()["responses_checked"] == 2 and v.summary()["responses_invalid"] == 1
+
+
+def test_bad_response_rules_name_their_line() -> None:
+    import pytest
+
+    from harness.errors import ScenarioError
+    from harness.scenario_load import load_scenario_text
+
+    text = ("name: r\ntarget: {agent: {}}\ntraffic: {generator: {rate: 10}}\nphases: [{name: a, duration: 1s}]\n"
+            "expect:\n  - responses_valid: {rules: RULES}\n")
+    for rules, message in (("[]", "expected at least one rule"),
+                           ("[{min: 0}]", "missing 'field'"),
+                           ("[{field: x}]", "a rule needs at least one of min, max, in"),
+                           ("[{field: x, between: 3}]", "unknown key 'between'"),
+                           ("[{field: 'a..b', min: 0}]", "must be a dotted path of field names"),
+                           ("[{field: x, in: []}]", "expected 1 to 1000 allowed values")):
+        with pytest.raises(ScenarioError, match=r"^r.yaml:6: ") as info:
+            load_scenario_text(text.replace("RULES", rules), "r.yaml")
+        assert message in str(info.value), (rules, str(info.value))
