@@ -82,8 +82,13 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _run(tmp_path: Path, *defects: str, alerts: bool = True, extra_fault: str = "", quota: int = 30) -> dict[str, Any]:
-    scenario = load_scenario_text(SCENARIO % {"alerts": str(alerts).lower(), "extra_fault": extra_fault,
-                                              "quota": quota}, "broken.yaml")
+    return _run_text(tmp_path, SCENARIO % {"alerts": str(alerts).lower(), "extra_fault": extra_fault, "quota": quota},
+                     *defects)
+
+
+def _run_text(tmp_path: Path, text: str, *defects: str) -> dict[str, Any]:
+    """The scenario `text` run against the agent with `defects` (none: the unmodified agent), by check id."""
+    scenario = load_scenario_text(text, "broken.yaml")
     agent = broken(*defects) if defects else None
     with (tmp_path / f"live-{'-'.join(defects) or 'clean'}.txt").open("w") as stream:
         result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
@@ -190,11 +195,7 @@ def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passe
     # No fault at all: a steady load the agent serves healthily. Its seed limiter climbs x1.1 a period from
     # 60/s to its 120/s cap and stays; the agent's RSS stays flat once it has warmed up. A limiter that doubles
     # after each healthy period and an agent that keeps 64 KB of every call are the owner's fears here.
-    scenario = load_scenario_text(STEADY, "steady.yaml")
-    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
-        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
-                                             agent_class=broken(defect) if defect else None)).run()
-    v = {x.id: x for x in result.verdicts}
+    v = _run_text(tmp_path, STEADY, *filter(None, [defect]))
     want = {"": {"limiter_stable": "pass", "memory_flat[steady]": "pass"},
             "limiter_grows": {"limiter_stable": "fail", "memory_flat[steady]": "pass"},
             "leak": {"limiter_stable": "pass", "memory_flat[steady]": "fail"}}[defect]
@@ -224,11 +225,7 @@ expect:
 def test_an_agent_that_computes_expired_calls_fails_deadlines_honored(tmp_path: Path, defect: str) -> None:
     # Every call waits out a 300 ms batching window with a 100 ms deadline: most are past it (their
     # server cancelled them) when their batch forms. The agent drops them; the broken one computes them.
-    scenario = load_scenario_text(EXPIRING, "expiring.yaml")
-    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
-        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
-                                             agent_class=broken(defect) if defect else None)).run()
-    v = result.verdicts[0]
+    v = _run_text(tmp_path, EXPIRING, *filter(None, [defect]))["deadlines_honored"]
     ev = v.evidence
     assert ev["client_timeouts"] > 40, v.summary            # the deadlines did pass, as the client saw
     if defect:
@@ -263,11 +260,7 @@ expect:
 def test_a_light_tier_that_answers_a_constant_fails_responses_valid(tmp_path: Path, defect: str) -> None:
     # The agent serves its light tier throughout; every answer must echo its request's sequence id and
     # symbol. A canned answer (status OK, the same decision for every call) breaks both.
-    scenario = load_scenario_text(ANSWERS, "answers.yaml")
-    with (tmp_path / f"live-{defect or 'clean'}.txt").open("w") as stream:
-        result = Runner(scenario, RunOptions(view=LiveView(scenario.name, stream=stream, rich=False),
-                                             agent_class=broken(defect) if defect else None)).run()
-    v = result.verdicts[0]
+    v = _run_text(tmp_path, ANSWERS, *filter(None, [defect]))["responses_valid"]
     assert v.evidence["checked"] > 60, v.summary
     if defect:
         assert v.status == "fail", v.summary
