@@ -119,6 +119,8 @@ class Validator:
 
     def __init__(self, sets: dict[str, ResponseRules], descriptors: Any = None) -> None:
         self.sets, self.descriptors = sets, descriptors
+        # the request is decoded only for a rule that compares with it
+        self._needs_request = any(r.equals_request for rules in sets.values() for r in rules.rules)
         self.checked = self.invalid = self.undecodable = 0
         self.examples: list[dict[str, Any]] = []
 
@@ -134,7 +136,8 @@ class Validator:
             self.undecodable += 1
             return [f"{INVALID}[{k}]: the response could not be decoded (neither protobuf with the method's "
                     "type nor JSON)" for k in sets]
-        request = self._decode(planned.method, planned.messages[0].data if planned.messages else b"", output=False)
+        request = self._decode(planned.method, planned.messages[0].data if planned.messages else b"",
+                               output=False) if self._needs_request else None
         out = [f"{INVALID}[{k}]: {b}" for k, rules in sets.items() for r in rules.rules
                if (b := broken_rules(r, response, request or {})) is not None]
         if out:
@@ -164,15 +167,6 @@ class Validator:
             return None
 
     def _message_class(self, method: str | None, output: bool) -> Any:
-        if self.descriptors is None or not method:
+        if self.descriptors is None:
             return None
-        if output:
-            return self.descriptors.output_class(method)
-        from google.protobuf import message_factory
-
-        service, _, name = method.strip("/").rpartition("/")
-        try:
-            desc = self.descriptors.pool.FindServiceByName(service).FindMethodByName(name)
-        except KeyError:
-            return None
-        return None if desc is None else message_factory.GetMessageClass(desc.input_type)
+        return self.descriptors.output_class(method) if output else self.descriptors.input_class(method)

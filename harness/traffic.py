@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.errors import RunError
+from harness.responses import INVALID
 from harness.scenario import GeneratorTraffic, RecordingTraffic, Scenario, Traffic
 from harness.timeline import CallResult
 
@@ -326,7 +327,7 @@ class TrafficRun:
         call = CallResult(intended_s=(r.intended_ns - self.t0_ns) / 1e9, sent_s=rel(r.sent_ns),
                           done_s=rel(r.done_ns) if r.sent_ns else None, method=r.method or "?",
                           outcome=outcome, code=r.code,
-                          invalid=tuple(m for m in r.mismatch if m.startswith("invalid[")) if r.mismatch else ())
+                          invalid=tuple(m for m in r.mismatch if m.startswith(INVALID + "[")) if r.mismatch else ())
         with self._lock:
             self.calls.append(call)
             self.counts[outcome] = self.counts.get(outcome, 0) + 1

@@ -35,27 +35,35 @@ from replay.senders import SendOutcome
 
 
 class Descriptors:
-    """Output message classes by full method name, looked up lazily in a descriptor pool."""
+    """Output (and input) message classes by full method name, looked up lazily in a descriptor pool."""
 
     def __init__(self, pool: descriptor_pool.DescriptorPool, services: Iterable[str] = ()) -> None:
         self.pool = pool
         self.services = tuple(services)  # full names of the services the source offers (method inference)
-        self._cache: dict[str, type[Message] | None] = {}
+        self._cache: dict[tuple[str, bool], type[Message] | None] = {}
 
     def output_class(self, method: str | None) -> type[Message] | None:
+        return self._class(method, output=True)
+
+    def input_class(self, method: str | None) -> type[Message] | None:
+        return self._class(method, output=False)
+
+    def _class(self, method: str | None, output: bool) -> type[Message] | None:
         if not method:
             return None
-        if method not in self._cache:
-            self._cache[method] = self._lookup(method)
-        return self._cache[method]
+        if (method, output) not in self._cache:
+            self._cache[method, output] = self._lookup(method, output)
+        return self._cache[method, output]
 
-    def _lookup(self, method: str) -> type[Message] | None:
+    def _lookup(self, method: str, output: bool) -> type[Message] | None:
         service, _, name = method.strip("/").rpartition("/")
         try:
             desc = self.pool.FindServiceByName(service).FindMethodByName(name)
         except KeyError:
             return None
-        return None if desc is None else message_factory.GetMessageClass(desc.output_type)
+        if desc is None:
+            return None
+        return message_factory.GetMessageClass(desc.output_type if output else desc.input_type)
 
 
 def descriptors_from_modules(*modules: str) -> Descriptors:

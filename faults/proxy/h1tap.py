@@ -37,7 +37,7 @@ from http import HTTPStatus
 from typing import TextIO
 
 from faults.proxy.calls import Call, CallRule, Fate, fate_of
-from faults.proxy.h2tap import FAULT_HEADER, leg_log
+from faults.proxy.h2tap import FAULT_HEADER, leg_line, leg_log
 
 __all__ = ["H1Tap", "looks_like_http1", "MAX_HEAD", "MAX_HELD"]
 
@@ -372,7 +372,7 @@ class H1Tap:
 
     def _start_request(self, head: bytes, framed: bool) -> None:
         self.calls_seen += 1
-        parsed = self._parsed.popleft() if self._parsed else _scan(head)
+        parsed = self._parsed.popleft()      # every head went through _on_request_head first
         method, target, version, low = b"", b"", b"HTTP/1.1", b""
         if parsed is not None:
             start, low = parsed
@@ -441,7 +441,11 @@ class H1Tap:
             self._cur.complete = True
             self._cur = None
         self._pump()
-        if not any(s.inject is None for s in self._slots):   # no response is owed: nothing left to frame
+        self._down_off_when_owed_nothing()
+
+    def _down_off_when_owed_nothing(self) -> None:
+        """With the client side passed through, the server side is too once it owes no response."""
+        if self.off and not any(s.inject is None for s in self._slots):
             self._down_off = True
 
     def _cut_delays(self) -> None:
@@ -572,7 +576,7 @@ class H1Tap:
         slot = self._slots[0] if self._slots else None
         if self._legs is not None and slot is not None and slot.sent is not None:
             try:
-                self._legs.write(f"{slot.sent:.6f} {time.monotonic():.6f} {int(slot.status < 400)}\n")
+                self._legs.write(leg_line(slot.sent, time.monotonic(), slot.status < 400))
             except OSError:
                 self._legs = None
 
@@ -582,8 +586,7 @@ class H1Tap:
             return
         self._slots.popleft()
         self._answer_ready()
-        if self.off and not any(s.inject is None for s in self._slots):
-            self._down_off = True
+        self._down_off_when_owed_nothing()
 
     def _answer_ready(self) -> None:
         """Send the proxy's own answers that are next in line (the server owes nothing before them)."""

@@ -80,7 +80,7 @@ from wire.h2 import (
 from wire.headers import CachedDecoder, encode_block
 from wire.status import status_block
 
-__all__ = ["CallRule", "H2Tap", "LEG_LOG_ENV", "FAULT_HEADER", "MAX_HELD_DOWN", "leg_log"]
+__all__ = ["CallRule", "H2Tap", "LEG_LOG_ENV", "FAULT_HEADER", "MAX_HELD_DOWN", "leg_line", "leg_log"]
 
 LEG_LOG_ENV = "SHADOWTEST_LEG_LOG"
 FAULT_HEADER = "x-shadowtest-fault"           # on every response the proxy made up itself
@@ -111,6 +111,11 @@ MAX_HELD_DOWN = 8 << 20      # response bytes held per connection; beyond this a
 _MAX_TRACKED = 10_000        # per-stream bookkeeping kept for streams that never end
 _SAFE_FRAME = 16_384         # a frame size every server accepts (its MAX_FRAME_SIZE is never lower)
 _PRIORITY = int(Flag.PRIORITY)
+
+
+def leg_line(sent: float, done: float, served: bool) -> str:
+    """One call's line in the leg log (`SENT DONE SERVED`, read by harness.checks.truth.read_leg_log)."""
+    return f"{sent:.6f} {done:.6f} {int(served)}\n"
 
 
 @dataclass
@@ -775,7 +780,7 @@ class H2Tap:
                 served = status is not None and status < 400 and not reset
         try:
             if self._legs is not None:
-                self._legs.write(f"{sent:.6f} {done:.6f} {int(served)}\n")
+                self._legs.write(leg_line(sent, done, served))
         except OSError:
             self._legs = self._srv_dec = None
 

@@ -19,6 +19,7 @@ from wire.h2 import PREFACE
 
 log = logging.getLogger(__name__)
 _EARLY_LIMIT = 1 << 20
+TAP_COUNTS = ("calls_seen", "calls_delayed", "calls_failed", "calls_cut")   # what each tap counts
 _WRITE_HIGH = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
 
 
@@ -249,12 +250,8 @@ class Connection:
             self.proxy.closed_totals[key] += value
 
     def call_counts(self) -> dict[str, int]:
-        """This connection (1) and the calls its tap saw, delayed and failed."""
-        tap = self.tap
-        if tap is None:
-            return {"connections": 1, "calls_seen": 0, "calls_delayed": 0, "calls_failed": 0, "calls_cut": 0}
-        return {"connections": 1, "calls_seen": tap.calls_seen, "calls_delayed": tap.calls_delayed,
-                "calls_failed": tap.calls_failed, "calls_cut": tap.calls_cut}
+        """This connection (1) and the calls its tap saw, delayed, failed and cut short (0 untapped)."""
+        return {"connections": 1} | {k: getattr(self.tap, k, 0) for k in TAP_COUNTS}
 
     def reset(self) -> None:
         """Abort both sockets with SO_LINGER 0, so each peer gets a TCP RST."""
@@ -280,8 +277,7 @@ class Proxy:
         self.rng = rng
         self.toxics: list[ToxicSpec] = []
         self.connections: set[Connection] = set()
-        self.closed_totals = {"connections": 0, "calls_seen": 0, "calls_delayed": 0, "calls_failed": 0,
-                              "calls_cut": 0}
+        self.closed_totals = dict.fromkeys(("connections", *TAP_COUNTS), 0)
         self._server: asyncio.Server | None = None
 
     def to_json(self, with_toxics: bool = True) -> dict[str, Any]:

@@ -106,18 +106,22 @@ class NoLoss:
                        f"{sent} sent (rejected {server.get('rejected', 0):.0f} = {client['rejected']})", **evidence)
 
 
-def _server_counts(tl: Timeline) -> dict[str, float] | None:
-    """The agent's requests_total by outcome over the run (last scrape minus first), or None."""
-    name = tl.metric_names.get("requests_total", "agent_requests_total")
+def _counter_delta(tl: Timeline, name: str, label: str) -> dict[str, float] | None:
+    """A labelled counter's growth over the run (last scrape minus first), by that label; None when
+    the target does not export it."""
     if len(tl.samples) < 2:
         return None
     first, last = tl.samples[0].values, tl.samples[-1].values
     out: dict[str, float] = {}
     for key, value in last.items():
-        if key.startswith(name + "{") and 'outcome="' in key:
-            outcome = key.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = value - first.get(key, 0.0)
+        if key.startswith(name + "{") and f'{label}="' in key:
+            out[key.split(f'{label}="', 1)[1].split('"', 1)[0]] = value - first.get(key, 0.0)
     return out or None
+
+
+def _server_counts(tl: Timeline) -> dict[str, float] | None:
+    """The agent's requests_total by outcome over the run (last scrape minus first), or None."""
+    return _counter_delta(tl, tl.metric_names.get("requests_total", "agent_requests_total"), "outcome")
 
 
 _SIGNALS = "choice:client_latency,server_latency,host_cpu,target_cpu,proxy_added,target_runqueue,client_failures"
@@ -313,19 +317,6 @@ def _signal(tl: Timeline, signal: str, start: float, end: float, quantile: str) 
     attr = "host_pct" if signal == "host_cpu" else "target_pct"
     vals = [getattr(c, attr) for c in tl.cpu if start <= c.t <= end and getattr(c, attr) is not None]
     return round(sum(vals) / len(vals), 2) if vals else None
-
-
-def _counter_delta(tl: Timeline, name: str, label: str) -> dict[str, float] | None:
-    """A labelled counter's growth over the run (last scrape minus first), by that label; None when
-    the target does not export it."""
-    if len(tl.samples) < 2:
-        return None
-    first, last = tl.samples[0].values, tl.samples[-1].values
-    out: dict[str, float] = {}
-    for key, value in last.items():
-        if key.startswith(name + "{") and f'{label}="' in key:
-            out[key.split(f'{label}="', 1)[1].split('"', 1)[0]] = value - first.get(key, 0.0)
-    return out or None
 
 
 class DeadlinesHonored:
