@@ -76,6 +76,36 @@ class Contention:
     cpus: list[int]
     pids: list[int] = field(default_factory=list)
     started_at: float = 0.0
+    start_cpu_s: float = 0.0      # what the workers had burned when they had all started
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the workers and every process under them have used so far,
+        reaped children included. Read it before the workers are killed."""
+        return sum(tree_cpu_seconds(pid) for pid in self.pids)
+
+    def asked_cores(self) -> float:
+        """Cores' worth of CPU asked for: workers x load, at most the CPUs they are pinned to."""
+        return min(float(len(self.cpus)), self.workers * self.load_pct / 100.0)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants (live ones, and those it reaped); 0 when
+    it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + (t.children_user + t.children_system if p is root else 0.0)
+    return total
 
 
 @contextlib.contextmanager
@@ -107,6 +137,7 @@ def cpu_contention(target_pid: int | None = None, workers: int | None = None, lo
             reg.update(entry_id, procs=procs)
             info.pids.append(p.pid)
         info.started_at = time.monotonic()
+        info.start_cpu_s = info.cpu_seconds()
         yield info
 
 
@@ -185,6 +216,24 @@ class Quota:
     period_us: int
     version: int
     path: str
+
+    def throttling(self) -> dict[str, int] | None:
+        """The cgroup's throttling counters so far: periods, periods throttled, time throttled (us);
+        None when cpu.stat cannot be read. (v2 `throttled_usec`; v1 `throttled_time` in ns.)"""
+        return read_throttling(Path(self.path))
+
+
+def read_throttling(cg: Path) -> dict[str, int] | None:
+    """`nr_periods`, `nr_throttled` and `throttled_us` from `cg`/cpu.stat, or None."""
+    try:
+        lines = (cg / "cpu.stat").read_text().splitlines()
+    except OSError:
+        return None
+    raw = {k: int(v) for k, _, v in (line.partition(" ") for line in lines) if v.strip().isdigit()}
+    if "nr_throttled" not in raw:
+        return None
+    us = raw["throttled_usec"] if "throttled_usec" in raw else raw.get("throttled_time", 0) // 1000
+    return {"nr_periods": raw.get("nr_periods", 0), "nr_throttled": raw["nr_throttled"], "throttled_us": us}
 
 
 @contextlib.contextmanager

@@ -125,5 +125,22 @@ class NetworkFaults:
                 raise ProxyApiError(f"cannot add toxic {toxic_name}: {exc}", 400) from exc
             yield toxic_name
 
+    def effects(self, proxy: str, timeout: float = 2.0) -> dict[str, Any] | None:
+        """What each toxic of `proxy` was measured to do, by toxic name (shadowtest's proxy only:
+        `GET /proxies/{proxy}/effects`); None when the server has no such endpoint (toxiproxy-server)
+        or does not answer."""
+        import json
+        import urllib.error
+        import urllib.request
+        from urllib.parse import quote
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/proxies/{quote(proxy, safe='')}/effects",
+                                        timeout=timeout) as resp:
+                body = json.loads(resp.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+        return body if isinstance(body, dict) else None
+
     def reset(self) -> None:
         self.client.reset()

@@ -22,6 +22,9 @@ class FaultContext:
     # The target's CPU use, % of one core, over the last `window_s` seconds (None: not measured yet or
     # not our process); the runner fills it from its scheduler samples.
     cpu_use: Callable[[float], float | None] | None = None
+    # Set by an applier while its fault is being removed: what the fault was measured to do (the
+    # proxy's counts for a toxic, the workers' CPU time, the cgroup's throttling); None: not measured.
+    effect: dict[str, Any] | None = None
 
 
 class Applier(Protocol):

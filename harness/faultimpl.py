@@ -8,7 +8,9 @@ exit, and found by `check_leftovers()` if a run was killed before it could undo 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import RunError
@@ -40,12 +42,23 @@ def clear_leftovers() -> list[str]:
     return [left.describe() for left in result.cleared]
 
 
+@dataclass
+class HeldToxic:
+    """One toxic held by `NetworkProxy.toxic`: its name, when the API confirmed it (time.monotonic()),
+    and, once it is being removed, what our proxy measured it did (None: toxiproxy-server, which does
+    not measure, or the proxy did not answer)."""
+
+    name: str
+    applied_at: float
+    effect: dict[str, Any] | None = None
+
+
 class NetworkProxy:
     """A Toxiproxy in front of `upstream` with a proxy listening on 127.0.0.1:0: a toxiproxy-server on
     PATH when there is one (and no call-level gRPC toxic is wanted), else ours in a child process (never in the harness's own process, where
     it would compete with the replayer for the GIL and show up as send lag). The child dies with the
-    harness, taking its toxics with it. `toxic(dict)` holds one toxic while entered and yields its
-    name and when the API confirmed it (time.monotonic()).
+    harness, taking its toxics with it. `toxic(dict)` holds one toxic while entered and yields a
+    `HeldToxic`, whose `effect` is read from our proxy right before the toxic is removed.
 
     Raises RunError when the proxy cannot start.
     """
@@ -93,15 +106,25 @@ class NetworkProxy:
         return str(self._net.url) if self._net is not None else ""
 
     @contextlib.contextmanager
-    def toxic(self, toxic: dict[str, Any]) -> Iterator[tuple[str, float | None]]:
-        import time
-
+    def toxic(self, toxic: dict[str, Any]) -> Iterator[HeldToxic]:
         self._count += 1
         name = f"{toxic['type']}_{self._count}"
         with self._net.toxic(self.name, toxic["type"], toxic["attributes"], stream=toxic["stream"],
                              toxicity=toxic["toxicity"], name=name):
             # The API answers once the toxic runs on every live connection (ours documents it).
-            yield name, time.monotonic()
+            held = HeldToxic(name, time.monotonic())
+            try:
+                yield held
+            finally:
+                held.effect = self.effect_of(name)
+
+    def effect_of(self, toxic_name: str) -> dict[str, Any] | None:
+        """What our proxy measured the toxic did so far; None with toxiproxy-server (no such endpoint)."""
+        if self._net is None or self._child is None:
+            return None
+        effects = self._net.effects(self.name)
+        found = effects.get(toxic_name) if effects else None
+        return found if isinstance(found, dict) else None
 
 
 def _pid(ctx: FaultContext, what: str) -> int:
@@ -119,8 +142,20 @@ def _contention(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     with cpu_contention(target_pid=ctx.running.pid if pin else None, workers=spec.params.get("workers"),
                         load_pct=int(spec.params.get("load_pct", 100))) as held:
         ctx.applied_at = held.started_at
-        yield (f"{held.workers} {held.method} worker(s) at {held.load_pct}% on CPUs {held.cpus} "
-               f"(PIDs {held.pids})")
+        try:
+            yield (f"{held.workers} {held.method} worker(s) at {held.load_pct}% on CPUs {held.cpus} "
+                   f"(PIDs {held.pids})")
+        finally:
+            ctx.effect = contention_effect(held, time.monotonic())   # before the workers are killed
+
+
+def contention_effect(held: Any, now: float) -> dict[str, Any]:
+    """What contention workers (`faults.cpu.Contention`) burned since they started, against what was asked."""
+    window = max(1e-6, now - held.started_at)
+    burned = max(0.0, held.cpu_seconds() - held.start_cpu_s)
+    return {"cpu_s": round(burned, 3), "window_s": round(window, 3), "burned_cores": round(burned / window, 3),
+            "asked_cores": round(held.asked_cores(), 3), "workers": held.workers, "load_pct": held.load_pct,
+            "cpus": len(held.cpus)}
 
 
 @register("cpu", "quota")
@@ -132,8 +167,20 @@ def _quota(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     period_ms = int(spec.params.get("period_ms", 100))
     pct, why = quota_pct(spec.params, ctx, period_ms)
     with cpu_quota(pid, cpus=pct / 100.0, period_us=period_ms * 1000) as held:
-        yield (f"PID {pid} limited to {held.quota_us}us per {held.period_us}us{why} "
-               f"(cgroup v{held.version} {held.path})")
+        before = held.throttling()
+        try:
+            yield (f"PID {pid} limited to {held.quota_us}us per {held.period_us}us{why} "
+                   f"(cgroup v{held.version} {held.path})")
+        finally:
+            ctx.effect = quota_effect(held, before, held.throttling())
+
+
+def quota_effect(held: Any, before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, Any]:
+    """The cgroup's throttling over the quota's window (`faults.cpu.Quota`), or why it is unknown."""
+    out: dict[str, Any] = {"quota_us": held.quota_us, "period_us": held.period_us, "cgroup": held.path}
+    if before is None or after is None:
+        return out | {"unreadable": f"cannot read {held.path}/cpu.stat"}
+    return out | {k: after[k] - before.get(k, 0) for k in ("nr_periods", "nr_throttled", "throttled_us")}
 
 
 QUOTA_USE_WINDOW_S = 2.0     # pct_of_use: the target's CPU use over this long before the fault

@@ -45,14 +45,18 @@ class FaultSession:
         self._held[key] = (spec.label, stack)
         return detail or "", self.ctx.applied_at
 
-    def remove(self, key: int) -> None:
+    def remove(self, key: int) -> dict[str, Any] | None:
+        """Undo one fault; returns what it was measured to do, when its applier measured it."""
         held = self._held.pop(key, None)
+        self.ctx.effect = None
         if held is not None:
             label, stack = held
             try:
                 stack.close()
             except Exception as exc:  # noqa: BLE001 -- keep removing the others; say what stayed
                 self.log(f"fault {label} could not be removed cleanly: {exc} (run `shadowtest faults clear`)")
+        effect, self.ctx.effect = self.ctx.effect, None
+        return effect
 
     def close(self) -> None:
         """Undo every fault still held, newest first (idempotent)."""
@@ -103,9 +107,14 @@ def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
     if spec.kind in _CALL_TOXICS and proxy.kind == "toxiproxy-server":
         raise RunError(f"network: {spec.kind} is a call-level toxic of shadowtest's own proxy; toxiproxy-server "
                        "(found on PATH) has no such toxic: take it off PATH for this scenario")
-    with proxy.toxic(toxic) as (name, applied_at):
-        ctx.applied_at = applied_at
-        yield f"toxic {name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}{_call_note(toxic)}"
+    held = None
+    try:
+        with proxy.toxic(toxic) as held:
+            ctx.applied_at = held.applied_at
+            yield f"toxic {held.name}: {toxic['type']} {toxic['attributes']} {toxic['stream']}{_call_note(toxic)}"
+    finally:
+        if held is not None:
+            ctx.effect = held.effect   # read from the proxy right before the toxic was removed
 
 
 def _call_note(toxic: dict[str, Any]) -> str:

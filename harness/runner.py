@@ -268,7 +268,7 @@ class Runner:
                 w.error = f"{type(exc).__name__}: {exc}"
                 self.log(f"fault {w.label} FAILED to apply: {w.error}")
         elif w.applied_s is not None and w.removed_s is None:
-            faults.remove(key=id(w))
+            w.effect = faults.remove(key=id(w))
             w.removed_s = self.clock.now() - self.t0
             self.log(f"fault {w.label} removed")
 

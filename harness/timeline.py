@@ -84,7 +84,8 @@ class MetricSample:
 
 @dataclass
 class FaultWindow:
-    """When a fault was asked for, when it really took effect, when it was removed (None: never)."""
+    """When a fault was asked for, when it really took effect, when it was removed (None: never), and
+    `effect`: what the fault was measured to do, read as it was removed (None: not measured)."""
 
     label: str
     phase: str
@@ -95,6 +96,7 @@ class FaultWindow:
     removed_s: float | None = None
     detail: str = ""
     error: str | None = None
+    effect: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -144,13 +144,14 @@ def test_flat_limiter_no_degradation_and_slowness(tmp_path: Path) -> None:
 @pytest.mark.root
 @pytest.mark.slow
 def test_an_inert_toxic_beside_a_quota_fails_fault_effective(tmp_path: Path) -> None:
-    # The inert toxic (0 ms) sits beside a quota (60 % of the agent's use), which moves every latency:
-    # judged on its own signal (what the proxy adds on the client's side), it still fails. Its own run,
-    # with the unmodified agent: squeezed to a few % of a core (the runs above), the target answers in
-    # bursts so large that the client's stamping of them alone moved proxy_added past the 2 ms floor.
-    v = _run(tmp_path, extra_fault=", {network: latency, latency_ms: 0}", quota=60)
+    # The inert toxic (30 ms asked, its toxicity draw sparing every connection) sits beside a quota (60 % of
+    # the agent's use), which moves every latency: a squeezed target answers in bursts whose stamping by
+    # the client can look like added latency. Judged on what the proxy measured the toxic did (it held
+    # no chunk), it fails whatever the client saw; the quota, judged on its throttling, passes.
+    v = _run(tmp_path, extra_fault=", {network: latency, latency_ms: 30, toxicity: 0}", quota=60)
     fe = v["fault_effective[fault]"]
     assert fe.status == "fail" and "network:latency" in fe.summary, _status(v)
+    assert "spared all" in fe.summary and "chunks passed untouched" in fe.summary, fe.summary
     faults = {f["fault"].split(" ")[0]: f["ok"] for f in fe.evidence["faults"]}
     assert faults == {"cpu:quota": True, "network:latency": False}, fe.evidence
 

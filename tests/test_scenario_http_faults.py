@@ -106,13 +106,14 @@ expect:
 
 def test_an_inert_latency_toxic_on_an_http_service_fails_fault_effective(tmp_path: Path,
                                                                         web: tuple[str, Path]) -> None:
-    # toxicity 0: the toxic is on the proxy but touches no connection. Judged on the HTTP leg, the proxy
-    # added nothing: a failure that names the signal, not "no data".
+    # toxicity 0: the toxic is on the proxy but touches no connection. The proxy's own count says so (it
+    # held nothing); the HTTP leg's proxy_added, which saw nothing added either, stays as evidence.
     address, _ = web
     code, output, reports = _run(tmp_path, INERT.replace("ADDRESS", address), "inert")
     verdict = json.loads((reports / "results.json").read_text())["verdicts"][0]
     assert code == 1 and verdict["status"] == "fail", verdict
-    assert re.search(r"proxy_added -?\d+\.\d -> -?\d+\.\d ms, needed \+2\.0", verdict["summary"]), verdict["summary"]
+    assert re.search(r"toxicity draw \(0\) spared all \d+ connections \(\d+ chunks passed untouched\); client saw "
+                     r"proxy_added -?\d+\.\d -> -?\d+\.\d ms", verdict["summary"]), verdict["summary"]
 
 
 def test_without_leg_timings_a_latency_fault_is_skipped_with_the_reason() -> None:

@@ -6,6 +6,9 @@ compact JSON ``{"error":"<message>","status":<code>}`` -- so Content-Type `text/
 `X-Content-Type-Options: nosniff` and a trailing newline -- with 400, 404, 409 (500 for a listen
 failure); creates answer 201 (toxics 200, as Toxiproxy does), deletes and /reset 204. Mutating answers
 also carry `X-Shadowtest-Applied-At`: CLOCK_MONOTONIC seconds when every live connection had switched.
+
+One route is shadowtest's own, never part of Toxiproxy's answers: `GET /proxies/{name}/effects`,
+what each toxic of that proxy was measured to do (`{toxic_name: {...}}`, removed toxics included).
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ async def _toxic_delete(c: ProxyCollection, v: dict[str, str], raw: Any) -> Repl
     return 204, None
 
 
+async def _effects(c: ProxyCollection, v: dict[str, str], raw: Any) -> Reply:
+    return 200, c.get(v["proxy"]).effects.to_json()
+
+
 async def _version(c: ProxyCollection, v: dict[str, str], raw: Any) -> Reply:
     return 200, f'{{"version": "{VERSION}"}}\n'
 
@@ -137,6 +144,7 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
     (re.compile(rf"^/proxies/{_P}/toxics$"), {"GET": _toxic_index, "POST": _toxic_create}),
     (re.compile(rf"^/proxies/{_P}/toxics/{_T}$"), {"GET": _toxic_show, "POST": _toxic_update,
                                                    "PATCH": _toxic_update, "DELETE": _toxic_delete}),
+    (re.compile(rf"^/proxies/{_P}/effects$"), {"GET": _effects}),
     (re.compile(r"^/version$"), {"GET": _version}),
 ]
 _MUTATING = {"POST", "PATCH", "DELETE"}

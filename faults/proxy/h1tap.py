@@ -36,8 +36,8 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import TextIO
 
-from faults.proxy.calls import Call, CallRule, Fate, fate_of
-from faults.proxy.h2tap import FAULT_HEADER, leg_line, leg_log
+from faults.proxy.calls import Call, CallRule, Fate
+from faults.proxy.h2tap import FAULT_HEADER, DelayCredit, draw_fate, leg_line, leg_log
 
 __all__ = ["H1Tap", "looks_like_http1", "MAX_HEAD", "MAX_HELD"]
 
@@ -275,7 +275,7 @@ class _Slot:
 class _Req:
     """A request on its way up (or bytes passed through once the tap is off: no slot)."""
 
-    __slots__ = ("chunks", "complete", "until", "drop", "slot", "held")
+    __slots__ = ("chunks", "complete", "until", "drop", "slot", "held", "credit", "cut")
 
     def __init__(self, slot: _Slot | None, until: float = 0.0, drop: bool = False) -> None:
         self.chunks: list[bytes] = []
@@ -284,6 +284,8 @@ class _Req:
         self.drop = drop
         self.slot = slot
         self.held = 0
+        self.credit: DelayCredit | None = None   # the delay toxics to credit when it goes up
+        self.cut = False
 
 
 class H1Tap:
@@ -379,13 +381,13 @@ class H1Tap:
             method, target = start[0], start[1]
             version = start[2] if len(start) > 2 else b"HTTP/1.0"
         slot = _Slot(head_only=method == b"HEAD")
-        fate = Fate()
+        fate, credit = Fate(), None
         rules = self._rules() if framed else []
         if rules and parsed is not None:
             # every field decoded only for a rule that looks at one
             fields = (_fields(head) or ([], []))[1] if any(r.attrs.get("header") for r in rules) else []
             call = Call(method.decode("latin-1"), _path(target.decode("latin-1")), fields)
-            fate = fate_of(rules, call, self._rng, _HTTP)
+            fate, credit = draw_fate(rules, call, self._rng, _HTTP, self._loop.time())
         req = _Req(slot)
         if fate.error is not None:
             req.drop = True
@@ -396,6 +398,7 @@ class H1Tap:
             slot.inject = _answer(version, fate.error[1], fate.error[2], slot.head_only, slot.close_after)
         elif fate.delay_s > 0:
             self.calls_delayed += 1
+            req.credit = credit
             req.until = self._loop.time() + fate.delay_s
             self._loop.call_later(fate.delay_s, self._pump)
         self._cur = req
@@ -452,6 +455,7 @@ class H1Tap:
         for r in self._reqs:
             if r.until:
                 r.until = 0.0
+                r.cut = True
                 self.calls_cut += 1
         log.warning("more than %d bytes held for delayed HTTP requests: their delay is cut short", MAX_HELD)
         self._pump()
@@ -472,6 +476,9 @@ class H1Tap:
             if r.until > now:
                 break
             r.until = 0.0
+            if r.credit is not None:
+                r.credit.release(now, r.cut)
+                r.credit = None
             if r.chunks:
                 out.extend(r.chunks)
                 r.chunks.clear()

@@ -62,7 +62,8 @@ from typing import TextIO
 import hpack
 from hpack.table import HeaderTable
 
-from faults.proxy.calls import Call, CallRule, fate_of
+from faults.proxy.calls import Call, CallRule, Fate, fate_of
+from faults.proxy.toxics import ToxicEffect
 from wire.h2 import (
     HEAD,
     PREFACE,
@@ -80,7 +81,8 @@ from wire.h2 import (
 from wire.headers import CachedDecoder, encode_block
 from wire.status import status_block
 
-__all__ = ["CallRule", "H2Tap", "LEG_LOG_ENV", "FAULT_HEADER", "MAX_HELD_DOWN", "leg_line", "leg_log"]
+__all__ = ["CallRule", "DelayCredit", "EffectRule", "H2Tap", "LEG_LOG_ENV", "FAULT_HEADER", "MAX_HELD_DOWN",
+           "draw_fate", "leg_line", "leg_log"]
 
 LEG_LOG_ENV = "SHADOWTEST_LEG_LOG"
 FAULT_HEADER = "x-shadowtest-fault"           # on every response the proxy made up itself
@@ -119,6 +121,55 @@ def leg_line(sent: float, done: float, served: bool) -> str:
 
 
 @dataclass
+class EffectRule(CallRule):
+    """A call toxic's rule that also knows where to count what it did (its proxy's `ToxicEffect`)."""
+
+    effect: ToxicEffect | None = None
+
+
+class DelayCredit:
+    """A delayed call's hold, as each delay toxic asked for it. At the release each toxic is credited
+    its delay, scaled down when the hold was cut short: what it actually applied."""
+
+    __slots__ = ("start", "parts")
+
+    def __init__(self, start: float, parts: list[tuple[ToxicEffect, float]]) -> None:
+        self.start, self.parts = start, parts
+
+    def release(self, now: float, cut: bool = False) -> None:
+        """Credit the time held (once; later calls do nothing)."""
+        asked = sum(d for _, d in self.parts)
+        share = min(1.0, max(0.0, now - self.start) / asked) if asked > 0 else 0.0
+        for effect, delay in self.parts:
+            effect.calls_delayed += 1
+            effect.delay_s += delay * share
+            effect.calls_cut += cut
+        self.parts = []
+
+
+def draw_fate(rules: list[CallRule], call: Call, rng: random.Random, protos: frozenset[str],
+              now: float) -> tuple[Fate, DelayCredit | None]:
+    """`fate_of(rules, ...)` drawn rule by rule (the same draws, in the same order), so that each
+    toxic is counted for the calls it matched and failed, and credited the delay it asked for."""
+    delay_ms, error, parts = 0, None, []
+    for rule in rules:
+        if rule.proto not in protos or not rule.matches(call):
+            continue
+        effect = rule.effect if isinstance(rule, EffectRule) else None
+        drawn = fate_of([rule], call, rng, protos)
+        ms = round(drawn.delay_s * 1000)
+        delay_ms += ms
+        if effect is not None:
+            effect.calls += 1
+            if ms > 0:
+                parts.append((effect, ms / 1000.0))
+            if drawn.error is not None and error is None:
+                effect.calls_failed += 1
+        error = error or drawn.error
+    return Fate(delay_ms / 1000.0, error), (DelayCredit(now, parts) if parts else None)
+
+
+@dataclass
 class _Fate:
     delay_s: float = 0.0
     error: tuple[str, int, str] | None = None
@@ -126,6 +177,7 @@ class _Fate:
     failed: bool = False
     held: list[bytes] = field(default_factory=list)
     held_flow: int = 0
+    credit: DelayCredit | None = None
 
 
 @dataclass
@@ -141,6 +193,7 @@ class _Hold:
     data_seen: bool = False
     end_owed: bool = False          # its head's END_STREAM was cleared: an empty DATA with END_STREAM is owed
     ended: bool = False             # the server ended the stream (its END_STREAM is held or owed)
+    credit: DelayCredit | None = None
 
 
 @dataclass(frozen=True)
@@ -458,14 +511,14 @@ class H2Tap:
                 path = v
             elif k == ":method":
                 method = v
-        drawn = fate_of(rules, Call(method, path, headers), self._rng, _PROTOS)
+        loop = asyncio.get_running_loop()
+        drawn, credit = draw_fate(rules, Call(method, path, headers), self._rng, _PROTOS, loop.time())
         if drawn.delay_s <= 0 and drawn.error is None:
             return False
-        loop = asyncio.get_running_loop()
         if drawn.delay_s > 0:
             self.calls_delayed += 1
         if drawn.error is not None:   # the server never sees it; the proxy answers, after any delay
-            fate = self._fates[sid] = _Fate(drawn.delay_s, drawn.error, failed=True)
+            fate = self._fates[sid] = _Fate(drawn.delay_s, drawn.error, failed=True, credit=credit)
             self.calls_failed += 1
             self._plain.discard(sid)
             if drawn.delay_s > 0:
@@ -474,10 +527,10 @@ class H2Tap:
                 self._answer(sid, fate)
             return True
         if ended:                     # no request body to hold: hold the response (module doc)
-            hold = self._holds[sid] = _Hold()
+            hold = self._holds[sid] = _Hold(credit=credit)
             hold.timer = loop.call_later(drawn.delay_s, self._release_down, sid)
         else:
-            self._fates[sid] = _Fate(drawn.delay_s)
+            self._fates[sid] = _Fate(drawn.delay_s, credit=credit)
             loop.call_later(drawn.delay_s, self._release, sid)
         return False
 
@@ -486,6 +539,8 @@ class H2Tap:
         if fate is None or fate.failed:
             return
         fate.released = True
+        if fate.credit is not None:
+            fate.credit.release(asyncio.get_running_loop().time())
         if fate.held:
             if self._legs is not None and any(r[3] == _DATA and r[4] & _END_STREAM for r in fate.held):
                 if sid in self._early:
@@ -509,6 +564,8 @@ class H2Tap:
     def _answer_late(self, sid: int) -> None:
         fate = self._fates.get(sid)
         if fate is not None:
+            if fate.credit is not None:
+                fate.credit.release(asyncio.get_running_loop().time())
             self._answer(sid, fate)
 
     def _answer(self, sid: int, fate: _Fate) -> None:
@@ -545,6 +602,8 @@ class H2Tap:
         if hold.timer is not None:
             hold.timer.cancel()
         self._held_total -= hold.size
+        if hold.credit is not None:
+            hold.credit.release(asyncio.get_running_loop().time(), cut)
         if cut:
             self.calls_cut += 1
         if hold.end_owed:
@@ -557,6 +616,8 @@ class H2Tap:
         if hold.timer is not None:
             hold.timer.cancel()
         self._held_total -= hold.size
+        if hold.credit is not None:
+            hold.credit.release(asyncio.get_running_loop().time(), cut=True)
         if hold.flow > 0:   # the client never sees these bytes, so it never returns their window: we do
             credit = window_update(0, hold.flow)
             out.append(credit) if out is not None else self._push_up_frames(credit)

@@ -7,20 +7,53 @@ import logging
 import random
 import socket
 import struct
+from collections import OrderedDict
 from typing import Any, cast
 
-from faults.proxy.calls import CallRule, rule_of
+from faults.proxy.calls import CALL_TOXICS, CallRule
 from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
 from faults.proxy.h1tap import H1Tap, looks_like_http1
-from faults.proxy.h2tap import H2Tap
+from faults.proxy.h2tap import EffectRule, H2Tap
 from faults.proxy.link import Link
 from faults.proxy.model import ApiError, ToxicSpec
+from faults.proxy.toxics import ToxicEffect
 from wire.h2 import PREFACE
 
 log = logging.getLogger(__name__)
 _EARLY_LIMIT = 1 << 20
 TAP_COUNTS = ("calls_seen", "calls_delayed", "calls_failed", "calls_cut")   # what each tap counts
 _WRITE_HIGH = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
+EFFECTS_KEPT = 256     # toxic names whose measured effect a proxy keeps (the newest), removed or not
+
+
+class EffectLog:
+    """What each toxic of one proxy was measured to do, by toxic name; kept after the toxic is removed,
+    for the newest EFFECTS_KEPT names (a name added again starts a fresh record)."""
+
+    def __init__(self, limit: int = EFFECTS_KEPT) -> None:
+        self.limit = limit
+        self._by_name: OrderedDict[str, ToxicEffect] = OrderedDict()
+
+    def start(self, spec: ToxicSpec) -> ToxicEffect:
+        """A fresh record for a toxic just added."""
+        self._by_name.pop(spec.name, None)
+        effect = self._by_name[spec.name] = ToxicEffect(spec.type, spec.stream, spec.toxicity, spec.attributes)
+        while len(self._by_name) > self.limit:
+            self._by_name.popitem(last=False)
+        return effect
+
+    def of(self, spec: ToxicSpec) -> ToxicEffect:
+        """The record of a toxic in force (started when missing: a toxic added before the log was)."""
+        effect = self._by_name.get(spec.name)
+        return effect if effect is not None else self.start(spec)
+
+    def updated(self, spec: ToxicSpec) -> None:
+        """A PATCH changed what is asked; what was done so far stays counted."""
+        effect = self.of(spec)
+        effect.toxicity, effect.attributes = spec.toxicity, dict(spec.attributes)
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        return {name: e.to_json() for name, e in self._by_name.items()}
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -112,9 +145,11 @@ class Connection:
         up_t, cl_t = self.upstream, self.client
         for t in (up_t, cl_t):  # fewer pause/resume round trips on bulk transfers
             t.set_write_buffer_limits(high=_WRITE_HIGH)
-        self.up = Link(up_t.write, lambda k: self._end("upstream", k), lambda p: self._pause(cl_t, p), self.close)
+        effect_of = self.proxy.effects.of
+        self.up = Link(up_t.write, lambda k: self._end("upstream", k), lambda p: self._pause(cl_t, p), self.close,
+                       effect_of)
         self.down = Link(cl_t.write, lambda k: self._end("downstream", k), lambda p: self._pause(up_t, p),
-                         self.close)
+                         self.close, effect_of)
         self.up.build(self.proxy.stage_specs("upstream"), self.rng)
         self.down.build(self.proxy.stage_specs("downstream"), self.rng)
         for role, data in self._pre:
@@ -177,7 +212,7 @@ class Connection:
 
     def call_rules(self) -> list[CallRule]:
         """The call toxics active on this connection (toxicity drawn once per connection and version)."""
-        rules = []
+        rules: list[CallRule] = []
         for spec in self.proxy.toxics:
             if spec.toxic.stage:
                 continue
@@ -185,7 +220,8 @@ class Connection:
             if key not in self._call_draws:
                 self._call_draws[key] = self.rng.random() < spec.toxicity
             if self._call_draws[key]:
-                rules.append(rule_of(spec.type, spec.attributes))
+                kind, proto = CALL_TOXICS[spec.type]
+                rules.append(EffectRule(kind, spec.attributes, proto, self.proxy.effects.of(spec)))
         return rules
 
     def on_eof(self, role: str) -> None:
@@ -278,6 +314,7 @@ class Proxy:
         self.toxics: list[ToxicSpec] = []
         self.connections: set[Connection] = set()
         self.closed_totals = dict.fromkeys(("connections", *TAP_COUNTS), 0)
+        self.effects = EffectLog()
         self._server: asyncio.Server | None = None
 
     def to_json(self, with_toxics: bool = True) -> dict[str, Any]:
@@ -325,12 +362,14 @@ class Proxy:
 
     async def add_toxic(self, spec: ToxicSpec) -> None:
         self.toxics.append(spec)
+        self.effects.start(spec)
         if spec.toxic.stage:
             await self._each_link(spec.stream, "add", spec, self.rng)
 
     async def update_toxic(self, spec: ToxicSpec) -> None:
         i = next(i for i, t in enumerate(self.toxics) if t.name == spec.name)
         self.toxics[i] = spec
+        self.effects.updated(spec)
         if spec.toxic.stage:
             await self._each_link(spec.stream, "update", spec)
 

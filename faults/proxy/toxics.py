@@ -77,6 +77,53 @@ class Toxic:
                 return
 
 
+class ToxicEffect:
+    """What one toxic was measured to do, summed over every connection it ran on.
+
+    Kept by its proxy after the toxic is removed (`EffectLog`), so a harness can read what a fault did
+    and judge it on that rather than on what a client saw. Stages (`link.Meter`) fill the chunk, byte,
+    hold and close counts; the taps fill the call counts. Times are seconds (loop monotonic clock).
+    """
+
+    __slots__ = ("type", "stream", "toxicity", "attributes", "connections", "active", "chunks", "bytes_in",
+                 "bytes_out", "bytes_dropped", "pieces", "held_chunks", "held_s", "held_max_s", "busy_s",
+                 "bypassed", "ends", "end_held_s", "closed", "reset", "calls", "calls_delayed", "delay_s",
+                 "calls_failed", "calls_cut")
+
+    def __init__(self, type: str = "", stream: str = "", toxicity: float = 1.0,
+                 attributes: dict[str, Any] | None = None) -> None:
+        self.type, self.stream, self.toxicity = type, stream, toxicity
+        self.attributes = dict(attributes or {})
+        self.connections = self.active = 0          # stages run (one per connection), drawn active
+        self.chunks = self.bytes_in = self.bytes_out = self.bytes_dropped = self.pieces = 0
+        self.held_chunks, self.held_s, self.held_max_s, self.busy_s = 0, 0.0, 0.0, 0.0
+        self.bypassed = 0                           # chunks through a connection the toxicity draw spared
+        self.ends, self.end_held_s = 0, 0.0         # EOFs passed on, and how long they were held
+        self.closed = self.reset = 0                # connections the toxic itself closed or reset
+        self.calls = self.calls_delayed = self.calls_failed = self.calls_cut = 0
+        self.delay_s = 0.0                          # delay actually applied to the delayed calls
+
+    def held(self, seconds: float) -> None:
+        """One chunk left after `seconds` in the toxic."""
+        self.held_chunks += 1
+        self.held_s += seconds
+        self.held_max_s = max(self.held_max_s, seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts, with times in ms (rounded to the microsecond)."""
+        def ms(s: float) -> float:
+            return round(s * 1000.0, 3)
+        return {"type": self.type, "stream": self.stream, "toxicity": self.toxicity,
+                "attributes": dict(self.attributes), "connections": self.connections,
+                "active_connections": self.active, "chunks": self.chunks, "bytes": self.bytes_in,
+                "bytes_out": self.bytes_out, "bytes_dropped": self.bytes_dropped, "pieces": self.pieces,
+                "held_chunks": self.held_chunks, "held_ms_total": ms(self.held_s), "held_ms_max": ms(self.held_max_s),
+                "busy_ms": ms(self.busy_s), "bypassed_chunks": self.bypassed, "ends": self.ends,
+                "end_held_ms_total": ms(self.end_held_s), "closed": self.closed, "reset": self.reset,
+                "calls": self.calls, "calls_delayed": self.calls_delayed, "delay_ms_total": ms(self.delay_s),
+                "calls_failed": self.calls_failed, "calls_cut": self.calls_cut}
+
+
 REGISTRY: dict[str, type[Toxic]] = {}
 
 
@@ -390,5 +437,5 @@ class HttpErrorToxic(Toxic):
     stage = False
 
 
-__all__ = ["REGISTRY", "Toxic", "Stub", "register", "parse_attributes", "latency_delay", "slice_offsets",
+__all__ = ["REGISTRY", "Toxic", "ToxicEffect", "Stub", "register", "parse_attributes", "latency_delay", "slice_offsets",
            "DATA", "EOF", "CLOSE", "RESET"]

@@ -165,8 +165,10 @@ class FaultEffective:
         evidence = {"baseline_phase": base, "faults": results}
         if failed:
             f = failed[0]
-            return verdict(spec, False, f"{f['fault']}: {f['summary']}: the fault did not reach the signal it "
-                           f"alone moves" + (f" ({len(failed)} of {len(results)} faults)" if len(results) > 1 else ""),
+            tail = ("the fault did not do what was asked" if f.get("measured") else
+                    "the fault did not reach the signal it alone moves")
+            return verdict(spec, False, f"{f['fault']}: {f['summary']}: {tail}"
+                           + (f" ({len(failed)} of {len(results)} faults)" if len(results) > 1 else ""),
                            **evidence)
         said = "; ".join(f"{r['fault']}: {r['summary']}" for r in results)
         if all(r.get("skipped") for r in results):     # nothing moved because nothing was there to move
@@ -191,6 +193,49 @@ class FaultEffective:
 
 
 def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict[str, Any]:
+    """Judge one fault on what it was measured to do (`w.effect`: the proxy's counts for a toxic, the
+    workers' CPU time, the cgroup's throttling) against what was asked. The signal it alone moves on
+    the client's or the target's side stays as evidence; it decides only when nothing was measured
+    (toxiproxy-server, a fault with no measure of its own), and the result says so."""
+    seen = _by_signal(tl, spec, w, base)
+    missing = _NOT_MEASURED.get(w.family if w.family == "network" else f"{w.family}:{w.kind}")
+    if missing is None:
+        return seen
+    if w.effect is None or w.effect.get("unreadable"):
+        why = str(w.effect["unreadable"]) if w.effect else missing
+        return seen | {"measured": None, "summary": f"{seen['summary']} ({why})"}
+    client = {k: seen[k] for k in ("signal", "before", "during", "summary", "skipped") if k in seen}
+    if w.family == "network":
+        judged = _judge_toxic(w.effect)
+    elif w.kind == "contention":
+        judged = _judge_contention(w.effect, seen)
+    else:
+        judged = _judge_quota(w.effect, seen)
+    out = {k: v for k, v in seen.items() if k in ("fault", "window_s")}
+    said = judged.pop("summary")
+    if w.family == "network" and not judged.get("skipped"):
+        said += f"; client saw {_short(seen)}"
+    return out | judged | {"measured": w.effect, "client": client, "summary": said}
+
+
+# What is said when a fault that has a measure of its own came without one.
+_NOT_MEASURED = {"network": "judged on the client's signal: the proxy's own measure was not available",
+                 "cpu:contention": "judged on the target's signal: the workers' CPU time was not measured",
+                 "cpu:quota": "judged on the target's signal: the cgroup's throttling was not measured"}
+
+
+def _short(seen: dict[str, Any]) -> str:
+    """The client-side signal in a few words: `signal before -> during`, or why it has none."""
+    if seen.get("before") is not None and seen.get("during") is not None:
+        unit = _UNITS.get(seen["signal"], "")
+        return f"{seen['signal']} {seen['before']:.1f} -> {seen['during']:.1f}{unit}"
+    return f"no {seen.get('signal', 'signal')} (not measured)"
+
+
+_UNITS = {"proxy_added": " ms", "target_runqueue": " ms/s", "client_failures": "%"}
+
+
+def _by_signal(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict[str, Any]:
     """Judge one fault on its own signal between when it took effect and when it was removed."""
     start = float(w.applied_s or 0.0)
     end = w.removed_s if w.removed_s is not None else (tl.phase_bounds(w.phase) or (0.0, tl.duration_s))[1]
@@ -236,9 +281,184 @@ def _one_fault(tl: Timeline, spec: CheckSpec, w: FaultWindow, base: str) -> dict
         pct = spec.params.get("min_increase_pct", 30.0)
         need_abs = max(floor, abs(before) * pct / 100)
         need, ok = f"+{need_abs:.1f} ({pct:g}%, at least {floor:g})", moved >= need_abs
-    unit = {"proxy_added": " ms", "target_runqueue": " ms/s", "client_failures": "%"}.get(signal, "")
+    unit = _UNITS.get(signal, "")
     return out | {"ok": ok, "moved": round(moved, 3),
                   "summary": f"{signal} {before:.1f} -> {during:.1f}{unit}, needed {need}"}
+
+
+# ---- judging a fault on what it was measured to do -------------------------------------------------
+# A toxic's effect is the proxy's count (faults.proxy.toxics.ToxicEffect.to_json): only connections
+# the toxicity draw made active count chunks and holds, so toxicity < 1 needs no scaling. Tolerance:
+# a held-time measure must reach half of what was asked (timers, a chunk that had aged in a queue);
+# a count (bytes cut, closes, resets, calls failed) must be at least one.
+MIN_EXPECTED_CALLS = 3.0     # a call toxic that changed no call is only judged when 3+ were expected
+
+
+def _nothing_flowed(e: dict[str, Any]) -> str | None:
+    """Why there is nothing to judge: no traffic at all through the toxic while it was on."""
+    keys = ("chunks", "bypassed_chunks", "ends", "closed", "reset", "calls")
+    if any(e.get(k, 0) for k in keys):
+        return None
+    what = "no call matched it" if e.get("type", "") in _CALL_TYPES else "no chunk and no connection end"
+    return f"{e.get('type', 'toxic')} toxic: nothing flowed through it while it was on ({what})"
+
+
+_CALL_TYPES = {"grpc_delay", "grpc_error", "http_delay", "http_error"}
+
+
+def asked_mean_ms(latency_ms: float, jitter_ms: float) -> float:
+    """The mean delay asked: latency +/- jitter drawn uniformly, a negative draw counting as 0."""
+    lo, hi = latency_ms - jitter_ms, latency_ms + jitter_ms
+    if jitter_ms <= 0 or lo >= 0:
+        return max(0.0, latency_ms)
+    return hi * hi / (4.0 * jitter_ms) if hi > 0 else 0.0
+
+
+def _judge_toxic(e: dict[str, Any]) -> dict[str, Any]:
+    """A toxic judged on the proxy's count of what it did (ok, skipped, summary)."""
+    why = _nothing_flowed(e)
+    if why is not None:
+        return {"ok": True, "skipped": True, "summary": why}
+    if not e.get("active_connections") and e.get("bypassed_chunks"):
+        # Traffic flowed, and the toxic touched none of it: it did nothing, whatever the reason.
+        return {"ok": False, "summary": f"{e.get('type')} toxic: the toxicity draw ({e.get('toxicity', 1.0):g}) "
+                                        f"spared all {e.get('connections', 0)} connections ({e['bypassed_chunks']} "
+                                        "chunks passed untouched)"}
+    judge = _TOXIC_JUDGES.get(str(e.get("type")), _judge_passing)
+    return judge(e, e.get("attributes") or {})
+
+
+def _judge_latency(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    asked = asked_mean_ms(float(a.get("latency", 0)), float(a.get("jitter", 0)))
+    n, total, top = e.get("held_chunks", 0), float(e.get("held_ms_total", 0.0)), float(e.get("held_ms_max", 0.0))
+    what = f"asked {a.get('latency', 0)} ms +/- {a.get('jitter', 0)} ms"
+    if asked <= 0:
+        return {"ok": True, "skipped": True, "summary": f"latency toxic: {what}, nothing to hold"}
+    mean = total / n if n else 0.0
+    need = asked / 2
+    ok = n > 0 and mean >= need
+    return {"ok": ok, "held_ms_mean": round(mean, 3), "asked_ms": round(asked, 3),
+            "summary": f"latency toxic held {n} chunks {mean:.1f} ms on average (max {top:.1f} ms), {what} "
+                       f"(needed >= {need:.1f} ms){'' if ok else ', whatever the client saw'}"}
+
+
+def _judge_bandwidth(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    rate = float(a.get("rate", 0))
+    if rate <= 0:
+        return {"ok": True, "skipped": True, "summary": "bandwidth toxic: asked no limit (rate 0)"}
+    sent, busy_ms = int(e.get("bytes_out", 0)), float(e.get("busy_ms", 0.0))
+    kbps = sent / busy_ms if busy_ms > 0 else float("inf")    # bytes per ms = KB/s
+    ok = sent > 0 and kbps <= 2 * rate
+    shown = f"{kbps:.0f}" if kbps != float("inf") else "unbounded"
+    return {"ok": ok, "measured_kbps": round(kbps, 1) if kbps != float("inf") else None,
+            "summary": f"bandwidth toxic passed {sent} bytes in {busy_ms:.1f} ms of holding: {shown} KB/s, asked "
+                       f"{rate:g} KB/s (needed <= {2 * rate:g})"}
+
+
+def _judge_slicer(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    chunks, pieces, size = int(e.get("chunks", 0)), int(e.get("pieces", 0)), int(e.get("bytes", 0))
+    avg, var = int(a.get("average_size", 0)), int(a.get("size_variation", 0))
+    said = f"slicer toxic cut {chunks} chunks ({size} bytes) into {pieces} pieces, asked ~{avg} bytes each"
+    if avg <= 0 or size <= chunks * (avg + var):
+        return {"ok": True, "skipped": True, "summary": f"{said}: no chunk needed cutting on average"}
+    ok = pieces > chunks
+    return {"ok": ok, "summary": said + ("" if ok else " (needed more pieces than chunks)")}
+
+
+def _judge_cut(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    """timeout, limit_data: bytes actually dropped or connections actually closed."""
+    kind, dropped, closed = e.get("type"), int(e.get("bytes_dropped", 0)), int(e.get("closed", 0))
+    limit = int(a.get("bytes", 0))
+    if kind == "limit_data" and int(e.get("bytes", 0)) <= limit:
+        return {"ok": True, "skipped": True, "summary": f"limit_data toxic: only {e.get('bytes', 0)} bytes passed, "
+                                                        f"not more than the {limit}-byte limit"}
+    ok = dropped > 0 or closed > 0
+    return {"ok": ok, "summary": f"{kind} toxic dropped {dropped} of {e.get('bytes', 0)} bytes and closed {closed} "
+                                 f"of {e.get('active_connections', 0)} connections (needed a byte dropped or a "
+                                 "connection closed)"}
+
+
+def _judge_reset(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    resets = int(e.get("reset", 0))
+    return {"ok": resets > 0, "summary": f"reset_peer toxic reset {resets} of {e.get('active_connections', 0)} "
+                                         f"connections after {e.get('chunks', 0)} chunks (needed at least 1)"}
+
+
+def _judge_slow_close(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    ends, held = int(e.get("ends", 0)), float(e.get("end_held_ms_total", 0.0))
+    asked = float(a.get("delay", 0))
+    if ends == 0 or asked <= 0:
+        return {"ok": True, "skipped": True, "summary": f"slow_close toxic: {ends} connections ended while it was "
+                                                        f"on, asked {asked:g} ms: nothing to judge"}
+    mean = held / ends
+    ok = mean >= asked / 2
+    return {"ok": ok, "summary": f"slow_close toxic held {ends} connection ends {mean:.1f} ms on average, asked "
+                                 f"{asked:g} ms (needed >= {asked / 2:.1f} ms)"}
+
+
+def _judge_call_delay(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    calls, delayed, total = int(e.get("calls", 0)), int(e.get("calls_delayed", 0)), float(e.get("delay_ms_total", 0))
+    asked = asked_mean_ms(float(a.get("delay", 0)), float(a.get("jitter", 0)))
+    expected = calls * float(a.get("share", 1.0))
+    what = f"{e.get('type')} toxic delayed {delayed} of {calls} calls"
+    if asked <= 0 or (delayed == 0 and expected < MIN_EXPECTED_CALLS):
+        return {"ok": True, "skipped": True, "summary": f"{what}, {expected:.1f} expected at share "
+                                                        f"{a.get('share', 1.0):g}: too few to judge"}
+    mean = total / delayed if delayed else 0.0
+    ok = delayed > 0 and mean >= asked / 2
+    return {"ok": ok, "summary": f"{what} {mean:.1f} ms on average ({e.get('calls_cut', 0)} cut short), asked "
+                                 f"{a.get('delay', 0)} ms +/- {a.get('jitter', 0)} ms (needed >= {asked / 2:.1f} ms)"}
+
+
+def _judge_call_error(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    calls, failed = int(e.get("calls", 0)), int(e.get("calls_failed", 0))
+    expected = calls * float(a.get("share", 1.0))
+    what = f"{e.get('type')} toxic failed {failed} of {calls} calls"
+    if failed == 0 and expected < MIN_EXPECTED_CALLS:
+        return {"ok": True, "skipped": True, "summary": f"{what}, {expected:.1f} expected at share "
+                                                        f"{a.get('share', 1.0):g}: too few to judge"}
+    return {"ok": failed > 0, "summary": f"{what} ({expected:.1f} expected at share {a.get('share', 1.0):g}; "
+                                         "needed at least 1)"}
+
+
+def _judge_passing(e: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    """A toxic with no measure of its own (noop): it passed traffic on."""
+    return {"ok": True, "summary": f"{e.get('type')} toxic passed {e.get('chunks', 0)} chunks"}
+
+
+_TOXIC_JUDGES = {"latency": _judge_latency, "bandwidth": _judge_bandwidth, "slicer": _judge_slicer,
+                 "timeout": _judge_cut, "limit_data": _judge_cut, "reset_peer": _judge_reset,
+                 "slow_close": _judge_slow_close, "grpc_delay": _judge_call_delay, "http_delay": _judge_call_delay,
+                 "grpc_error": _judge_call_error, "http_error": _judge_call_error}
+
+
+# Contention workers share their CPUs with everything else runnable there (the target, other load on
+# a small host): a quarter of the cores asked tells workers that burn from workers that do not (0).
+MIN_BURN_SHARE = 0.25
+
+
+def _judge_contention(e: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any]:
+    """Contention judged on what the workers burned (at least MIN_BURN_SHARE of the cores asked) AND on
+    the target's run-queue wait (today's signal), when that was measured."""
+    burned, asked = float(e.get("burned_cores", 0.0)), float(e.get("asked_cores", 0.0))
+    need = asked * MIN_BURN_SHARE
+    burn_ok = burned >= need and burned > 0
+    said = (f"workers burned {burned:.2f} of {asked:.2f} cores asked ({e.get('cpu_s', 0):.1f} CPU s in "
+            f"{e.get('window_s', 0):.1f} s, needed >= {need:.2f})")
+    if seen.get("before") is None or seen.get("during") is None:
+        return {"ok": burn_ok, "summary": f"{said}; run-queue not measured ({seen['summary']})"}
+    return {"ok": burn_ok and bool(seen["ok"]), "summary": f"{said}; {seen['summary']}"}
+
+
+def _judge_quota(e: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any]:
+    """A quota judged on the cgroup's throttling: one that never throttled did not bind. The target's
+    CPU use stays beside it as evidence."""
+    periods, throttled, ms = int(e.get("nr_periods", 0)), int(e.get("nr_throttled", 0)), e.get("throttled_us", 0) / 1000
+    pct = e["quota_us"] / e["period_us"] * 100 if e.get("period_us") else 0.0
+    ok = throttled > 0
+    said = (f"throttled in {throttled} of {periods} periods ({ms:.0f} ms) under a {pct:g}% quota"
+            + ("" if ok else ": the quota never bound"))
+    return {"ok": ok, "summary": f"{said}; {seen['summary']}"}
 
 
 def _no_legs(tl: Timeline) -> str:
