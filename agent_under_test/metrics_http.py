@@ -6,6 +6,8 @@
     GET /healthz                 "ok"
     POST /threshold?p99_ms=20    change the P99 threshold from the next period on (tests, chaos runs);
                                  only a finite positive number of ms, else 400 and nothing changes
+    POST /heap/start?frames=1, GET /heap/growth?top=10, POST /heap/stop
+                                 where the Python heap grew since a baseline (heap.py; off until started)
 
 The server is stdlib `ThreadingHTTPServer` in a daemon thread, nothing of it on the request path, and
 bounded against hostile or broken clients:
@@ -24,6 +26,7 @@ bounded against hostile or broken clients:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import socket
@@ -41,6 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from agent_under_test.events import EventLog, to_line
+from agent_under_test.heap import TRACER
 
 if TYPE_CHECKING:
     from agent_under_test.metrics import Metrics
@@ -169,13 +173,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, _TEXT, b"ok\n")
         elif url.path == "/events":
             self._events(query)
+        elif url.path == "/heap/growth":
+            self._heap(lambda: TRACER.growth(_int_arg(query, "top", 10)))
         else:
             self._send(HTTPStatus.NOT_FOUND, _TEXT, b"try /metrics, /events, /healthz\n")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         url = urlsplit(self.path)
+        if url.path == "/heap/start":
+            self._heap(lambda: TRACER.start(_int_arg(parse_qs(url.query), "frames", 1)))
+            return
+        if url.path == "/heap/stop":
+            self._heap(TRACER.stop)
+            return
         if url.path != "/threshold" or self.server.set_threshold is None:
-            self._send(HTTPStatus.NOT_FOUND, _TEXT, b"POST /threshold?p99_ms=MS\n")
+            self._send(HTTPStatus.NOT_FOUND, _TEXT, b"POST /threshold?p99_ms=MS, /heap/start, /heap/stop\n")
             return
         try:
             ms = parse_threshold_ms(url.query)
@@ -185,6 +197,15 @@ class _Handler(BaseHTTPRequestHandler):
                        f"need ?p99_ms=<finite positive number>: {exc}\n".encode())
             return
         self._send(HTTPStatus.OK, "application/json", b'{"p99_threshold_ms": %s}\n' % repr(ms).encode())
+
+    def _heap(self, what: Callable[[], dict[str, Any]]) -> None:
+        """Answer a /heap request: its JSON, or 400 with the one-line reason."""
+        try:
+            body = json.dumps(what()).encode() + b"\n"
+        except ValueError as exc:
+            self._send(HTTPStatus.BAD_REQUEST, _TEXT, f"{exc}\n".encode())
+            return
+        self._send(HTTPStatus.OK, "application/json", body)
 
     def _send(self, status: HTTPStatus, ctype: str, body: bytes, close: bool = False) -> None:
         self.send_response(status)
@@ -232,6 +253,14 @@ class _Handler(BaseHTTPRequestHandler):
             if not follow or log.closed or self.server.stopping.is_set():
                 return
             events = log.wait_after(since, 0.5)
+
+
+def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int:
+    """An integer query argument (ValueError, one line, when it is not one)."""
+    text = query.get(name, [str(default)])[0]
+    if not (text.isascii() and text.isdigit() and len(text) <= 6):
+        raise ValueError(f"{name} must be a small non-negative integer, got {text[:32]!r}")
+    return int(text)
 
 
 def _linger(sock: socket.socket, seconds: float) -> None:

@@ -70,6 +70,11 @@ def _listening(port: int) -> bool:
     return False
 
 
+# What each check measured, printed with its spread: how far a passing run stayed from the check's bound.
+MARGINS = {"memory_flat": ("slope_mb_per_min", "growth_mb"), "limiter_stable": ("swing_pct",),
+           "responses_valid": ("invalid",), "responses_match": ("mismatched",), "deadlines_honored": ("computed",)}
+
+
 def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
     from harness.errors import HarnessError
     from harness.live import LiveView
@@ -101,6 +106,9 @@ def soak(path: Path, runs: int, scale: float) -> dict[str, Any]:
             elif not v.passed:
                 failures[v.id] += 1
                 first.setdefault(v.id, v.summary)
+            for key in MARGINS.get(v.kind, ()):            # the owner-fear checks' measures, per run
+                if isinstance(v.evidence.get(key), (int, float)):
+                    moved.setdefault(f"{v.id} {key}", []).append(float(v.evidence[key]))
             for f in v.evidence.get("faults") or []:      # fault_effective's per-fault results
                 if isinstance(f, dict) and "moved" in f:
                     moved.setdefault(f"{v.id} {f['fault'].split(' ')[0]} {f['signal']}", []).append(f["moved"])
@@ -143,7 +151,8 @@ def main() -> int:
         if r["skipped"]:
             print(f"    skipped (nothing to judge): {r['skipped']}")
         for key, m in r["moved"].items():
-            print(f"    {key} moved: min {m['min']:g}, median {m['median']:g}, max {m['max']:g}")
+            word = "" if key.split(" ")[-1] in {k for keys in MARGINS.values() for k in keys} else " moved"
+            print(f"    {key}{word}: min {m['min']:g}, median {m['median']:g}, max {m['max']:g}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0 if all(r["passed"] == r["runs"] for r in results) else 1

@@ -11,9 +11,11 @@ import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from harness.scenario import MetricNames
 from harness.timeline import CpuSample, Event, MetricSample
@@ -188,6 +190,25 @@ class CpuFollower(_Poller):
             return round(self._proc.memory_info().rss / 2**20, 3)
         except self._psutil.Error:
             return None
+
+
+MAX_HEAP_BODY = 256 * 1024      # a /heap answer holds at most 50 sites: a few KB
+
+
+def heap_call(metrics_url: str, path: str, post: bool = False, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Ask the bundled agent's heap tracer (`/heap/start`, `/heap/growth`, `/heap/stop` beside its
+    /metrics); the decoded JSON answer. Raises OSError or ValueError (one line) when it cannot."""
+    parts = urllib.parse.urlsplit(metrics_url)
+    url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path.split("?")[0], path.partition("?")[2], ""))
+    req = urllib.request.Request(url, data=b"" if post else None, method="POST" if post else "GET")  # noqa: S310
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 -- the target's own endpoint
+        body = resp.read(MAX_HEAP_BODY + 1)
+    if len(body) > MAX_HEAP_BODY:
+        raise ValueError(f"{url} answered more than {MAX_HEAP_BODY} bytes")
+    out = json.loads(body)
+    if not isinstance(out, dict):
+        raise ValueError(f"{url} answered {type(out).__name__}, not an object")
+    return out
 
 
 def wait_http(url: str, timeout_s: float) -> None:

@@ -32,12 +32,13 @@ from harness.checks.truth import read_leg_log
 from harness.errors import RunError
 from harness.faultrun import FaultSession, check_leftovers
 from harness.live import LiveView, Snapshot
-from harness.observe import CpuFollower, EventsFollower, MetricsFollower, scrape
+from harness.matching import against_references, send_again
+from harness.observe import CpuFollower, EventsFollower, MetricsFollower, heap_call, scrape
 from harness.prom import PrometheusServer
 from harness.report import RunResult
 from harness.scenario import AgentTarget, RecordingTraffic, Scenario
 from harness.scenario_load import RUN_PHASE
-from harness.target import Running, open_target
+from harness.target import Running, open_target, start_agent
 from harness.timeline import FaultWindow, MetricSample, Timeline
 from harness.traffic import TrafficRun
 
@@ -87,6 +88,8 @@ class Runner:
         self.t0 = 0.0
         self._leg_log = ""
         self._prom: PrometheusServer | None = None
+        self._heap: dict[str, Any] | None = None   # the agent's heap growth, when memory_flat traced it
+        self._answers: Any = None     # harness.responses.Validator when the run judges answers
         self.ran_out: str | None = None      # the line said when the traffic ran out early (also a note)
 
     def log(self, message: str) -> None:
@@ -149,8 +152,10 @@ class Runner:
         self.t0 = self.clock.now() + _START_DELAY_S
         followers = self._followers(running, stack)
         timeout_s = s.traffic.timeout_ms / 1000 if s.traffic.timeout_ms else max(2.0, s.period_s * 4)
+        self._answers = _validator(s)
         traffic = TrafficRun(s.traffic, s.load_profile(), running.traffic_address, int(self.t0 * 1e9), s.seed,
-                             timeout_s=timeout_s, compare=_validator(s), **_tls_and_headers(s))
+                             timeout_s=timeout_s, compare=self._answers, **_tls_and_headers(s))
+        heap = self._heap_start(running)
         traffic.start()
         stack.callback(traffic.stop)
         faults = FaultSession(running, s.seed, self.log)
@@ -167,10 +172,76 @@ class Runner:
             end = min(self.clock.now() - self.t0, s.duration_s)
             self._remove_all(faults)
             self._finish(traffic, interrupted)
+        if heap:
+            self._heap = self._heap_growth(running)
         after = self._scrape(running)
         for f in followers.values():
             f.stop()
         return self._result(running, traffic, followers, before, after, end, interrupted)
+
+    def _match_answers(self, answers: Any) -> dict[str, Any]:
+        """Per responses_match check: the compared calls with their differences and the noise. Against
+        references, the sampled calls are sent again to them now (the bundled agent started twice, or
+        the two addresses the check names)."""
+        out: dict[str, Any] = {}
+        for key, spec in answers.matches.items():
+            if spec.against == "recording":
+                out[key] = {"calls": answers.matched[key], "noise": sorted(answers.noise[key].noise),
+                            "unmatched": answers.unmatched[key]}
+                continue
+            sample = answers.samples[key]
+            try:
+                primary, secondary, names = self._ask_references(spec, sample.items)
+            except RunError as exc:
+                self.log(f"{key}: {exc}")
+                out[key] = {"error": str(exc)}
+                continue
+            out[key] = against_references(spec, sample.items, primary, secondary, answers.decode_response) | {
+                "sampled": len(sample.items), "of": sample.seen, "references": names}
+        return out
+
+    def _ask_references(self, spec: Any, samples: list[Any]) -> tuple[list[Any], list[Any], list[str]]:
+        """The references' answers to the sampled requests: (primary, secondary, their names)."""
+        if not samples:
+            return [], [], []
+        with contextlib.ExitStack() as stack:
+            if spec.references == ("agent",):
+                if not isinstance(self.scenario.target, AgentTarget):
+                    raise RunError("references: [agent] starts the bundled agent, but the target is not the agent")
+                known_good = AgentTarget({**self.scenario.target.options, "limiter": "off"})
+                addresses = []
+                for _ in range(2):
+                    addresses.append(start_agent(known_good, stack, self.options.startup_timeout_s).grpc_address)
+                names = [f"the bundled agent at {a}" for a in addresses]
+            else:
+                addresses, names = list(spec.references), list(spec.references)
+            self.log(f"{spec.id}: sending {len(samples)} sampled calls again to {len(addresses)} reference(s)")
+            answers = [send_again(a, samples) for a in addresses]
+        return answers[0], answers[1] if len(answers) > 1 else [None] * len(samples), names
+
+    def _heap_start(self, running: Running) -> bool:
+        """When the run judges memory_flat on the bundled agent, start its heap tracer (tracemalloc,
+        off by default: it costs every allocation a little) so a growing heap can be pinned to the
+        lines that allocated it. False when not wanted or not possible (said in the log)."""
+        wanted = any(c.kind == "memory_flat" and c.params.get("allocations", True) for c in self.scenario.expect)
+        if not wanted or not running.metrics_url or not isinstance(self.scenario.target, AgentTarget):
+            return False
+        try:
+            heap_call(running.metrics_url, "/heap/start?frames=1", post=True)
+        except (OSError, ValueError) as exc:
+            self.log(f"cannot trace the agent's heap: {exc}")
+            return False
+        return True
+
+    def _heap_growth(self, running: Running) -> dict[str, Any] | None:
+        """Where the agent's Python heap grew since `_heap_start`, then tracing off again."""
+        try:
+            growth = heap_call(str(running.metrics_url), "/heap/growth?top=10")
+            heap_call(str(running.metrics_url), "/heap/stop", post=True)
+        except (OSError, ValueError) as exc:
+            self.log(f"cannot read the agent's heap growth: {exc}")
+            return None
+        return growth
 
     def _followers(self, running: Running, stack: contextlib.ExitStack) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -334,6 +405,10 @@ class Runner:
         if "cpu" in followers and followers["cpu"].memory:
             tl.outside["memory"] = list(followers["cpu"].memory)
             tl.outside["memory_of"] = followers["cpu"].memory_of
+        if self._heap is not None:
+            tl.outside["heap"] = self._heap
+        if self._answers is not None and self._answers.matches:
+            tl.outside["matches"] = self._match_answers(self._answers)
         verdicts = judge(tl, s)
         notes = list(self.options.notes)
         if self.ran_out is not None:
@@ -434,19 +509,22 @@ def _signals_to_exceptions() -> Iterator[None]:
 
 
 def _validator(s: Scenario) -> Any:
-    """The responses_valid checks' rules, as the replay engine's comparer (None without such checks)."""
+    """The responses_valid checks' rules and the responses_match checks' settings, as the replay engine's
+    comparer (None without such checks)."""
+    from harness.checks.answers import match_spec
     from harness.responses import ResponseRules, Validator
 
     sets = {c.id: ResponseRules(c.params["rules"], c.params.get("method", "")) for c in s.expect
             if c.kind == "responses_valid"}
-    if not sets:
+    matches = {c.id: match_spec(c) for c in s.expect if c.kind == "responses_match"}
+    if not sets and not matches:
         return None
     from replay.compare import descriptors_from_modules
 
     # The bundled agent's messages are known; another service's responses are read as JSON bodies.
     descriptors = descriptors_from_modules("agent_under_test.proto.agent_pb2") \
         if isinstance(s.target, AgentTarget) else None
-    return Validator(sets, descriptors)
+    return Validator(sets, descriptors, matches, seed=s.seed)
 
 
 def _tls_and_headers(s: Scenario) -> dict[str, Any]:

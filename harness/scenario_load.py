@@ -488,6 +488,9 @@ def _checks(node: Node, phases: set[str]) -> tuple[CheckSpec, ...]:
             item.fail(f"{what}: unknown check {kind!r}; expected one of: {', '.join(sorted(CHECKS))}")
         values = typed_params(params if params.value() is not None else None, CHECKS[kind].params,
                               f"{what}.{kind}", phases, CHECK_BOUNDS)
+        wrong = getattr(CHECKS[kind], "wrong_params", None)      # a check's own rules across its parameters
+        if wrong is not None and (why := wrong(values)):
+            item.fail(f"{what}.{kind}: {why}")
         out.append(CheckSpec(kind, values, line=item.line))
     return tuple(out)
 

@@ -42,7 +42,7 @@ def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout
     """
     target = scenario.target
     if isinstance(target, AgentTarget):
-        running = _start_agent(target, stack, startup_timeout_s, agent_class)
+        running = start_agent(target, stack, startup_timeout_s, agent_class)
     else:
         running = _external(target)
     if scenario.proxy:
@@ -56,7 +56,7 @@ def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout
     return running
 
 
-def _start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float,
+def start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float,
                  agent_class: type[Any] | None = None) -> Running:
     from agent_under_test.errors import AgentError
     from agent_under_test.launch import AgentProcess

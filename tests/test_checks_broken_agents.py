@@ -203,10 +203,17 @@ def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passe
     assert {k: x.status for k, x in v.items()} == want, _status(v)
     if defect == "limiter_grows":
         assert "more than its seed policy's +10% a step" in v["limiter_stable"].summary
+    mem = v["memory_flat[steady]"]
     if defect == "leak":
-        assert v["memory_flat[steady]"].evidence["slope_mb_per_min"] > 100, v["memory_flat[steady]"].summary
+        assert mem.evidence["slope_mb_per_min"] > 100, mem.summary
+        # The agent's heap, traced through the run, names the line that keeps the blocks.
+        source = (Path(__file__).parent / "broken_agent.py").read_text().splitlines()
+        line = next(i for i, text in enumerate(source, 1) if "self._kept.append" in text)
+        assert f"most at broken_agent.py:{line} (+" in mem.summary, mem.summary
+        assert mem.evidence["heap_sites"][0]["site"].endswith(f"broken_agent.py:{line}"), mem.evidence
     else:
-        assert v["memory_flat[steady]"].evidence["samples"] >= 8
+        assert mem.evidence["samples"] >= 8
+        assert mem.evidence["python_heap_grown_mb"] is not None
 
 
 EXPIRING = """\
@@ -253,6 +260,7 @@ expect:
         - {field: confidence, min: 0, max: 1}
         - {field: side, in: [HOLD, BUY, SELL]}
         - {field: tier, in: [full, light]}
+  - responses_match: {against: reference, method: Decide}   # the same requests, two known-good agents
 """
 
 
@@ -261,11 +269,19 @@ expect:
 def test_a_light_tier_that_answers_a_constant_fails_responses_valid(tmp_path: Path, defect: str) -> None:
     # The agent serves its light tier throughout; every answer must echo its request's sequence id and
     # symbol. A canned answer (status OK, the same decision for every call) breaks both.
-    v = _run_text(tmp_path, ANSWERS, *filter(None, [defect]))["responses_valid"]
+    both = _run_text(tmp_path, ANSWERS, *filter(None, [defect]))
+    v, match = both["responses_valid"], both["responses_match"]
+    # Against the known-good build, sent the same requests after the run: the fields the two references
+    # disagree on (timings, the batch a call rode in) are noise; every other field must agree.
+    assert set(match.evidence["noise"]) == {"batch_size", "server_latency_ns", "stages.ns"}, match.evidence
+    assert match.evidence["compared"] > 60, match.summary
     assert v.evidence["checked"] > 60, v.summary
     if defect:
         assert v.status == "fail", v.summary
         assert v.evidence["invalid"] >= v.evidence["checked"] - 1        # the odd call may carry id 1 itself
         assert "sequence_id: '1' != request.sequence_id" in v.summary, v.summary
+        assert match.status == "fail" and match.evidence["mismatched"] == match.evidence["compared"], match.summary
+        assert "differ from the known-good build" in match.summary and "confidence: " in match.summary
     else:
         assert v.status == "pass" and v.evidence["invalid"] == 0, v.summary
+        assert match.status == "pass" and match.evidence["mismatched"] == 0, match.summary

@@ -5,6 +5,7 @@ through the fault proxy; the proxy's upstream leg is the truth `fault_effective`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -26,19 +27,31 @@ SCENARIO = ROOT / "scenarios" / "http-faults.yaml"
 pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
 
 
-@pytest.fixture
-def web(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """The example service as a user runs it, on a free port instead of 18080."""
-    d = tmp_path / "web"
+@contextlib.contextmanager
+def _example(d: Path, conf: str) -> Iterator[int]:
+    """The example nginx config `conf` run in `d` on a free port instead of 18080."""
     d.mkdir()
-    conf = EXAMPLE.read_text()
     assert "listen 127.0.0.1:18080;" in conf
     with running_nginx(d, lambda port: conf.replace("18080", str(port))
                        .replace("pid nginx.pid", f"pid {d}/nginx.pid")
                        .replace("error_log error.log", f"error_log {d}/error.log")
                        .replace("access_log access.log", f"access_log {d}/access.log")
                        .replace("_temp_path ", f"_temp_path {d}/")) as port:
-        yield f"127.0.0.1:{port}", d / "access.log"
+        yield port
+
+
+@pytest.fixture
+def web(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The example service as a user runs it, on a free port instead of 18080."""
+    with _example(tmp_path / "web", EXAMPLE.read_text()) as port:
+        yield f"127.0.0.1:{port}", tmp_path / "web" / "access.log"
+
+
+@pytest.fixture
+def changed_web(tmp_path: Path) -> Iterator[str]:
+    """The example service after a change that breaks its answers: orders come back 'queued'."""
+    with _example(tmp_path / "web2", EXAMPLE.read_text().replace('"state": "accepted"', '"state": "queued"')) as port:
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.fixture(autouse=True)
@@ -220,3 +233,34 @@ def test_a_cgroup_without_memory_accounting_is_refused_at_its_line(tmp_path: Pat
     text = WATCHED.replace("pid: PID", f"cgroup: {tmp_path}").replace("ADDRESS", "127.0.0.1:1")
     with pytest.raises(ScenarioError, match=r"^w.yaml:2: target.external.cgroup .*: no memory.current there"):
         load_scenario_text(text, "w.yaml")
+
+
+MATCH = """\
+name: match
+seed: 3
+target: {external: {address: "ADDRESS", period_s: 0.5, p99_threshold_ms: 50}}
+traffic: {recording: http-faults.rec, loop: until_end}
+phases:
+  - {name: only, duration: 2s}
+expect:
+  - responses_match: {}
+"""
+
+
+def test_answers_are_compared_with_the_recorded_ones_field_by_field(tmp_path: Path, web: tuple[str, Path],
+                                                                    changed_web: str) -> None:
+    # The service as recorded answers every call as it did; after a change, its POST /api/ answers say
+    # "queued" where the recording says "accepted": status 200 all the same, a wrong answer.
+    address, _ = web
+    code, output, reports = _run(tmp_path, MATCH.replace("ADDRESS", address), "same")
+    same = json.loads((reports / "results.json").read_text())["verdicts"][0]
+    assert code == 0 and same["status"] == "pass", same
+    assert same["evidence"]["compared"] > 60 and same["evidence"]["mismatched"] == 0, same["evidence"]
+    assert re.match(r"\d+ of \d+ responses match the recording$", same["summary"]), same["summary"]
+    code, output, reports = _run(tmp_path, MATCH.replace("ADDRESS", changed_web), "changed")
+    changed = json.loads((reports / "results.json").read_text())["verdicts"][0]
+    assert code == 1 and changed["status"] == "fail", changed
+    ev = changed["evidence"]
+    assert ev["fields"] == {"state": ev["mismatched"]} and 0 < ev["mismatched"] < ev["compared"], ev
+    assert 'differ from the recording' in changed["summary"]
+    assert 'state: "accepted" != "queued"' in changed["summary"], changed["summary"]

@@ -6,6 +6,10 @@ A leak is a slope: the least-squares line through the samples of the window, aft
 (caches, JIT, pools filling), in MB per minute. A slope alone over a short window is noisy (an
 allocator returning a few MB moves it), so the check fails only when the slope is over its bound
 AND the memory really grew by more than `min_growth_mb` from the window's first samples to its last.
+
+For the bundled agent the runner also traces its Python heap through the run (tracemalloc, started
+and read through the agent's /heap endpoints): the allocation sites whose live blocks grew most are
+the evidence, and a failing verdict names the first ones.
 """
 
 from __future__ import annotations
@@ -34,13 +38,28 @@ def _edge(values: list[float]) -> float:
     return s[len(s) // 2]
 
 
+def _sites(heap: dict | None, shown: int = 2) -> str:
+    """Where the Python heap grew, for the verdict line: "; Python heap +37.5 MB, most at
+    broken_agent.py:210 (+37.5 MB, 600 blocks)"; "" without tracing."""
+    if not heap:
+        return ""
+    sites = [s for s in heap.get("sites", []) if s.get("grown_kb", 0) > 0][:shown]
+    if not sites:
+        return f"; the Python heap grew {heap.get('grown_mb', 0):+.1f} MB, no site grew (memory outside Python?)"
+    where = ", ".join(f"{s['site'].rsplit('/', 1)[-1]} (+{s['grown_kb'] / 1024:.1f} MB, {s['blocks']} blocks)"
+                      for s in sites)
+    return f"; Python heap {heap.get('grown_mb', 0):+.1f} MB, most at {where}"
+
+
 class MemoryFlat:
     name = "memory_flat"
     params = {"phase": Param("phase", help="default: the whole run"),
               "warmup_s": Param("duration", help="left out at the start of the window (default 2s)"),
               "max_mb_per_min": Param("number", help="largest slope allowed (default 20 MB/min)"),
               "min_growth_mb": Param("number", help="growth below this never fails, whatever the slope "
-                                                    "(default 8 MB)")}
+                                                    "(default 8 MB)"),
+              "allocations": Param("bool", help="trace the bundled agent's Python heap to name the sites "
+                                                "that grew (default true; it costs each allocation a little)")}
 
     def evaluate(self, tl: Timeline, spec: CheckSpec) -> Verdict:
         start, end = phase_window(tl, spec)
@@ -67,9 +86,12 @@ class MemoryFlat:
                     "max_mb_per_min": bound, "min_growth_mb": floor}
         said = (f"{of}: {first:.0f} -> {last:.0f} MB (max {top:.0f}) over {points[-1][0] - points[0][0]:.0f}s, "
                 f"{slope:+.1f} MB/min")
+        heap = tl.outside.get("heap")
+        if heap:
+            evidence |= {"python_heap_grown_mb": heap.get("grown_mb"), "heap_sites": heap.get("sites", [])[:5]}
         if slope > bound and growth > floor:
             return verdict(spec, False, f"memory grows: {said}; at most {bound:g} MB/min (growth over "
-                           f"{floor:g} MB): a leak", **evidence)
+                           f"{floor:g} MB): a leak" + _sites(heap), **evidence)
         return verdict(spec, True, f"memory flat: {said} (at most {bound:g} MB/min, or under {floor:g} MB "
                        "of growth)", **evidence)
 
