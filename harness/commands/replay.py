@@ -238,7 +238,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
                             loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by,
                             shadow=build_shadow(set_queries, set_fields))
-    found = _integrity(file, salvage)   # a damaged file is refused (one line naming --salvage) or salvaged
+    found = refuse_damaged(file, salvage)   # a damaged file is refused (one line naming --salvage) or salvaged
     tls_config = build_tls(tls, ca, cert, key, insecure, server_name, sender)
     header_policy = build_headers(set_headers, drop_headers, no_marker, keep_trace_context)
     opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
@@ -270,7 +270,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
 _REFLECTION_TIMEOUT_S = 2.0
 
 
-def _integrity(file: Path, salvage: bool) -> Any:
+def refuse_damaged(file: Path, salvage: bool) -> Any:
     """The file's capture.integrity check; without --salvage a damaged file is a one-line error (exit 1)."""
     from capture.errors import CorruptRecordingError
     from capture.integrity import check

@@ -12,11 +12,11 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return "-" if value is None else f"{value:.1f}{unit}"
 
 
-def markdown(result: RunResult, png_name: str | None = None) -> str:
+def markdown(result: RunResult, png_name: str | None = None, command: str = "chaos") -> str:
     """The run summarised in Markdown (verdict table, fault windows, per-phase client stats)."""
     s, tl = result.scenario, result.timeline
     head = result.headline(partial="")
-    lines = [f"## shadowtest chaos: {s.name} -- {head}", "",
+    lines = [f"## shadowtest {command}: {s.name} -- {head}", "",
              f"{result.tally()}; seed {s.seed}; "
              f"{tl.duration_s:.1f}s; period {tl.period_s:g}s; P99 threshold {tl.threshold_ms:g} ms."]
     if result.interrupted:
