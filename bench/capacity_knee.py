@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,22 @@ def sustained(address: str, pid: int, rates: list[float], duration_s: float) -> 
     return best, step, rows
 
 
+def pin(agent_pid: int) -> str:
+    """Every thread of the agent on the last CPU this process may use, this process (and so the capacity
+    child processes it starts) on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "--pin: one CPU only, nothing pinned"
+    agent, clients = {cpus[-1]}, set(cpus[:-1])
+    for task in os.listdir(f"/proc/{agent_pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), agent)
+        except OSError:
+            pass                                    # a thread that ended meanwhile
+    os.sched_setaffinity(0, clients)
+    return f"pinned: agent on CPU {cpus[-1]}, clients on CPU {','.join(map(str, sorted(clients)))}"
+
+
 def _knee(data: dict) -> float | None:
     return data["knee"]["rate"] if data["knee"] else None
 
@@ -89,10 +106,16 @@ def main() -> None:
     ap.add_argument("--max", type=float, default=1600.0)
     ap.add_argument("--step-s", type=float, default=5.0)
     ap.add_argument("--confirm", action="store_true", help="capacity --confirm: a break stands when its re-run breaks")
+    ap.add_argument("--pin", action="store_true",
+                    help="the agent on the last CPU, both clients on the others: neither client's own CPU cost "
+                         "takes from the agent (on a 2-core host the grpcio client's does, and lowers what it "
+                         "measures)")
     args = ap.parse_args()
     rates = [args.start + i * args.step for i in range(int((args.max - args.start) / args.step + 1e-9) + 1)]
     started = time.monotonic()
     with AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED) as agent:
+        if args.pin:
+            print(pin(agent.pid), flush=True)
         print(f"agent {args.tier} pid {agent.pid} at {agent.grpc_address}; steps {rates[0]:g}..{rates[-1]:g} "
               f"by {args.step:g}/s, {args.step_s:g}s each", flush=True)
         first = capacity(agent.grpc_address, agent.pid, rates, args.step_s, args.confirm)
