@@ -1,4 +1,4 @@
-"""Alert state machines over periods: P99High, ErrorRatioHigh, RejectedRatioHigh.
+"""Alert state machines over periods: P99High, ErrorRatioHigh, RejectedRatioHigh, DependencySlow.
 
 Each alert sees one verdict per period and moves like a Prometheus rule with `for:`:
 
@@ -8,7 +8,8 @@ Each alert sees one verdict per period and moves like a Prometheus rule with `fo
     (an `insufficient` period changes nothing: it neither breaches nor heals)
 
 With N = 1 the first breach goes straight to firing. The machine is pure: `observe()` returns the
-transition, the guard turns it into an event.
+transition, the guard turns it into an event. DependencySlow judges the period's Redis operations and
+circuit (monitor.DependencyRecorder) instead of the calls, through `observe_dependency()`.
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ RULES: dict[str, Verdict] = {
 }
 
 
+DEPENDENCY_ALERT = "DependencySlow"
+
+
 class AlertSet:
-    """All alerts of the guard, fed one period summary at a time."""
+    """All alerts of the guard, fed one period summary (and one dependency verdict) at a time."""
 
     def __init__(self, fire_after: int, resolve_after: int, error_ratio: float, rejected_ratio: float,
                  min_samples: int) -> None:
-        self.machines = {name: AlertMachine(name, fire_after, resolve_after) for name in RULES}
+        self.machines = {name: AlertMachine(name, fire_after, resolve_after) for name in (*RULES, DEPENDENCY_ALERT)}
         self.error_ratio = error_ratio
         self.rejected_ratio = rejected_ratio
         self.min_samples = min_samples
@@ -106,11 +110,15 @@ class AlertSet:
     def observe(self, summary: PeriodSummary) -> list[Transition]:
         """Every alert's transition caused by this period, P99High first."""
         out = []
-        for name, machine in self.machines.items():
-            verdict = RULES[name](summary, self.error_ratio, self.rejected_ratio, self.min_samples)
-            if (t := machine.observe(verdict, summary.period)) is not None:
+        for name, rule in RULES.items():
+            verdict = rule(summary, self.error_ratio, self.rejected_ratio, self.min_samples)
+            if (t := self.machines[name].observe(verdict, summary.period)) is not None:
                 out.append(t)
         return out
+
+    def observe_dependency(self, verdict: str, period: int) -> Transition | None:
+        """DependencySlow's transition for this period's dependency verdict (see DependencyRecorder)."""
+        return self.machines[DEPENDENCY_ALERT].observe(verdict, period)
 
     def firing(self, name: str) -> bool:
         return self.machines[name].firing

@@ -1,8 +1,10 @@
 """Agent lifecycle: load the model, warm it up, open the port, print the ready line, drain on SIGTERM.
 
     AgentServer(options).start()  -> ready dict {"event": "ready", "grpc": "host:port", ...}
+                                     (with --cache: the response cache; Redis down at start opens its
+                                     circuit, and the agent starts all the same)
     AgentServer.stop()            -> health NOT_SERVING, stop accepting, finish in-flight calls (grace),
-                                     close the batcher, guard.stop()
+                                     close the batcher and the cache, guard.stop()
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from agent_under_test import protection
 from agent_under_test.batcher import Batcher
+from agent_under_test.cache import CacheSettings, ResponseCache, build_cache
 from agent_under_test.config import ServeOptions
 from agent_under_test.engine import Engine, load_engine
 from agent_under_test.errors import ServeError
@@ -40,6 +43,7 @@ class AgentServer:
         self.guard = guard
         self.engine = engine
         self.batcher: Batcher | None = None
+        self.cache: ResponseCache | None = None
         self.port = 0
         self.ready: dict[str, object] = {}
         self._server: aio.Server | LeanServer | None = None
@@ -53,6 +57,8 @@ class AgentServer:
             ServeError: the port cannot be bound, the device or weights are unusable.
         """
         opts = self.options
+        cache_settings = CacheSettings.from_options(opts)
+        cache_settings.validate()   # a bad option fails in one line, before the model loads
         if self.engine is None:
             self.engine = await asyncio.to_thread(load_engine, opts.device, opts.weights, opts.seed,
                                                 opts.torch_threads, opts.jit)
@@ -65,6 +71,7 @@ class AgentServer:
         self.batcher = Batcher(self.engine.run, self.guard, self._executor, window_s=opts.batch_window_ms / 1000,
                                max_batch=opts.max_batch, workers=workers)
         self.batcher.start()
+        self.cache = await build_cache(cache_settings, self.guard)
         self._server = self._build_server()
         try:
             self.port = self._server.add_insecure_port(f"{opts.host}:{opts.port}")
@@ -83,6 +90,8 @@ class AgentServer:
         metrics = getattr(self.guard, "metrics_url", None)
         self.ready = {"event": "ready", "grpc": f"{opts.host}:{self.port}", "metrics": metrics,
                       "pid": os.getpid(), "device": self.engine.device, "tier": opts.tier}
+        if self.cache is not None:
+            self.ready["cache"] = opts.cache
         return self.ready
 
     def _build_server(self) -> aio.Server | LeanServer:
@@ -97,7 +106,8 @@ class AgentServer:
                                 max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s,
                                 idle_timeout_s=opts.idle_timeout_s or None, admit=admission(self.guard))
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
-            TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes),
+            TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes,
+                                          cache=self.cache),
                                  self.guard, admits=not isinstance(server, LeanServer)), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = (agent_pb2.DESCRIPTOR.services_by_name["TradingAgent"].full_name,
@@ -122,6 +132,9 @@ class AgentServer:
             await self._set_serving(False)
             await self._server.stop(grace)
             self._server = None
+        if self.cache is not None:
+            await self.cache.close()
+            self.cache = None
         if self.batcher is not None:
             await self.batcher.close()
             self.batcher = None

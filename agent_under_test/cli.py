@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from agent_under_test.config import DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, TIERS, ServeOptions
+from agent_under_test.config import CACHES, DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, TIERS, ServeOptions
 
 if TYPE_CHECKING:   # numpy: not imported at run time here (see above)
     from agent_under_test.traffic_report import TrafficReport
@@ -78,6 +78,23 @@ def _require_agent_extra(*modules: str) -> None:
 @_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
 @_opt("--max-message-bytes", type=int, default=_D.max_message_bytes, help="larger snapshots are rejected")
 @_opt("--ready-file", type=click.Path(dir_okay=False), default=None, help="also write the ready line here")
+@_opt("--cache", type=click.Choice(CACHES), default=_D.cache,
+      help="response cache in front of the model: local (in-process LRU) or redis (LRU + Redis); off: none")
+@_opt("--redis-url", default=None, help="Redis of --cache redis, e.g. redis://127.0.0.1:6379/0")
+@_opt("--cache-threshold", type=float, default=_D.cache_threshold,
+      help="cosine similarity a cached answer needs (0-1]")
+@_opt("--cache-local-ttl-s", type=float, default=_D.cache_local_ttl_s,
+      help="soft TTL: an entry is fresh this long, then answers 'stale' while one refresh runs")
+@_opt("--cache-redis-ttl-s", type=float, default=_D.cache_redis_ttl_s,
+      help="hard TTL: Redis expiry; older entries are gone")
+@_opt("--redis-timeout-ms", type=float, default=_D.redis_timeout_ms,
+      help="budget of one Redis operation on a call's path (then the slow path answers)")
+@_opt("--circuit-failures", type=int, default=_D.circuit_failures,
+      help="consecutive Redis failures or timeouts that open the circuit")
+@_opt("--circuit-open-s", type=float, default=_D.circuit_open_s,
+      help="seconds the circuit stays open before one probe (half-open)")
+@_opt("--dependency-threshold-ms", type=float, default=_D.dependency_threshold_ms,
+      help="DependencySlow alert: Redis operation P99 above this (or the circuit open) for --alert-periods")
 def serve_command(**kwargs: Any) -> None:   # click's values, already converted by the options' types
     """Serve the reference trading agent over gRPC until SIGTERM/SIGINT (then drain and exit 0).
 
@@ -88,6 +105,7 @@ def serve_command(**kwargs: Any) -> None:   # click's values, already converted 
       shadowtest agent serve --port 50051 --metrics-port 9464
       shadowtest agent serve --port 0 --tier light --ready-file /tmp/agent.json
       shadowtest agent serve --limiter gradient --p99-threshold-ms 20 --hpack-table-size 0
+      shadowtest agent serve --cache redis --redis-url redis://127.0.0.1:6379/0 --redis-timeout-ms 5
       python -m agent_under_test serve --device cpu --torch-threads 1
     """
     _require_agent_extra("numpy", "torch")

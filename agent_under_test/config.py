@@ -11,6 +11,7 @@ TIERS = ("full", "light")
 LIMITERS = ("seed", "gradient", "off")
 SERVERS = ("h2", "grpcio")
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+CACHES = ("off", "local", "redis")   # cache.CACHE_MODES (this module stays import-light)
 
 
 @dataclass
@@ -51,6 +52,16 @@ class ServeOptions:
     grace_s: float = 5.0                 # how long SIGTERM waits for in-flight calls
     max_message_bytes: int = 65536       # larger snapshots are INVALID_ARGUMENT ('message')
     ready_file: str | None = None
+    # The response cache (cache.py, docs/agent.md): off leaves the agent exactly as without it.
+    cache: str = "off"                   # off | local (in-process LRU) | redis (LRU + Redis)
+    redis_url: str | None = None         # redis://HOST:PORT/DB, needed with cache=redis
+    cache_threshold: float = 0.85        # cosine similarity a cached answer needs
+    cache_local_ttl_s: float = 60.0      # soft TTL: fresh this long, then "stale" + one refresh
+    cache_redis_ttl_s: float = 3600.0    # hard TTL: Redis expiry; older entries are gone
+    redis_timeout_ms: float = 5.0        # budget of one Redis operation on a call's path
+    circuit_failures: int = 5            # consecutive Redis failures/timeouts that open the circuit
+    circuit_open_s: float = 2.0          # open this long, then half-open (one probe)
+    dependency_threshold_ms: float = 10.0   # DependencySlow: Redis op P99 above this
 
     def guard_config(self) -> GuardConfig:
         """The subset the Guard needs (see hooks.GuardConfig)."""

@@ -1,7 +1,9 @@
 """The guard's event log: every period summary, limiter adjustment, alert transition and tier change.
 
 Each event is a flat JSON object:
-    {"seq": 1, "ts": <wall seconds>, "mono": <monotonic seconds>, "type": "period"|"limiter"|"alert"|"tier", ...}
+    {"seq": 1, "ts": <wall seconds>, "mono": <monotonic seconds>,
+     "type": "period"|"limiter"|"alert"|"tier"|"circuit", ...}
+("circuit": a dependency's circuit breaker moved: {"dependency": "redis", "from": ..., "to": ...}.)
 `seq` counts from 1 with no gaps, so a reader resumes with `since=<last seq seen>`. Subscribers block
 in `wait_after()` and wake on each append; the log keeps the newest `max_events`.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from agent_under_test.clock import Clock
 
-EVENT_TYPES = ("period", "limiter", "alert", "tier")
+EVENT_TYPES = ("period", "limiter", "alert", "tier", "circuit")
 Event = dict[str, Any]
 
 

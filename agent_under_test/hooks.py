@@ -41,6 +41,7 @@ class GuardConfig:
     alerts: bool = True                  # False: alerts never fire (a deliberately broken agent)
     tier_hold_periods: int = 2           # periods the tier holds after any change (the alert firing
                                          # excepted); healthy periods (from the resolving one) before full returns
+    dependency_threshold_ms: float = 10.0    # DependencySlow: a dependency's (Redis) op P99 above this
 
 
 class Guard(Protocol):
@@ -75,6 +76,16 @@ class Guard(Protocol):
     def stop(self) -> None:
         """Stop it; idempotent."""
 
+    # The response cache's reports (cache.CacheHooks); a guard without them gets none.
+    def on_cache(self, result: str) -> None:
+        """Once per cache lookup: hit_local | hit_redis | stale | miss."""
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        """Once per operation on a dependency (Redis): its time, and None | timeout | error."""
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
+        """The dependency's circuit breaker moved (closed | half_open | open)."""
+
 
 class NullGuard:
     """Admits everything and serves a fixed tier: the agent with no self-protection."""
@@ -107,4 +118,13 @@ class NullGuard:
         pass
 
     def stop(self) -> None:
+        pass
+
+    def on_cache(self, result: str) -> None:
+        pass
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        pass
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
         pass

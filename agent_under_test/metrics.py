@@ -25,6 +25,13 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.0
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A dependency's (Redis) operations: fine from 0.1 ms (a local hit) to 50 ms, plus an edge at the threshold.
+_DEPENDENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+                       0.015, 0.02, 0.03, 0.05, 0.1, 0.5)
+DEPENDENCY_OPS = ("get", "set")
+DEPENDENCY_ERRORS = ("timeout", "error")
+CACHE_RESULTS = ("hit_local", "hit_redis", "stale", "miss")
+CIRCUIT_STATES = ("closed", "half_open", "open")   # agent_dependency_circuit_state = the index
 
 
 def latency_buckets(threshold_s: float) -> list[float]:
@@ -96,7 +103,7 @@ class FastHistogram:
 class Metrics:
     """Every metric the agent exports, on a private registry (no global state, one per guard)."""
 
-    def __init__(self, threshold_s: float, alerts: tuple[str, ...]) -> None:
+    def __init__(self, threshold_s: float, alerts: tuple[str, ...], dependency_threshold_s: float = 0.01) -> None:
         r = self.registry = CollectorRegistry()
         self.latency = FastHistogram("agent_request_latency_seconds", "Server-side latency of admitted calls",
                                      latency_buckets(threshold_s), r)
@@ -124,6 +131,36 @@ class Metrics:
             self.alert_firing.labels(alert).set(0)
         for q in ("0.5", "0.95", "0.99"):
             self.period_latency.labels(q).set(0)
+        self._dependency_metrics(r, dependency_threshold_s)
+
+    def _dependency_metrics(self, r: CollectorRegistry, threshold_s: float) -> None:
+        """The response cache and its middleware (Redis): every series exists from the start, at zero,
+        so rules and dashboards see them even before (or without) a cache."""
+        self.dependency = FastHistogram("agent_dependency_seconds", "Time of each operation on a dependency "
+                                        "(timeouts count at the time they were abandoned)",
+                                        sorted(set(_DEPENDENCY_BUCKETS) | {float(threshold_s)}), r,
+                                        ["dependency", "op"])
+        errors = Counter("agent_dependency_errors", "Failed dependency operations by kind",
+                         ["dependency", "op", "kind"], registry=r)
+        self.dependency_child = {op: self.dependency.labels("redis", op) for op in DEPENDENCY_OPS}
+        self.dependency_errors = {(op, k): errors.labels("redis", op, k) for op in DEPENDENCY_OPS
+                                  for k in DEPENDENCY_ERRORS}
+        self.circuit_state = Gauge("agent_dependency_circuit_state", "Circuit breaker of a dependency: "
+                                   "0 closed, 1 half_open, 2 open", ["dependency"], registry=r)
+        self.circuit_state.labels("redis").set(0)
+        cache = Counter("agent_cache", "Response cache lookups by result", ["result"], registry=r)
+        self.cache = {res: cache.labels(res) for res in CACHE_RESULTS}
+        self.dependency_threshold = Gauge("agent_dependency_threshold_seconds", "The DependencySlow threshold",
+                                          registry=r)
+        self.dependency_threshold.set(threshold_s)
+
+    def observe_dependency(self, op: str, seconds: float, error: str | None) -> None:
+        """One Redis operation: its time, and its error kind (timeout | error) if it failed."""
+        child = self.dependency_child.get(op)
+        if child is not None:
+            child.observe(seconds)
+        if error is not None and (counter := self.dependency_errors.get((op, error))) is not None:
+            counter.inc()
 
     def set_tier(self, tier: str) -> None:
         for name in ("full", "light"):

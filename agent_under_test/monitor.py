@@ -109,3 +109,37 @@ def summary_from_values(period: int, start: float, end: float, latencies_ms: lis
         rec.record(0.001, "error")
     rec.rejected = rejected
     return rec.summarize(period, end, threshold_ms, min_samples, saturation)
+
+
+class DependencyRecorder:
+    """One period of a dependency's (Redis) operations and its circuit, for the DependencySlow alert.
+    Not thread-safe on its own: the guard holds its lock around it."""
+
+    def __init__(self, circuit: str = "closed") -> None:
+        self.hist = HdrHistogram(_LOWEST_US, _HIGHEST_US, _DIGITS)
+        self.count = 0
+        self.circuit = circuit
+        self.was_open = circuit == "open"   # open at any time in the period
+
+    def record(self, seconds: float) -> None:
+        self.count += 1
+        self.hist.record_value(min(_HIGHEST_US, max(_LOWEST_US, int(seconds * 1e6))))
+
+    def on_circuit(self, state: str) -> None:
+        self.circuit = state
+        self.was_open = self.was_open or state == "open"
+
+    @property
+    def p99_ms(self) -> float | None:
+        return self.hist.get_value_at_percentile(99.0) / 1000.0 if self.count else None
+
+    def verdict(self, threshold_ms: float, min_samples: int) -> str:
+        """`breaching` when the circuit was open in the period or the ops' P99 > threshold (with at
+        least `min_samples` ops), `healthy` with that many ops under it, else `insufficient`."""
+        if self.was_open:
+            return BREACHING
+        return classify(self.count, self.p99_ms, threshold_ms, min_samples)
+
+    def next_period(self) -> DependencyRecorder:
+        """A fresh recorder that starts in this one's circuit state."""
+        return DependencyRecorder(self.circuit)

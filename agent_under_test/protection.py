@@ -5,6 +5,8 @@
     choose_tier(depth) ---> TierSelector.on_queue        on_batch() ---> queue depth, batch size
     tick(now), once per period on a thread driven by the clock:
         summary (+ the serving thread's saturation, when a source is set) -> "period" event -> alerts ("alert" events) -> limiter ("limiter") -> tier ("tier")
+    on_cache() / on_dependency() / on_circuit() (the response cache, cache.py) ---> cache and Redis metrics,
+        "circuit" events, and the DependencyRecorder the DependencySlow alert judges at each tick
 
 All decisions happen in `tick(now)` and the hooks, under one lock, with time passed in: tests build a
 `ProtectionGuard` on a `FakeClock` and call `tick()` themselves (never `start()`).
@@ -24,9 +26,9 @@ from agent_under_test.degrade import TierChange, TierSelector
 from agent_under_test.events import EventLog
 from agent_under_test.hooks import Guard, GuardConfig, NullGuard
 from agent_under_test.limiter import Adjustment, Limiter, LimiterSettings, make_limiter
-from agent_under_test.metrics import Metrics
+from agent_under_test.metrics import CIRCUIT_STATES, Metrics
 from agent_under_test.metrics_http import MetricsServer
-from agent_under_test.monitor import PeriodRecorder, PeriodSummary
+from agent_under_test.monitor import DependencyRecorder, PeriodRecorder, PeriodSummary
 
 P99_ALERT = "P99High"
 _log = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ class ProtectionGuard:
                                   hold_periods=config.tier_hold_periods, sustain_s=config.queue_sustain_s,
                                   period_s=config.period_s)
         self.events = EventLog(self.clock)
-        self.metrics = Metrics(config.p99_threshold_ms / 1000.0, tuple(self.alerts.machines))
+        self.metrics = Metrics(config.p99_threshold_ms / 1000.0, tuple(self.alerts.machines),
+                               config.dependency_threshold_ms / 1000.0)
         self.metrics.limiter_rate.set(self.limiter.rate)
         self.metrics.set_tier(self.tiers.tier)
         self.metrics_url: str | None = None
@@ -56,6 +59,7 @@ class ProtectionGuard:
         self.last_summary: PeriodSummary | None = None
         self._lock = threading.Lock()
         self._recorder = PeriodRecorder(self.clock.now())
+        self._dependency = DependencyRecorder()
         self._server: MetricsServer | None = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -99,6 +103,24 @@ class ProtectionGuard:
     def on_stage(self, stage: str, seconds: float) -> None:
         self.metrics.observe_stage(stage, seconds)
 
+    # -- the response cache (cache.CacheHooks) ----------------------------------------------------------
+
+    def on_cache(self, result: str) -> None:
+        counter = self.metrics.cache.get(result)
+        if counter is not None:
+            counter.inc()
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        self.metrics.observe_dependency(op, seconds, error)
+        with self._lock:
+            self._dependency.record(seconds)
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
+        with self._lock:
+            self._dependency.on_circuit(new)
+        self.metrics.circuit_state.labels(dependency).set(CIRCUIT_STATES.index(new))
+        self.events.emit("circuit", {"dependency": dependency, "from": old, "to": new})
+
     def set_saturation_source(self, source: Callable[[], float | None] | None) -> None:
         """Where each period's saturation comes from (`saturation.ThreadSaturation(tid).sample` for the
         serving thread); called once per period, at its end. None: periods carry no saturation."""
@@ -116,8 +138,12 @@ class ProtectionGuard:
             summary = self._recorder.summarize(self.period, now, self.config.p99_threshold_ms,
                                                self.config.min_samples, saturation)
             self._recorder = PeriodRecorder(now)
+            dependency = self._dependency.verdict(self.config.dependency_threshold_ms, self.config.min_samples)
+            self._dependency = self._dependency.next_period()
             # alerts=False is the deliberately broken agent the chaos checks must catch.
             transitions = self.alerts.observe(summary) if self.config.alerts else []
+            if self.config.alerts and (t := self.alerts.observe_dependency(dependency, self.period)) is not None:
+                transitions.append(t)
             adjustment = self.limiter.on_period(summary)
             change = self.tiers.on_period(self.alerts.firing(P99_ALERT), summary.state, now)
             self.last_summary = summary
@@ -232,6 +258,8 @@ def _validate(config: GuardConfig) -> None:
         raise ServeError("--alert-periods and --resolve-periods must be at least 1")
     if not 0 < config.min_rate <= config.max_rate:
         raise ServeError("need 0 < --min-rate <= --max-rate")
+    if not (math.isfinite(config.dependency_threshold_ms) and config.dependency_threshold_ms > 0):
+        raise ServeError(f"--dependency-threshold-ms {config.dependency_threshold_ms:g}: must be a positive number")
 
 
 def build_guard(config: GuardConfig, clock: Clock | None = None) -> Guard:

@@ -16,8 +16,17 @@ queue), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean s
     cost, which at low rates is a large share of both tiers' calls.
 A model-only section times the forward pass of each tier at batch 1 and 32 (inferences/s). It prints the agent/echo and light/full ratios. Servers run in their own processes.
 
+The cache section (--no-cache leaves it out, --cache-only runs nothing else) compares, in the same run and
+at --cache-rate calls/s (open loop, Poisson, latency from the intended send time, split by Decision.cache):
+  - off:   the agent without a cache, on a fixed set of snapshots replayed, and on snapshots never seen
+  - local: --cache local; the fixed set (warmed once) answered from the local tier, and the unseen ones (misses)
+  - redis: --cache redis on a redis-server started here; a writer agent computes unseen snapshots (misses:
+           a Redis lookup, the model, a Redis write), a second agent replays them (first touch: Redis hits)
+with each run's server CPU per call, so a miss with the cache on can be compared with one with it off.
+
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
     .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
+    .venv/bin/python bench/agent_latency.py --cache-only --cache-rate 1000 --cache-duration 4
 """
 
 from __future__ import annotations
@@ -172,6 +181,175 @@ def measure(name: str, address: str, pid: int, rates: list[float], duration: flo
     return out
 
 
+# -- the cache section ----------------------------------------------------------------------------------
+
+MAX_IN_FLIGHT = 512   # open-loop calls outstanding at once; beyond that a call is counted as dropped
+
+
+async def _replay(address: str, msgs: list, rate: float, seed: int) -> dict[str, object]:
+    """Send `msgs` open loop (Poisson at `rate`), each once; latency (ms, from the intended send time) by
+    the answer's cache field ('' = computed now), and errors."""
+    import grpc
+    from grpc import aio
+
+    from agent_under_test.proto import agent_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed)
+    by_source: dict[str, list[float]] = {}
+    server: dict[str, list[float]] = {}   # the agent's own view: Decision.server_latency_ns
+    counts = {"errors": 0, "dropped": 0}
+    inflight: set[asyncio.Task[None]] = set()
+    async with aio.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.TradingAgentStub(channel)
+        await stub.Decide(msgs[0], timeout=10)   # connect before the clock starts
+
+        async def one(msg: object, at: float) -> None:
+            try:
+                out = await stub.Decide(msg, timeout=5)
+            except grpc.RpcError:
+                counts["errors"] += 1
+                return
+            by_source.setdefault(out.cache, []).append((loop.time() - at) * 1e3)
+            server.setdefault(out.cache, []).append(out.server_latency_ns / 1e6)
+
+        at = loop.time() + 0.05
+        for msg in msgs:
+            at += rng.expovariate(rate)
+            if (delay := at - loop.time()) > 0:
+                await asyncio.sleep(delay)
+            if len(inflight) >= MAX_IN_FLIGHT:
+                counts["dropped"] += 1
+                continue
+            task = loop.create_task(one(msg, at))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        await asyncio.gather(*inflight)
+    return {"by_source": by_source, "server": server, **counts}
+
+
+def _summary(rows: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    return {"n": len(rows), "p50_ms": round(float(np.percentile(rows, 50)), 3),
+            "p99_ms": round(float(np.percentile(rows, 99)), 3)}
+
+
+def cache_run(agent: AgentProcess, msgs: list, rate: float, seed: int) -> dict[str, object]:
+    """One open-loop replay of `msgs` against `agent`: p50/p99 per answer source, server CPU per call."""
+    cpu0 = _cpu_s(agent.pid)
+    raw = asyncio.run(_replay(agent.grpc_address, msgs, rate, seed))
+    calls = sum(len(v) for v in raw["by_source"].values())  # type: ignore[union-attr]
+    out: dict[str, object] = {
+        "calls": calls, "errors": raw["errors"], "dropped": raw["dropped"],
+        "server_cpu_us_per_call": round((_cpu_s(agent.pid) - cpu0) / max(calls, 1) * 1e6)}
+    for source, rows in raw["by_source"].items():  # type: ignore[union-attr]
+        out[source or "computed"] = {**_summary(rows), "server_p50_ms":
+                                     _summary(raw["server"][source])["p50_ms"]}  # type: ignore[index]
+    if agent.metrics_url:
+        out["agent_metrics"] = _cache_counters(agent.metrics_url)
+    return out
+
+
+def _cache_counters(url: str) -> dict[str, float]:
+    """The agent's cache and Redis counters so far (agent_cache_total, errors, circuit state)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    keep = ("agent_cache_total{", "agent_dependency_errors_total{", "agent_dependency_circuit_state{")
+    return {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+            if line.startswith(keep) and not line.endswith(" 0.0")}
+
+
+def _redis_server() -> tuple[subprocess.Popen[bytes], str, str] | None:
+    """A throwaway loopback redis-server (None when it is not installed): the process, its URL, its dir."""
+    import shutil
+    import socket
+    import tempfile
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="shadowtest-bench-redis-")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", workdir], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"redis://127.0.0.1:{port}/0", workdir
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def cache_section(rate: float, duration: float) -> dict[str, object]:
+    """Cache off / local / redis on the same request mixes (see the module docstring)."""
+    import shutil
+
+    from agent_under_test.market import symbol_names
+
+    n = max(64, int(rate * duration))
+    sim = MarketSim(random.Random(21))
+    fixed = [sim.next(i) for i in range(64)]                                    # the repeating mix
+    replayed = [fixed[i % len(fixed)] for i in range(n)]
+    # Unseen snapshots: many symbols, so each Redis bucket keeps every one of them for the second agent.
+    sim = MarketSim(random.Random(22), symbols=symbol_names(500))
+    unseen = [sim.next(i) for i in range(n)]
+    base = {"device": "cpu", "tier": "light", "metrics_port": 0}
+    out: dict[str, object] = {"rate": rate, "calls_per_run": n}
+    with AgentProcess(**base) as agent:
+        out["off"] = {"replayed": cache_run(agent, replayed, rate, 1), "unseen": cache_run(agent, unseen, rate, 2)}
+    print(f"cache  off    {out['off']}", flush=True)
+    with AgentProcess(cache="local", **base) as agent:
+        cache_run(agent, fixed, 200.0, 3)                                        # warm: every one computed once
+        out["local"] = {"replayed": cache_run(agent, replayed, rate, 1), "unseen": cache_run(agent, unseen, rate, 2)}
+    print(f"cache  local  {out['local']}", flush=True)
+    redis = _redis_server()
+    if redis is None:
+        out["redis"] = "skipped: no redis-server on PATH"
+        return out
+    proc, url, workdir = redis
+    try:
+        with AgentProcess(cache="redis", redis_url=url, **base) as writer, \
+                AgentProcess(cache="redis", redis_url=url, **base) as reader:
+            out["redis"] = {"unseen": cache_run(writer, unseen, rate, 2), "second_agent": cache_run(reader, unseen, rate, 2)}
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"cache  redis  {out['redis']}", flush=True)
+    return out
+
+
+def _print_cache(res: dict) -> None:
+    def cell(run: dict, source: str) -> str:
+        s = run.get(source)
+        return (f"p50 {s['p50_ms']:.3f} p99 {s['p99_ms']:.3f} ms (server p50 {s['server_p50_ms']:.3f}, n {s['n']})"
+                if s else "-")
+
+    print(f"\n== cache (light tier, {res['rate']:g} calls/s open loop, {res['calls_per_run']} calls a run)")
+    off, local = res["off"], res["local"]
+    print(f"off    replayed: computed {cell(off['replayed'], 'computed')}   CPU {off['replayed']['server_cpu_us_per_call']} us/call")
+    print(f"off    unseen:   computed {cell(off['unseen'], 'computed')}   CPU {off['unseen']['server_cpu_us_per_call']} us/call")
+    print(f"local  replayed: hit {cell(local['replayed'], 'local')}   CPU {local['replayed']['server_cpu_us_per_call']} us/call")
+    print(f"local  unseen:   miss {cell(local['unseen'], 'computed')}   CPU {local['unseen']['server_cpu_us_per_call']} us/call")
+    if isinstance(res["redis"], dict):
+        r = res["redis"]
+        print(f"redis  unseen:   miss {cell(r['unseen'], 'computed')}   CPU {r['unseen']['server_cpu_us_per_call']} us/call")
+        print(f"redis  2nd agent: hit {cell(r['second_agent'], 'redis')}   miss {cell(r['second_agent'], 'computed')}"
+              f"   CPU {r['second_agent']['server_cpu_us_per_call']} us/call")
+        for name in ("unseen", "second_agent"):
+            print(f"redis  {name} agent counters: {r[name].get('agent_metrics')}")
+    else:
+        print(f"redis  {res['redis']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000])
@@ -181,12 +359,23 @@ def main() -> None:
     ap.add_argument("--no-grpcio", action="store_true", help="skip the full tier on grpc.aio")
     ap.add_argument("--throughput-s", type=float, default=4.0, help="closed-loop throughput run, seconds")
     ap.add_argument("--callers", type=int, default=64, help="calls in flight in the throughput run")
+    ap.add_argument("--cache-rate", type=float, default=1000.0, help="calls/s of the cache section")
+    ap.add_argument("--cache-duration", type=float, default=4.0, help="seconds of each cache-section run")
+    ap.add_argument("--cache-only", action="store_true", help="run the cache section alone")
+    ap.add_argument("--no-cache", action="store_true", help="skip the cache section")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.echo_server:
         asyncio.run(_echo_main(args.echo_server))
         return
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
+    if not args.no_cache:
+        results["cache"] = cache_section(args.cache_rate, args.cache_duration)
+    if args.cache_only:
+        _print_cache(results["cache"])  # type: ignore[arg-type]
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     tput = (args.throughput_s, args.callers)
     results["model"] = model_only()
     print(f"model  {results['model']}", flush=True)
@@ -203,6 +392,8 @@ def main() -> None:
             results[name] = measure(name, agent.grpc_address, agent.pid, args.rates, args.duration, args.seq_calls,
                                     tput)
     _print_ratios(results, args.rates)
+    if "cache" in results:
+        _print_cache(results["cache"])  # type: ignore[arg-type]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

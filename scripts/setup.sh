@@ -19,6 +19,7 @@ nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
 nginx              the TLS replay tests against a real HTTPS server and the nginx capture tests (test_capture_nginx.py)
 wrk                the load in the nginx capture tests (tests/test_capture_nginx.py)
 curl               the HTTPS client of the TLS capture tests (tests/test_capture_tls.py)
+redis-server       the agent's Redis cache tier and its outage tests (tests/test_agent_cache.py; its service is not left running)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
@@ -63,9 +64,11 @@ install_system_packages() {
         fi
     done <<< "$PACKAGES"
     # A package that ships a service must not leave one running or enabled: only its binaries are used.
-    if installed prometheus && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-        systemctl disable --now prometheus >/dev/null 2>&1 || true
-    fi
+    for svc in prometheus redis-server; do
+        if installed "$svc" && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+            systemctl disable --now "$svc" >/dev/null 2>&1 || true
+        fi
+    done
     [ "$lost" = 0 ] && say "system packages present"
 }
 

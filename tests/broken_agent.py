@@ -23,6 +23,9 @@ process by `BrokenAgent` (an AgentProcess whose command runs this file). The def
     lose_counts        every 25th finished call is missing from agent_requests_total
     errors             every 8th batch fails (INTERNAL) instead of running
     slow               every 4th call stalls the event loop for 30 ms
+    cache_blocks       Redis lookups wait without any timeout: a call blocks on a slow or stopped Redis
+    circuit_stuck      once open, the Redis circuit never half-opens, so it never closes again
+    dependency_alert_never  DependencySlow never fires (the Redis P99 and circuit are judged, never acted on)
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from agent_under_test.monitor import PeriodRecorder, PeriodSummary, classify
 
 DEFECTS = ("alert_late", "alert_early", "alert_false", "p99_is_p95", "limiter_flat", "limiter_leaky", "limiter_stuck_low",
            "limiter_grows", "leak", "deadlines_ignored", "constant_light",
-           "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow")
+           "degrade_never", "degrade_stuck", "flapping", "lose_counts", "errors", "slow",
+           "cache_blocks", "circuit_stuck", "dependency_alert_never")
 
 
 class BrokenAgent(AgentProcess):
@@ -122,6 +126,39 @@ class _FalseAlerts(AlertSet):
         return super().observe(dataclasses.replace(summary, state=state))
 
 
+class _QuietDependencyAlerts(AlertSet):
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__(config.alert_periods, config.resolve_periods, config.error_ratio_threshold,
+                         config.rejected_ratio_threshold, config.min_samples)
+
+    def observe_dependency(self, verdict: str, period: int) -> Transition | None:
+        return None
+
+
+def _break_cache(defects: frozenset[str]) -> None:
+    """The cache defects: patched into the real cache module's Redis tier and circuit."""
+    from agent_under_test import cache
+
+    if "cache_blocks" in defects:
+        init = cache.RedisTier.__init__
+
+        def blocking_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            kw = self.client.connection_pool.connection_kwargs
+            kw["socket_timeout"] = kw["socket_connect_timeout"] = None   # not even the backstop
+
+        async def unbounded(self: Any, op: str, call: Any) -> Any:
+            start = time.perf_counter()
+            result = await call()      # no budget: as long as Redis takes
+            self.hooks.on_dependency(cache.DEPENDENCY, op, time.perf_counter() - start, None)
+            return result
+
+        cache.RedisTier.__init__ = blocking_init  # type: ignore[method-assign]
+        cache.RedisTier._bounded = unbounded      # type: ignore[method-assign]
+    if "circuit_stuck" in defects:
+        cache.Circuit._half_open_due = lambda self, now: False  # type: ignore[method-assign]
+
+
 class _Tiers(TierSelector):
     def __init__(self, defect: str, config: GuardConfig) -> None:
         super().__init__(config.tier, config.queue_light_depth, config.queue_drain_depth,
@@ -175,6 +212,8 @@ class BrokenGuard(protection.ProtectionGuard):
             self.alerts = _FalseAlerts(config)
         if "alert_early" in d:
             self.alerts = _EarlyAlerts(config)
+        if "dependency_alert_never" in d:
+            self.alerts = _QuietDependencyAlerts(config)
         for defect in ("degrade_never", "degrade_stuck", "flapping"):
             if defect in d:
                 self.tiers = _Tiers(defect, config)
@@ -235,6 +274,7 @@ def main() -> None:
         return BrokenGuard(config, clock)
 
     protection.build_guard = build   # the one swap: the app builds its guard through this
+    _break_cache(defects)
     if "constant_light" in defects:  # ... and one in the pipeline: the light tier's answer is canned
         from agent_under_test import pipeline
         from agent_under_test.proto import agent_pb2

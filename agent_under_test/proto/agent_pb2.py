@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"agent_under_test/proto/agent.proto\x12\x13shadowtest.agent.v1\"U\n\tBookLevel\x12\x11\n\tbid_price\x18\x01 \x01(\x01\x12\x10\n\x08\x62id_size\x18\x02 \x01(\x01\x12\x11\n\task_price\x18\x03 \x01(\x01\x12\x10\n\x08\x61sk_size\x18\x04 \x01(\x01\"2\n\x04Tick\x12\r\n\x05ts_ns\x18\x01 \x01(\x03\x12\r\n\x05price\x18\x02 \x01(\x01\x12\x0c\n\x04size\x18\x03 \x01(\x01\"\xb0\x01\n\x0eMarketSnapshot\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12.\n\x06levels\x18\x03 \x03(\x0b\x32\x1e.shadowtest.agent.v1.BookLevel\x12(\n\x05ticks\x18\x04 \x03(\x0b\x32\x19.shadowtest.agent.v1.Tick\x12\r\n\x05ts_ns\x18\x05 \x01(\x03\x12\x10\n\x08position\x18\x06 \x01(\x01\"(\n\x0bStageTiming\x12\r\n\x05stage\x18\x01 \x01(\t\x12\n\n\x02ns\x18\x02 \x01(\x03\"\x88\x02\n\x08\x44\x65\x63ision\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12\'\n\x04side\x18\x03 \x01(\x0e\x32\x19.shadowtest.agent.v1.Side\x12\r\n\x05price\x18\x04 \x01(\x01\x12\x0c\n\x04size\x18\x05 \x01(\x01\x12\x12\n\nconfidence\x18\x06 \x01(\x01\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x30\n\x06stages\x18\t \x03(\x0b\x32 .shadowtest.agent.v1.StageTiming\x12\x19\n\x11server_latency_ns\x18\n \x01(\x03\x12\x12\n\nbatch_size\x18\x0b \x01(\r*#\n\x04Side\x12\x08\n\x04HOLD\x10\x00\x12\x07\n\x03\x42UY\x10\x01\x12\x08\n\x04SELL\x10\x02\x32\xb4\x01\n\x0cTradingAgent\x12L\n\x06\x44\x65\x63ide\x12#.shadowtest.agent.v1.MarketSnapshot\x1a\x1d.shadowtest.agent.v1.Decision\x12V\n\x0c\x44\x65\x63ideStream\x12#.shadowtest.agent.v1.MarketSnapshot\x1a\x1d.shadowtest.agent.v1.Decision(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"agent_under_test/proto/agent.proto\x12\x13shadowtest.agent.v1\"U\n\tBookLevel\x12\x11\n\tbid_price\x18\x01 \x01(\x01\x12\x10\n\x08\x62id_size\x18\x02 \x01(\x01\x12\x11\n\task_price\x18\x03 \x01(\x01\x12\x10\n\x08\x61sk_size\x18\x04 \x01(\x01\"2\n\x04Tick\x12\r\n\x05ts_ns\x18\x01 \x01(\x03\x12\r\n\x05price\x18\x02 \x01(\x01\x12\x0c\n\x04size\x18\x03 \x01(\x01\"\xb0\x01\n\x0eMarketSnapshot\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12.\n\x06levels\x18\x03 \x03(\x0b\x32\x1e.shadowtest.agent.v1.BookLevel\x12(\n\x05ticks\x18\x04 \x03(\x0b\x32\x19.shadowtest.agent.v1.Tick\x12\r\n\x05ts_ns\x18\x05 \x01(\x03\x12\x10\n\x08position\x18\x06 \x01(\x01\"(\n\x0bStageTiming\x12\r\n\x05stage\x18\x01 \x01(\t\x12\n\n\x02ns\x18\x02 \x01(\x03\"\x97\x02\n\x08\x44\x65\x63ision\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12\'\n\x04side\x18\x03 \x01(\x0e\x32\x19.shadowtest.agent.v1.Side\x12\r\n\x05price\x18\x04 \x01(\x01\x12\x0c\n\x04size\x18\x05 \x01(\x01\x12\x12\n\nconfidence\x18\x06 \x01(\x01\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x30\n\x06stages\x18\t \x03(\x0b\x32 .shadowtest.agent.v1.StageTiming\x12\x19\n\x11server_latency_ns\x18\n \x01(\x03\x12\x12\n\nbatch_size\x18\x0b \x01(\r\x12\r\n\x05\x63\x61\x63he\x18\x0c \x01(\t*#\n\x04Side\x12\x08\n\x04HOLD\x10\x00\x12\x07\n\x03\x42UY\x10\x01\x12\x08\n\x04SELL\x10\x02\x32\xb4\x01\n\x0cTradingAgent\x12L\n\x06\x44\x65\x63ide\x12#.shadowtest.agent.v1.MarketSnapshot\x1a\x1d.shadowtest.agent.v1.Decision\x12V\n\x0c\x44\x65\x63ideStream\x12#.shadowtest.agent.v1.MarketSnapshot\x1a\x1d.shadowtest.agent.v1.Decision(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agent_under_test.proto.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIDE']._serialized_start=686
-  _globals['_SIDE']._serialized_end=721
+  _globals['_SIDE']._serialized_start=701
+  _globals['_SIDE']._serialized_end=736
   _globals['_BOOKLEVEL']._serialized_start=59
   _globals['_BOOKLEVEL']._serialized_end=144
   _globals['_TICK']._serialized_start=146
@@ -42,7 +42,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGETIMING']._serialized_start=377
   _globals['_STAGETIMING']._serialized_end=417
   _globals['_DECISION']._serialized_start=420
-  _globals['_DECISION']._serialized_end=684
-  _globals['_TRADINGAGENT']._serialized_start=724
-  _globals['_TRADINGAGENT']._serialized_end=904
+  _globals['_DECISION']._serialized_end=699
+  _globals['_TRADINGAGENT']._serialized_start=739
+  _globals['_TRADINGAGENT']._serialized_end=919
 # @@protoc_insertion_point(module_scope)

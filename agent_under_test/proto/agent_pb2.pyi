@@ -63,7 +63,7 @@ class StageTiming(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., ns: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("sequence_id", "symbol", "side", "price", "size", "confidence", "tier", "reason", "stages", "server_latency_ns", "batch_size")
+    __slots__ = ("sequence_id", "symbol", "side", "price", "size", "confidence", "tier", "reason", "stages", "server_latency_ns", "batch_size", "cache")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     SYMBOL_FIELD_NUMBER: _ClassVar[int]
     SIDE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Decision(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SERVER_LATENCY_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     symbol: str
     side: Side
@@ -86,4 +87,5 @@ class Decision(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageTiming]
     server_latency_ns: int
     batch_size: int
-    def __init__(self, sequence_id: _Optional[int] = ..., symbol: _Optional[str] = ..., side: _Optional[_Union[Side, str]] = ..., price: _Optional[float] = ..., size: _Optional[float] = ..., confidence: _Optional[float] = ..., tier: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., server_latency_ns: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    cache: str
+    def __init__(self, sequence_id: _Optional[int] = ..., symbol: _Optional[str] = ..., side: _Optional[_Union[Side, str]] = ..., price: _Optional[float] = ..., size: _Optional[float] = ..., confidence: _Optional[float] = ..., tier: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., server_latency_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., cache: _Optional[str] = ...) -> None: ...

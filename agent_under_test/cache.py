@@ -1,0 +1,610 @@
+"""The response cache in front of the model: the fast path of the agent.
+
+    request -> parse -> features -> probe (bucket key + unit vector)
+        |-- local tier (in-process LRU)       hit: answer now ("local", or "stale" + one background refresh)
+        |-- Redis tier (budget, circuit)      hit: answer now ("redis" / "stale"), copied into the local tier
+        `-- miss: batcher -> model -> answer; stored locally at once, in Redis fire-and-forget
+
+What is cached is the model's output row and tier, never a whole Decision: a hit still runs the risk
+rules on THIS request (its mid, book and position) and echoes its sequence_id and symbol.
+
+Matching. A bucket holds the few most recent entries (PER_BUCKET) of one symbol, book depth and
+position step; a hit is the entry whose vector has cosine similarity >= `threshold` with the request's.
+The vector is the features matrix with each column's mean over the levels taken out: the raw features
+of any two books of one symbol are 0.94-0.99 alike (sizes and the position column dominate), so 0.85
+on them would match everything; centred, two different books of one symbol score 0.1-0.7 and only the
+same or nearly the same book reaches 0.85. The position column, constant over levels, is what the
+bucket's position step stands for.
+
+Ages. An entry is fresh for `local_ttl_s` (soft TTL); from then until `redis_ttl_s` (hard TTL, also the
+Redis key's expiry) it answers "stale" and one refresh runs the slow path (at most one per entry, at
+most MAX_REFRESHES in all); past the hard TTL it is gone.
+
+Redis is optional: every operation has a budget (`timeout_s`), a circuit breaker stops trying after
+`failures` consecutive failures or timeouts for `open_s` (then one probe), reads in flight are bounded,
+and writes are fire-and-forget: queued (at most MAX_PENDING_WRITES) for one background writer that sends
+them WRITE_BATCH to a round trip. A slow or dead Redis costs a call at most the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import struct
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import numpy as np
+
+from agent_under_test.clock import Clock, MonotonicClock
+from agent_under_test.errors import ServeError
+from agent_under_test.features import Features
+
+if TYPE_CHECKING:
+    from agent_under_test.config import ServeOptions
+
+CACHE_MODES = ("off", "local", "redis")
+SOURCES = ("local", "redis", "stale")                  # Decision.cache on a hit ("" when computed now)
+RESULTS = ("hit_local", "hit_redis", "stale", "miss")  # agent_cache_total{result}
+CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+CIRCUIT_STATES = (CLOSED, HALF_OPEN, OPEN)             # agent_dependency_circuit_state = the index
+DEPENDENCY = "redis"
+
+PER_BUCKET = 32             # entries searched per bucket (local and Redis): one matrix-vector product
+LOCAL_MAX_ENTRIES = 16384   # local tier bound, over all buckets (least recently used bucket goes first)
+POSITION_STEP = 100.0       # position quantum of a bucket
+MAX_REFRESHES = 16          # background refreshes in flight; more stale hits wait for a later one
+MAX_REDIS_READS = 32        # lookups in flight; beyond that a call skips Redis (a miss, not a failure)
+MAX_PENDING_WRITES = 256    # entries waiting for Redis; beyond that a write is dropped
+WRITE_BATCH = 16            # entries per write (one pipeline: LPUSH, LTRIM, EXPIRE per bucket)
+REDIS_CONNECTIONS = MAX_REDIS_READS + 1   # the pool (reads + the one writer): no operation waits for a connection
+KEY_PREFIX = "shadowtest:agent:cache:"
+_TIERS = ("full", "light")
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class CacheHooks(Protocol):
+    """Where the cache reports (the guard: metrics, events, the DependencySlow alert)."""
+
+    def on_cache(self, result: str) -> None:
+        """Once per lookup: hit_local | hit_redis | stale | miss."""
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        """Once per Redis operation tried: op get | set, error None | timeout | error."""
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
+        """On every circuit state change."""
+
+
+class NullCacheHooks:
+    """Reports nowhere (unit tests, or a guard without the hooks)."""
+
+    def on_cache(self, result: str) -> None:
+        pass
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        pass
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The cache options of `agent serve` (see ServeOptions)."""
+
+    mode: str = "off"
+    redis_url: str | None = None
+    threshold: float = 0.85
+    local_ttl_s: float = 60.0
+    redis_ttl_s: float = 3600.0
+    redis_timeout_ms: float = 5.0
+    circuit_failures: int = 5
+    circuit_open_s: float = 2.0
+
+    @classmethod
+    def from_options(cls, o: ServeOptions) -> CacheSettings:
+        return cls(o.cache, o.redis_url, o.cache_threshold, o.cache_local_ttl_s, o.cache_redis_ttl_s,
+                   o.redis_timeout_ms, o.circuit_failures, o.circuit_open_s)
+
+    def validate(self) -> None:
+        """Raises ServeError, one line naming the flag, for a value the cache cannot work with."""
+        if self.mode not in CACHE_MODES:
+            raise ServeError(f"--cache {self.mode}: must be one of {', '.join(CACHE_MODES)}")
+        if not (math.isfinite(self.threshold) and 0 < self.threshold <= 1):
+            raise ServeError(f"--cache-threshold {self.threshold:g}: must be in (0, 1] (a cosine similarity)")
+        for flag, value in (("--cache-local-ttl-s", self.local_ttl_s), ("--cache-redis-ttl-s", self.redis_ttl_s),
+                            ("--redis-timeout-ms", self.redis_timeout_ms), ("--circuit-open-s", self.circuit_open_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ServeError(f"{flag} {value:g}: must be a positive number")
+        if self.redis_ttl_s < self.local_ttl_s:
+            raise ServeError(f"--cache-redis-ttl-s {self.redis_ttl_s:g} is shorter than --cache-local-ttl-s "
+                             f"{self.local_ttl_s:g}: the hard TTL must be at least the soft one")
+        if self.circuit_failures < 1:
+            raise ServeError(f"--circuit-failures {self.circuit_failures}: must be at least 1")
+        if self.mode == "redis":
+            self._validate_url()
+
+    def _validate_url(self) -> None:
+        if not self.redis_url:
+            raise ServeError("--cache redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
+        if not self.redis_url.startswith(("redis://", "unix://")):
+            raise ServeError(f"--redis-url {self.redis_url}: must start with redis:// or unix://")
+        try:
+            from redis.asyncio.connection import parse_url
+
+            parse_url(self.redis_url)
+        except ImportError as exc:
+            raise ServeError("--cache redis needs the redis package: pip install 'shadowtest[agent]'") from exc
+        except ValueError as exc:
+            raise ServeError(f"--redis-url {self.redis_url}: {exc}") from exc
+
+
+# -- matching ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A request as the cache sees it: its bucket and its unit vector."""
+
+    key: str
+    vector: np.ndarray   # float32, unit norm (or all zeros: matches nothing)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One cached model answer."""
+
+    vector: np.ndarray
+    output: tuple[float, ...]   # the model's output row
+    tier: str
+    written: float              # clock.wall() when computed (comparable across agents, for Redis)
+    refreshing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: Entry
+    source: str                 # local | redis | stale
+
+
+def probe_for(symbol: str, position: float, feats: Features) -> Probe:
+    """The bucket key (symbol, book depth, position step) and the centred, normalised feature vector."""
+    x = feats.x
+    v = (x - x.mean(axis=0)).ravel() if len(x) > 1 else x.ravel()
+    norm = float(np.sqrt(np.dot(v, v)))
+    vector = (v / norm).astype(np.float32) if norm > 1e-12 else np.zeros_like(v, dtype=np.float32)
+    return Probe(f"{symbol}|{len(x)}|{round(position / POSITION_STEP)}", vector)
+
+
+def best_match(entries: Sequence[Entry], vector: np.ndarray, threshold: float, now: float, hard_ttl_s: float,
+               matrix: np.ndarray | None = None) -> Entry | None:
+    """The most similar entry at or above `threshold` that is younger than the hard TTL, if any.
+    `matrix`: the entries' vectors stacked (row i = entries[i]), when the caller keeps it."""
+    if not entries:
+        return None
+    if matrix is None:
+        same = [e for e in entries if e.vector.shape == vector.shape]
+        if not same:
+            return None
+        entries, matrix = same, np.stack([e.vector for e in same])
+    sims = matrix @ vector
+    best = int(np.argmax(sims))
+    if sims[best] < threshold:                  # the usual miss: one pass
+        return None
+    if now - entries[best].written < hard_ttl_s:  # the usual hit
+        return entries[best]
+    for i in np.argsort(-sims):                 # the best is too old: the next most similar
+        if sims[i] < threshold:
+            return None
+        if now - entries[i].written < hard_ttl_s:
+            return entries[i]
+    return None
+
+
+class _Bucket:
+    """One bucket's entries, newest first, and their vectors as one matrix (rebuilt after a change)."""
+
+    __slots__ = ("entries", "_matrix")
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self._matrix: np.ndarray | None = None
+
+    def _stack(self) -> np.ndarray:
+        if self._matrix is None:
+            self._matrix = np.stack([e.vector for e in self.entries])
+        return self._matrix
+
+    def find(self, vector: np.ndarray, threshold: float, now: float, hard_ttl_s: float) -> Entry | None:
+        if not self.entries or self.entries[0].vector.shape != vector.shape:
+            return None
+        return best_match(self.entries, vector, threshold, now, hard_ttl_s, self._stack())
+
+    def put(self, entry: Entry, replaces: Entry | None, limit: int) -> int:
+        """Add `entry` first; drop `replaces`, entries with its vector, and the oldest beyond `limit`
+        (the matrix follows, one product and one copy). Returns the change in size."""
+        before = len(self.entries)
+        if not self.entries or self.entries[0].vector.shape != entry.vector.shape:
+            self.entries, self._matrix = [entry], entry.vector[None, :]
+            return 1 - before
+        matrix = self._stack()
+        sims = matrix @ entry.vector
+        keep = [i for i, e in enumerate(self.entries) if e is not replaces and sims[i] < 0.999999][:limit - 1]
+        self.entries = [entry, *(self.entries[i] for i in keep)]
+        self._matrix = np.vstack([entry.vector[None, :], matrix[keep]])
+        return len(self.entries) - before
+
+
+# -- the local tier -------------------------------------------------------------------------------------
+
+class LocalTier:
+    """In-process LRU of buckets, each the PER_BUCKET most recent entries; at most `max_entries` in all."""
+
+    def __init__(self, max_entries: int = LOCAL_MAX_ENTRIES, per_bucket: int = PER_BUCKET) -> None:
+        self.max_entries, self.per_bucket = max_entries, per_bucket
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self.size = 0
+
+    def find(self, probe: Probe, threshold: float, now: float, hard_ttl_s: float) -> Entry | None:
+        bucket = self._buckets.get(probe.key)
+        if bucket is None:
+            return None
+        self._buckets.move_to_end(probe.key)
+        return bucket.find(probe.vector, threshold, now, hard_ttl_s)
+
+    def put(self, key: str, entry: Entry, replaces: Entry | None = None) -> None:
+        """Add `entry` as the newest of its bucket; `replaces` (an entry it refreshes) or an entry with the
+        same vector goes, as does the bucket's oldest when it is full, then whole buckets, LRU first."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        self._buckets.move_to_end(key)
+        self.size += bucket.put(entry, replaces, self.per_bucket)
+        while self.size > self.max_entries and self._buckets:
+            _, evicted = self._buckets.popitem(last=False)
+            self.size -= len(evicted.entries)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+# -- the circuit breaker --------------------------------------------------------------------------------
+
+class Circuit:
+    """closed --(`failures` consecutive failures)--> open --(`open_s`)--> half_open: one probe
+    --success--> closed, --failure--> open again. While open nothing is tried."""
+
+    def __init__(self, failures: int, open_s: float, clock: Clock,
+                 on_change: Callable[[str, str], None] | None = None) -> None:
+        self.failures_to_open, self.open_s, self.clock = failures, open_s, clock
+        self._on_change = on_change
+        self.state = CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+        self._probing = False
+
+    def allow(self) -> bool:
+        """May an operation be tried now? In half_open only one at a time (the probe)."""
+        if self.state == CLOSED:
+            return True
+        if self.state == OPEN:
+            if not self._half_open_due(self.clock.now()):
+                return False
+            self._move(HALF_OPEN)
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def _half_open_due(self, now: float) -> bool:
+        return now - self.opened_at >= self.open_s
+
+    def success(self) -> None:
+        self.failures = 0
+        self._probing = False
+        if self.state != CLOSED:
+            self._move(CLOSED)
+
+    def failure(self) -> None:
+        self._probing = False
+        self.failures += 1
+        if self.state == HALF_OPEN or (self.state == CLOSED and self.failures >= self.failures_to_open):
+            self.open()
+
+    def abandon(self) -> None:
+        """The operation was cancelled (its caller went away): neither a success nor a failure."""
+        self._probing = False
+
+    def open(self) -> None:
+        """Open now (also at start when Redis does not answer)."""
+        self.opened_at = self.clock.now()
+        if self.state != OPEN:
+            self._move(OPEN)
+
+    def _move(self, new: str) -> None:
+        old, self.state = self.state, new
+        if new == CLOSED:
+            self.failures = 0
+        if self._on_change is not None:
+            self._on_change(old, new)
+
+
+# -- the Redis tier -------------------------------------------------------------------------------------
+
+_HEADER = struct.Struct("<dBB")   # written (wall s), tier index, output length; then doubles, then float32s
+
+
+def pack_entry(entry: Entry) -> bytes:
+    n = len(entry.output)
+    return (_HEADER.pack(entry.written, _TIERS.index(entry.tier) if entry.tier in _TIERS else 0, n)
+            + struct.pack(f"<{n}d", *entry.output) + entry.vector.astype("<f4").tobytes())
+
+
+def unpack_entry(data: bytes) -> Entry | None:
+    """An entry read back from Redis; None for bytes that are not one (another writer, a truncation)."""
+    try:
+        written, tier, n = _HEADER.unpack_from(data)
+        output = struct.unpack_from(f"<{n}d", data, _HEADER.size)
+        vector = np.frombuffer(data, dtype="<f4", offset=_HEADER.size + 8 * n).astype(np.float32)
+    except (struct.error, ValueError):
+        return None
+    return Entry(vector, tuple(output), _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
+
+
+def match_rows(rows: Sequence[object], vector: np.ndarray, threshold: float, now: float,
+               hard_ttl_s: float) -> Entry | None:
+    """best_match over packed entries read from Redis, decoding only the headers one by one and every
+    vector in one numpy call (a Redis bucket holds up to PER_BUCKET of them; rows that are not entries
+    of this vector's length are skipped)."""
+    width = 4 * vector.shape[0]
+    heads, blobs = [], []
+    for row in rows:
+        if not isinstance(row, bytes) or len(row) < _HEADER.size:
+            continue
+        written, tier, n = _HEADER.unpack_from(row)
+        start = _HEADER.size + 8 * n
+        if len(row) - start != width:
+            continue
+        heads.append((written, tier, row[_HEADER.size:start]))
+        blobs.append(row[start:])
+    if not heads:
+        return None
+    matrix = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(heads), -1).astype(np.float32)
+    sims = matrix @ vector
+    for i in np.argsort(-sims):   # as best_match, building only the Entry that answers
+        if sims[i] < threshold:
+            return None
+        written, tier, output = heads[i]
+        if now - written < hard_ttl_s:
+            return Entry(matrix[i], struct.unpack(f"<{len(output) // 8}d", output), _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
+    return None
+
+
+class _Failed:
+    """The operation was skipped, timed out or failed."""
+
+
+FAILED = _Failed()
+
+
+class RedisTier:
+    """The shared long-term tier: one Redis list per bucket (newest first, PER_BUCKET long, expiring
+    after the hard TTL). Every operation goes through `_bounded`: circuit, budget, metrics (op "get": one
+    lookup, LRANGE; op "set": one write batch, a pipeline of LPUSH, LTRIM, EXPIRE per bucket)."""
+
+    def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks) -> None:
+        from redis.asyncio import ConnectionPool, Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.timeout_s, self.ttl_s, self.circuit, self.hooks = timeout_s, ttl_s, circuit, hooks
+        no_retry = Retry(NoBackoff(), 0)
+        # Socket timeouts only as a backstop (the budget below is what bounds a call); no retries; RESP2
+        # and no CLIENT SETINFO, so a new connection (one follows every abandoned operation: redis-py drops
+        # a connection whose reply it stopped waiting for) costs no round trip before the command; a pool
+        # as large as the operations allowed in flight, so none waits for a connection.
+        backstop = max(1.0, 20 * timeout_s)
+        pool = ConnectionPool.from_url(url, max_connections=REDIS_CONNECTIONS, socket_timeout=backstop,
+                                       socket_connect_timeout=backstop, retry=no_retry, lib_name=None,
+                                       lib_version=None, protocol=2)
+        self.client = Redis(connection_pool=pool, retry=no_retry)
+        self.reads = 0
+        self._pending: deque[tuple[str, bytes]] = deque()
+        self._writer: asyncio.Task[None] | None = None
+        self.dropped_writes = 0
+
+    async def start(self, timeout_s: float) -> bool:
+        """PING within `timeout_s`; on failure the circuit opens (the agent starts all the same)."""
+        from redis.exceptions import RedisError
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.client.ping()
+        except (TimeoutError, RedisError, OSError) as exc:
+            _log.warning("redis not answering at start (%s); circuit open", type(exc).__name__)
+            self.circuit.open()
+            return False
+        return True
+
+    async def _bounded(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T | _Failed:
+        """Run `call()` if the circuit allows, abandoning it at the budget; report it either way."""
+        if not self.circuit.allow():
+            return FAILED
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await call()
+        except TimeoutError:
+            return self._failed(op, start, "timeout")
+        except asyncio.CancelledError:
+            self.circuit.abandon()
+            raise
+        except Exception:  # noqa: BLE001 - RedisError, OSError or a client bug: never the call's failure
+            return self._failed(op, start, "error")
+        self.hooks.on_dependency(DEPENDENCY, op, time.perf_counter() - start, None)
+        self.circuit.success()
+        return result
+
+    def _failed(self, op: str, start: float, kind: str) -> _Failed:
+        self.hooks.on_dependency(DEPENDENCY, op, time.perf_counter() - start, kind)
+        self.circuit.failure()
+        return FAILED
+
+    async def find(self, probe: Probe, threshold: float, now: float) -> Entry | None:
+        """The best match in the probe's bucket, or None (also when Redis is skipped, slow or failing)."""
+        if self.reads >= MAX_REDIS_READS:
+            return None
+        self.reads += 1
+        try:
+            rows = await self._bounded("get", lambda: self.client.lrange(KEY_PREFIX + probe.key, 0, PER_BUCKET - 1))
+        finally:
+            self.reads -= 1
+        if isinstance(rows, _Failed) or not rows:
+            return None
+        return match_rows(rows, probe.vector, threshold, now, self.ttl_s)
+
+    def put(self, key: str, entry: Entry) -> None:
+        """Queue a write for the one background writer (fire-and-forget); dropped when MAX_PENDING_WRITES
+        wait already. Writes made while the writer is busy go together in its next round trip."""
+        if len(self._pending) >= MAX_PENDING_WRITES:
+            self.dropped_writes += 1
+            return
+        self._pending.append((KEY_PREFIX + key, pack_entry(entry)))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """Write what is queued, WRITE_BATCH entries per pipeline, until nothing is; a batch the circuit
+        or Redis refuses is dropped (the cache is an optimisation: nothing retries)."""
+        await asyncio.sleep(0)   # let the writes of this loop iteration join the first batch
+        while self._pending:
+            batch = [self._pending.popleft() for _ in range(min(WRITE_BATCH, len(self._pending)))]
+            if isinstance(await self._bounded("set", lambda b=batch: self._push(b)), _Failed):   # type: ignore[misc]
+                self.dropped_writes += len(batch)
+
+    async def _push(self, batch: list[tuple[str, bytes]]) -> None:
+        by_key: dict[str, list[bytes]] = {}
+        for key, data in batch:
+            by_key.setdefault(key, []).append(data)
+        ttl = max(1, math.ceil(self.ttl_s))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key, values in by_key.items():
+                pipe.lpush(key, *values)          # the last one ends up first: newest first
+                pipe.ltrim(key, 0, PER_BUCKET - 1)
+                pipe.expire(key, ttl)
+            await pipe.execute()
+
+    async def close(self, timeout_s: float = 1.0) -> None:
+        """Cancel the writes in flight and close the connections, within `timeout_s` (a stopped Redis
+        must not hold up the agent's shutdown)."""
+        self._pending.clear()
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.client.aclose()
+                await self.client.connection_pool.disconnect()
+        except Exception:  # noqa: BLE001 - shutting down: nothing left to protect
+            _log.debug("redis close", exc_info=True)
+
+
+# -- the cache ------------------------------------------------------------------------------------------
+
+Compute = Callable[[], Awaitable[tuple[tuple[float, ...], str]]]
+
+
+@dataclass
+class ResponseCache:
+    """Local tier, optional Redis tier, stale-while-revalidate. Lives on the event loop thread."""
+
+    settings: CacheSettings
+    hooks: CacheHooks = field(default_factory=NullCacheHooks)
+    clock: Clock = field(default_factory=MonotonicClock)
+    local: LocalTier = field(default_factory=LocalTier)
+    redis: RedisTier | None = None
+    refreshes: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def probe(self, symbol: str, position: float, feats: Features) -> Probe:
+        return probe_for(symbol, position, feats)
+
+    async def lookup(self, probe: Probe) -> Hit | None:
+        """Local first, then Redis (within its budget); reports hit_local | hit_redis | stale | miss."""
+        now = self.clock.wall()
+        s = self.settings
+        entry = self.local.find(probe, s.threshold, now, s.redis_ttl_s)
+        source = "local"
+        if entry is None and self.redis is not None:
+            entry = await self.redis.find(probe, s.threshold, now)
+            if entry is not None:
+                self.local.put(probe.key, entry)
+                source = "redis"
+        if entry is None:
+            self.hooks.on_cache("miss")
+            return None
+        if now - entry.written >= s.local_ttl_s:
+            source = "stale"
+        self.hooks.on_cache("hit_" + source if source != "stale" else "stale")
+        return Hit(entry, source)
+
+    def store(self, probe: Probe, output: Sequence[float], tier: str,
+              replaces: Entry | None = None) -> Entry:
+        """Keep a freshly computed answer: locally now, in Redis in the background."""
+        entry = Entry(probe.vector, tuple(output), tier, self.clock.wall())
+        self.local.put(probe.key, entry, replaces)
+        if self.redis is not None:
+            self.redis.put(probe.key, entry)
+        return entry
+
+    def revalidate(self, probe: Probe, stale: Entry, compute: Compute) -> bool:
+        """Start one background refresh of a stale entry through the slow path; False when one already
+        runs for it or MAX_REFRESHES are in flight (a later stale hit tries again)."""
+        if stale.refreshing or len(self.refreshes) >= MAX_REFRESHES:
+            return False
+        stale.refreshing = True
+        task = asyncio.get_running_loop().create_task(self._refresh(probe, stale, compute))
+        self.refreshes.add(task)
+        task.add_done_callback(self.refreshes.discard)
+        return True
+
+    async def _refresh(self, probe: Probe, stale: Entry, compute: Compute) -> None:
+        try:
+            output, tier = await compute()
+        except Exception:  # noqa: BLE001 - a failed refresh leaves the stale entry; a later hit retries
+            stale.refreshing = False
+            _log.debug("cache refresh failed", exc_info=True)
+            return
+        self.store(probe, output, tier, replaces=stale)
+
+    async def close(self) -> None:
+        for task in list(self.refreshes):
+            task.cancel()
+        await asyncio.gather(*self.refreshes, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.close()
+
+
+async def build_cache(settings: CacheSettings, hooks: CacheHooks, clock: Clock | None = None) -> ResponseCache | None:
+    """The cache for `settings` (None when off); with Redis, PINGs it once (down: circuit open, still starts)."""
+    settings.validate()
+    if settings.mode == "off":
+        return None
+    clock = clock or MonotonicClock()
+    cache = ResponseCache(settings, hooks, clock)
+    if settings.mode == "redis":
+        assert settings.redis_url is not None, "validate() requires it"
+
+        def changed(old: str, new: str) -> None:
+            hooks.on_circuit(DEPENDENCY, old, new)
+
+        circuit = Circuit(settings.circuit_failures, settings.circuit_open_s, clock, changed)
+        cache.redis = RedisTier(settings.redis_url, settings.redis_timeout_ms / 1000, settings.redis_ttl_s,
+                                circuit, hooks)
+        await cache.redis.start(max(0.25, settings.redis_timeout_ms / 1000))
+    return cache

@@ -1,0 +1,612 @@
+"""The agent's response cache (agent_under_test/cache.py): local and Redis tiers, similarity, TTLs,
+stale-while-revalidate, the Redis circuit breaker, its metrics, events and the DependencySlow alert.
+
+Unit tests drive the cache logic on a FakeClock with exact trajectories; the rest run real agent
+processes against a real redis-server started here (stopped with SIGSTOP for "slow", killed for "gone").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from agent_under_test.cache import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    CacheSettings,
+    Circuit,
+    Entry,
+    LocalTier,
+    Probe,
+    ResponseCache,
+    match_rows,
+    pack_entry,
+    probe_for,
+    unpack_entry,
+)
+from agent_under_test.clock import FakeClock
+from agent_under_test.errors import ServeError
+from agent_under_test.features import build_features
+from agent_under_test.hooks import GuardConfig
+from agent_under_test.launch import AgentProcess
+from agent_under_test.market import MarketSim, make_snapshot
+from agent_under_test.protection import ProtectionGuard
+from agent_under_test.proto import agent_pb2, agent_pb2_grpc
+from agent_under_test.snapshot import parse_snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from broken_agent import broken  # noqa: E402
+
+REDIS_SERVER = shutil.which("redis-server")
+needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH (apt-get install redis-server)")
+TS = 1_700_000_000_000_000_000
+AGENT = {"device": "cpu", "tier": "light", "limiter": "off"}
+BUDGET_S = 0.2   # no call may take longer, Redis slow or gone (on a loaded 2-core machine)
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+class Recorded:
+    """Cache hooks that keep what they are told (a plain recorder, not a mock)."""
+
+    def __init__(self) -> None:
+        self.results: list[str] = []
+        self.ops: list[tuple[str, str | None]] = []
+        self.circuit: list[tuple[str, str]] = []
+
+    def on_cache(self, result: str) -> None:
+        self.results.append(result)
+
+    def on_dependency(self, dependency: str, op: str, seconds: float, error: str | None) -> None:
+        self.ops.append((op, error))
+
+    def on_circuit(self, dependency: str, old: str, new: str) -> None:
+        self.circuit.append((old, new))
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.array(values, dtype=np.float32)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def snapshot(seed: int, seq: int = 1, symbol: str = "ACME", position: float = 0.0) -> agent_pb2.MarketSnapshot:
+    return make_snapshot(random.Random(seed), seq, symbol, ts_ns=TS, position=position)
+
+
+def features(msg: agent_pb2.MarketSnapshot) -> Any:
+    return build_features(parse_snapshot(msg, 65536))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port; stop()/cont() (SIGSTOP/SIGCONT), kill(), restart()."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="shadowtest-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        assert REDIS_SERVER is not None
+        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self._dir.name],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill()
+        self._dir.cleanup()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class Client:
+    """A blocking gRPC client of one agent, plus its /metrics and /events."""
+
+    def __init__(self, agent: AgentProcess) -> None:
+        self.agent = agent
+        self.channel = grpc.insecure_channel(agent.grpc_address)
+        self.stub = agent_pb2_grpc.TradingAgentStub(self.channel)
+
+    def decide(self, msg: agent_pb2.MarketSnapshot, timeout: float = 10.0) -> tuple[agent_pb2.Decision, float]:
+        start = time.perf_counter()
+        out = self.stub.Decide(msg, timeout=timeout)
+        return out, time.perf_counter() - start
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.agent.metrics_url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def sample(self, series: str) -> float:
+        for line in self.metrics().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{series} not exported")
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"{self.agent.metrics_url}/events?follow=0", timeout=10) as r:
+            events = [json.loads(line) for line in r.read().decode().splitlines()]
+        return [e for e in events if kind is None or e["type"] == kind]
+
+    def circuit(self) -> list[str]:
+        return [e["to"] for e in self.events("circuit")]
+
+    def wait_for(self, what: Any, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; events: {self.events()[-8:]}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def misses(n: int, client: Client, seed: int, budget_s: float = BUDGET_S) -> list[float]:
+    """`n` calls, each a book never seen before (so each looks in Redis); asserts each is answered in budget."""
+    sim = MarketSim(random.Random(seed), symbols=["ZZZ"])
+    took = []
+    for i in range(n):
+        out, seconds = client.decide(sim.next(10_000 + i, ts_ns=TS + i))
+        assert out.sequence_id == 10_000 + i and out.symbol == "ZZZ"
+        assert seconds < budget_s, f"call {i} took {seconds * 1000:.1f} ms"
+        took.append(seconds)
+    return took
+
+
+# -- unit: matching, tiers, TTLs (FakeClock) ------------------------------------------------------------
+
+def test_local_tier_keeps_the_newest_per_bucket_and_evicts_the_least_recently_used_bucket():
+    tier = LocalTier(max_entries=4, per_bucket=2)
+    entries = {name: Entry(unit(1, i), (0.0,), "full", 0.0) for i, name in enumerate("abcde")}
+    tier.put("k1", entries["a"])
+    tier.put("k1", entries["b"])
+    tier.put("k1", entries["c"])             # k1 holds c, b: a (its oldest) goes
+    assert len(tier) == 2
+    assert tier.find(Probe("k1", entries["a"].vector), 0.9999, 0.0, 10.0) is None
+    assert tier.find(Probe("k1", entries["b"].vector), 0.9999, 0.0, 10.0) is entries["b"]
+    tier.put("k2", entries["d"])
+    tier.put("k3", entries["e"])             # 4 entries: k1 (2), k2, k3
+    assert len(tier) == 4
+    tier.find(Probe("k1", entries["c"].vector), 0.9999, 0.0, 10.0)   # k1 used: k2 is now the oldest
+    tier.put("k4", Entry(unit(0, 1), (0.0,), "full", 0.0))           # 5 > 4: k2 goes
+    assert len(tier) == 4
+    assert tier.find(Probe("k2", entries["d"].vector), 0.5, 0.0, 10.0) is None
+    assert tier.find(Probe("k1", entries["c"].vector), 0.9999, 0.0, 10.0) is entries["c"]
+    tier.put("k1", Entry(entries["c"].vector.copy(), (1.0,), "light", 1.0))   # same vector: replaced, not added
+    assert len(tier) == 4 and tier.find(Probe("k1", entries["c"].vector), 0.9999, 0.0, 10.0).output == (1.0,)
+
+
+def test_similarity_threshold_is_inclusive_and_picks_the_best_entry():
+    cache = ResponseCache(CacheSettings(mode="local", threshold=0.85), Recorded(), FakeClock())
+    base = Probe("ACME|2|0", unit(1, 0))
+    cache.store(base, (1.0,) * 5, "full")
+    near = Probe("ACME|2|0", unit(0.86, (1 - 0.86 ** 2) ** 0.5))   # cosine 0.86
+    far = Probe("ACME|2|0", unit(0.84, (1 - 0.84 ** 2) ** 0.5))    # cosine 0.84
+    other_bucket = Probe("ACME|2|1", unit(1, 0))
+
+    async def run() -> list[str | None]:
+        out = []
+        for p in (base, near, far, other_bucket):
+            hit = await cache.lookup(p)
+            out.append(hit.source if hit else None)
+        return out
+
+    assert asyncio.run(run()) == ["local", "local", None, None]
+    assert cache.hooks.results == ["hit_local", "hit_local", "miss", "miss"]   # type: ignore[attr-defined]
+
+
+def test_probe_matches_the_same_book_not_another_one_and_buckets_by_symbol_depth_and_position():
+    a, b = snapshot(1), snapshot(2)
+    pa = probe_for("ACME", 0.0, features(a))
+    assert pa.key == "ACME|10|0"
+    assert float(np.dot(pa.vector, probe_for("ACME", 0.0, features(snapshot(1, seq=99))).vector)) == pytest.approx(1.0)
+    assert float(np.dot(pa.vector, probe_for("ACME", 0.0, features(b)).vector)) < 0.85
+    assert probe_for("ACME", 260.0, features(snapshot(1, position=260.0))).key == "ACME|10|3"
+    assert probe_for("OTHER", 0.0, features(a)).key == "OTHER|10|0"
+
+
+def test_ttls_fresh_then_stale_then_gone():
+    clock = FakeClock()
+    hooks = Recorded()
+    cache = ResponseCache(CacheSettings(mode="local", local_ttl_s=60, redis_ttl_s=3600), hooks, clock)
+    probe = Probe("ACME|2|0", unit(1, 2))
+    cache.store(probe, (0.5,) * 5, "light")
+    seen = []
+
+    async def look() -> None:
+        hit = await cache.lookup(probe)
+        seen.append(hit.source if hit else None)
+
+    for step in (59.9, 0.1, 3000.0, 539.9, 0.1):   # ages 59.9, 60, 3060, 3599.9, 3600
+        clock.advance(step)
+        asyncio.run(look())
+    assert seen == ["local", "stale", "stale", "stale", None]
+    assert hooks.results == ["hit_local", "stale", "stale", "stale", "miss"]
+
+
+def test_a_stale_entry_is_refreshed_once_through_the_slow_path():
+    clock = FakeClock()
+    cache = ResponseCache(CacheSettings(mode="local", local_ttl_s=1, redis_ttl_s=10), Recorded(), clock)
+    probe = Probe("ACME|2|0", unit(3, 1))
+    old = cache.store(probe, (0.0,) * 5, "full")
+    clock.advance(2)
+    computed: list[int] = []
+
+    async def run() -> list[str | None]:
+        release = asyncio.Event()
+
+        async def slow_path() -> tuple[tuple[float, ...], str]:
+            computed.append(1)
+            await release.wait()
+            return (1.0,) * 5, "light"
+
+        sources = []
+        for _ in range(3):                       # three stale hits while the refresh runs: one refresh
+            hit = await cache.lookup(probe)
+            assert hit is not None and hit.entry is old
+            sources.append(hit.source)
+            cache.revalidate(probe, hit.entry, slow_path)
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(*cache.refreshes)
+        hit = await cache.lookup(probe)
+        assert hit is not None and hit.entry.output == (1.0,) * 5 and hit.entry.tier == "light"
+        sources.append(hit.source)
+        return sources
+
+    assert asyncio.run(run()) == ["stale", "stale", "stale", "local"]
+    assert computed == [1] and len(cache.local) == 1
+
+
+def test_entries_survive_the_trip_through_redis_bytes_and_garbage_is_not_an_entry():
+    entry = Entry(unit(1, 2, 3), (0.1, -0.2, 0.3, 0.4, 0.5), "light", 1234.5)
+    back = unpack_entry(pack_entry(entry))
+    assert back is not None and back.output == entry.output and back.tier == "light" and back.written == 1234.5
+    assert np.array_equal(back.vector, entry.vector)
+    assert unpack_entry(b"nonsense") is None
+    rows = [b"nonsense", pack_entry(Entry(unit(1, 2), (9.0,), "full", 0.0)),   # another length: skipped
+            pack_entry(Entry(unit(1, 2, 4), (1.0,), "full", 2000.0)), pack_entry(entry)]
+    found = match_rows(rows, entry.vector, 0.85, 2000.0, 3600.0)
+    assert found is not None and found.output == entry.output and found.tier == "light"
+    assert match_rows(rows, entry.vector, 0.85, 1234.5 + 3600.0, 3600.0) is not None    # the other one, still young
+    assert match_rows(rows, entry.vector, 0.999, 1234.5 + 3600.0, 3600.0) is None      # the best is too old
+
+
+# -- unit: the circuit breaker --------------------------------------------------------------------------
+
+def test_circuit_opens_after_n_failures_half_opens_once_and_closes_on_success():
+    clock = FakeClock()
+    moves: list[tuple[str, str]] = []
+    c = Circuit(3, 2.0, clock, lambda old, new: moves.append((old, new)))
+    trajectory = []
+    for outcome in ("fail", "fail", "ok", "fail", "fail", "fail"):   # a success resets the count
+        assert c.allow()
+        c.success() if outcome == "ok" else c.failure()
+        trajectory.append(c.state)
+    assert trajectory == [CLOSED, CLOSED, CLOSED, CLOSED, CLOSED, OPEN]
+    clock.advance(1.999)
+    assert not c.allow() and c.state == OPEN
+    clock.advance(0.001)
+    assert c.allow() and c.state == HALF_OPEN          # the probe
+    assert not c.allow()                               # ... only one at a time
+    c.failure()                                        # probe failed: open again, for another open_s
+    assert c.state == OPEN and not c.allow()
+    clock.advance(2.0)
+    assert c.allow() and c.state == HALF_OPEN
+    c.abandon()                                        # probe cancelled: the next call probes
+    assert c.allow()
+    c.success()
+    assert c.state == CLOSED and c.allow() and c.allow()
+    assert moves == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (CacheSettings(mode="redis"), "--cache redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)"),
+    (CacheSettings(mode="redis", redis_url="http://x"), "--redis-url http://x: must start with redis:// or unix://"),
+    (CacheSettings(mode="local", threshold=1.5), "--cache-threshold 1.5: must be in (0, 1] (a cosine similarity)"),
+    (CacheSettings(mode="local", threshold=0), "--cache-threshold 0: must be in (0, 1] (a cosine similarity)"),
+    (CacheSettings(mode="local", local_ttl_s=0), "--cache-local-ttl-s 0: must be a positive number"),
+    (CacheSettings(mode="local", local_ttl_s=60, redis_ttl_s=10),
+     "--cache-redis-ttl-s 10 is shorter than --cache-local-ttl-s 60: the hard TTL must be at least the soft one"),
+    (CacheSettings(mode="local", redis_timeout_ms=-1), "--redis-timeout-ms -1: must be a positive number"),
+    (CacheSettings(mode="local", circuit_failures=0), "--circuit-failures 0: must be at least 1"),
+    (CacheSettings(mode="local", circuit_open_s=float("nan")), "--circuit-open-s nan: must be a positive number"),
+])
+def test_bad_cache_settings_are_one_line_errors(settings: CacheSettings, message: str):
+    with pytest.raises(ServeError) as info:
+        settings.validate()
+    assert str(info.value) == message
+
+
+# -- unit: the guard's metrics, circuit events and DependencySlow ---------------------------------------
+
+def test_guard_turns_dependency_reports_into_metrics_events_and_dependency_slow():
+    clock = FakeClock()
+    g = ProtectionGuard(GuardConfig(alert_periods=2, resolve_periods=2, min_samples=3, dependency_threshold_ms=10), clock)
+    states = []
+    plan = ["fast", "slow", "slow", "open", "fast", "fast", "few"]
+    for period in plan:
+        if period == "open":
+            g.on_circuit("redis", "closed", "open")
+            g.on_circuit("redis", "open", "half_open")
+            g.on_circuit("redis", "half_open", "closed")
+        n = 2 if period == "few" else 5
+        for _ in range(n):
+            g.on_dependency("redis", "get", 0.012 if period == "slow" else 0.001, None)
+        clock.advance(1.0)
+        g.tick()
+        states.append(g.alert_state("DependencySlow"))
+    assert states == ["inactive", "pending", "firing", "firing", "firing", "inactive", "inactive"]
+    alerts = [(e["from"], e["to"], e["period"]) for e in g.events.since(0, "alert") if e["alert"] == "DependencySlow"]
+    assert alerts == [("inactive", "pending", 2), ("pending", "firing", 3), ("firing", "inactive", 6)]
+    circuit = [(e["dependency"], e["from"], e["to"]) for e in g.events.since(0, "circuit")]
+    assert circuit == [("redis", "closed", "open"), ("redis", "open", "half_open"), ("redis", "half_open", "closed")]
+    g.on_dependency("redis", "set", 0.005, "timeout")
+    g.on_circuit("redis", "closed", "open")
+    g.on_cache("miss")
+    text = g.metrics.exposition().decode()
+    assert 'agent_dependency_circuit_state{dependency="redis"} 2.0' in text
+    assert 'agent_dependency_errors_total{dependency="redis",kind="timeout",op="set"} 1.0' in text
+    assert 'agent_dependency_seconds_count{dependency="redis",op="get"} 32.0' in text
+    assert 'agent_dependency_seconds_bucket{dependency="redis",le="0.01",op="get"} 22.0' in text
+    assert 'agent_cache_total{result="miss"} 1.0' in text
+    assert 'agent_alert_firing{alert="DependencySlow"} 0.0' in text
+
+
+def test_an_open_circuit_keeps_dependency_slow_breaching_until_it_closes():
+    clock = FakeClock()
+    g = ProtectionGuard(GuardConfig(alert_periods=2, resolve_periods=1, min_samples=1), clock)
+    g.on_circuit("redis", "closed", "open")
+    states = []
+    for _ in range(3):                      # no operations at all: open is what breaches
+        clock.advance(1.0)
+        g.tick()
+        states.append(g.alert_state("DependencySlow"))
+    g.on_circuit("redis", "open", "half_open")
+    g.on_circuit("redis", "half_open", "closed")
+    g.on_dependency("redis", "get", 0.001, None)
+    for _ in range(2):                      # the period it closed in had it open: still breaching
+        clock.advance(1.0)
+        g.tick()
+        states.append(g.alert_state("DependencySlow"))
+    assert states == ["pending", "firing", "firing", "firing", "firing"]
+    g.on_dependency("redis", "get", 0.001, None)
+    clock.advance(1.0)
+    g.tick()
+    assert g.alert_state("DependencySlow") == "inactive"
+
+
+# -- real agents ----------------------------------------------------------------------------------------
+
+def test_cache_off_changes_nothing_and_local_answers_repeats_with_their_own_sequence_id():
+    with AgentProcess(**AGENT) as off, AgentProcess(cache="local", **AGENT) as on:
+        plain, cached = Client(off), Client(on)
+        msg = snapshot(7)
+        a, _ = plain.decide(msg)
+        b, _ = plain.decide(msg)
+        assert a.cache == "" and b.cache == "" and a.batch_size >= 1 and b.batch_size >= 1
+        assert [s.stage for s in a.stages] == ["parse", "features", "queue", "strategy", "risk", "order"]
+        assert "agent_cache_total{result=\"miss\"} 0.0" in plain.metrics()
+        first, _ = cached.decide(msg)
+        assert first.cache == "" and first.batch_size >= 1
+        assert [s.stage for s in first.stages] == ["parse", "features", "cache", "queue", "strategy", "risk", "order"]
+        for field in ("side", "price", "size", "confidence", "tier", "reason"):   # same model, same answer
+            assert getattr(first, field) == getattr(a, field)
+        for seq in (41, 42):
+            msg.sequence_id = seq
+            hit, _ = cached.decide(msg)
+            assert (hit.cache, hit.sequence_id, hit.symbol, hit.batch_size) == ("local", seq, "ACME", 0)
+            assert (hit.side, hit.price, hit.size, hit.tier) == (first.side, first.price, first.size, first.tier)
+            assert [s.stage for s in hit.stages] == ["parse", "features", "cache", "risk", "order"]
+        other = snapshot(7, seq=43, symbol="OTHER")        # same book, another symbol: its own answer
+        out, _ = cached.decide(other)
+        assert (out.cache, out.symbol, out.sequence_id) == ("", "OTHER", 43)
+        assert cached.sample('agent_cache_total{result="hit_local"}') == 2.0
+        assert cached.sample('agent_cache_total{result="miss"}') == 2.0
+        plain.close()
+        cached.close()
+
+
+@needs_redis
+def test_a_second_agent_hits_what_the_first_cached_in_redis(redis_server: RedisServer):
+    opts = {"cache": "redis", "redis_url": redis_server.url, **AGENT}
+    with AgentProcess(**opts) as one, AgentProcess(**opts) as two:
+        a, b = Client(one), Client(two)
+        msg = snapshot(11, seq=5)
+        computed, _ = a.decide(msg)
+        assert computed.cache == ""
+        a.wait_for(lambda: a.sample('agent_dependency_seconds_count{dependency="redis",op="set"}') >= 1)
+        msg.sequence_id = 6
+        shared, _ = b.decide(msg)
+        assert (shared.cache, shared.sequence_id, shared.symbol) == ("redis", 6, "ACME")
+        assert (shared.side, shared.price, shared.size, shared.tier) == (computed.side, computed.price, computed.size,
+                                                                          computed.tier)
+        msg.sequence_id = 7
+        assert b.decide(msg)[0].cache == "local"           # now in b's own tier
+        assert b.sample('agent_cache_total{result="hit_redis"}') == 1.0
+        assert b.sample('agent_dependency_circuit_state{dependency="redis"}') == 0.0
+        a.close()
+        b.close()
+
+
+@needs_redis
+def test_slow_then_gone_redis_costs_calls_at_most_the_budget_and_the_circuit_opens_and_closes(
+        redis_server: RedisServer):
+    opts = {"cache": "redis", "redis_url": redis_server.url, "redis_timeout_ms": 5, "circuit_failures": 3,
+            "circuit_open_s": 1.0, "period_s": 0.5, "alert_periods": 2, "resolve_periods": 2, "min_samples": 1, **AGENT}
+    with AgentProcess(**opts) as agent, AgentProcess(**opts) as writer:
+        c, w = Client(agent), Client(writer)
+        misses(3, c, seed=1)
+        redis_server.pause()                               # slow: accepts, never answers
+        try:
+            took = misses(8, c, seed=2)
+            assert sorted(took)[len(took) // 2] < 0.1
+            assert c.circuit() == ["open"]
+            assert c.sample('agent_dependency_circuit_state{dependency="redis"}') == 2.0
+            assert sum(c.sample(f'agent_dependency_errors_total{{dependency="redis",kind="timeout",op="{op}"}}')
+                       for op in ("get", "set")) >= 3       # writes count towards the circuit too
+            c.wait_for(lambda: any(e["alert"] == "DependencySlow" and e["to"] == "firing"
+                                   for e in c.events("alert")))
+        finally:
+            redis_server.resume()
+        time.sleep(1.1)                                    # past circuit_open_s: the next call probes
+        misses(2, c, seed=3)
+        assert c.circuit() == ["open", "half_open", "closed"]
+        assert c.sample('agent_dependency_circuit_state{dependency="redis"}') == 0.0
+        msg = snapshot(21, seq=1)
+        w.decide(msg)                                      # the other agent caches it in Redis ...
+        c.wait_for(lambda: w.sample('agent_dependency_seconds_count{dependency="redis",op="set"}') >= 1)
+        msg.sequence_id = 2
+        assert c.decide(msg)[0].cache == "redis"           # ... and hits resume
+        for round_ in range(40):                           # healthy periods (with Redis operations) resolve it
+            if any(e["alert"] == "DependencySlow" and e["to"] == "inactive" for e in c.events("alert")):
+                break
+            misses(2, c, seed=100 + round_)
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"DependencySlow never resolved: {c.events('alert')}")
+        redis_server.kill()                                # gone: connection refused
+        misses(6, c, seed=4)
+        assert c.circuit()[-1] == "open"
+        assert sum(c.sample(f'agent_dependency_errors_total{{dependency="redis",kind="error",op="{op}"}}')
+                   for op in ("get", "set")) >= 1
+        msg.sequence_id = 3
+        assert c.decide(msg)[0].cache == "local"           # the local tier works on
+        metrics = c.metrics()
+        for series in ('agent_dependency_seconds_bucket{dependency="redis",le="0.0001",op="get"}',
+                       'agent_dependency_seconds_bucket{dependency="redis",le="0.05",op="set"}',
+                       'agent_dependency_errors_total{dependency="redis",kind="error",op="set"}',
+                       'agent_cache_total{result="stale"}', 'agent_alert_firing{alert="DependencySlow"}'):
+            assert series in metrics
+        c.close()
+        w.close()
+
+
+def test_agent_starts_with_redis_down_and_a_stale_answer_is_refreshed_once():
+    opts = {"cache": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0", "cache_local_ttl_s": 1.0,
+            "circuit_open_s": 60, **AGENT}
+    with AgentProcess(**opts) as agent:
+        c = Client(agent)
+        assert c.circuit() == ["open"] and agent.ready["cache"] == "redis"
+        msg = snapshot(31, seq=1)
+        assert c.decide(msg)[0].cache == ""
+        assert c.decide(msg)[0].cache == "local"
+        passes = c.sample("agent_batch_size_count")
+        time.sleep(1.1)
+        with ThreadPoolExecutor(4) as pool:                # stale hits at once: every one answers, one refresh
+            outs = list(pool.map(lambda i: c.decide(snapshot(31, seq=100 + i))[0], range(4)))
+        assert {o.sequence_id for o in outs} == {100, 101, 102, 103}
+        assert "stale" in {o.cache for o in outs} and {o.cache for o in outs} <= {"stale", "local"}
+        c.wait_for(lambda: c.sample("agent_batch_size_count") == passes + 1)
+        assert c.decide(msg)[0].cache == "local"
+        time.sleep(0.3)
+        assert c.sample("agent_batch_size_count") == passes + 1
+        assert c.sample('agent_dependency_seconds_count{dependency="redis",op="get"}') == 0   # never tried: open
+        c.close()
+
+
+def test_bad_cache_flags_fail_in_one_line_before_the_model_loads():
+    cases = [(["--cache", "redis"], "error: --cache redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)"),
+             (["--cache", "local", "--cache-threshold", "2"],
+              "error: --cache-threshold 2: must be in (0, 1] (a cosine similarity)"),
+             (["--dependency-threshold-ms", "0"], "error: --dependency-threshold-ms 0: must be a positive number")]
+    for flags, line in cases:
+        out = subprocess.run([sys.executable, "-m", "agent_under_test", "serve", "--port", "0", "--metrics-port", "-1",
+                              "--device", "cpu", *flags], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.strip() == line, out.stderr
+    out = subprocess.run([sys.executable, "-m", "agent_under_test", "serve", "--cache", "disk"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "'disk' is not one of 'off', 'local', 'redis'" in out.stderr
+
+
+# -- broken agents: each defect shows -------------------------------------------------------------------
+
+@needs_redis
+@pytest.mark.slow
+def test_broken_agents_show_their_cache_defects(redis_server: RedisServer):
+    opts = {"cache": "redis", "redis_url": redis_server.url, "circuit_failures": 3, "circuit_open_s": 0.5,
+            "period_s": 0.5, "alert_periods": 2, "min_samples": 1, **AGENT}
+    with broken("cache_blocks")(**opts) as blocks, broken("circuit_stuck")(**opts) as stuck, \
+            broken("dependency_alert_never")(**opts) as quiet:
+        clients = [Client(a) for a in (blocks, stuck, quiet)]
+        for c in clients:
+            misses(2, c, seed=5)
+        redis_server.pause()
+        try:
+            with pytest.raises(grpc.RpcError) as info:     # cache_blocks: the call waits on the stopped Redis
+                clients[0].decide(snapshot(41), timeout=1.0)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for c in clients[1:]:
+                misses(5, c, seed=6)
+                assert c.circuit() == ["open"]
+            time.sleep(1.5)                                # three periods with the circuit open
+        finally:
+            redis_server.resume()
+        assert not any(e["alert"] == "DependencySlow" for e in clients[2].events("alert"))
+        assert any(e["alert"] == "DependencySlow" and e["to"] == "firing" for e in clients[1].events("alert"))
+        misses(3, clients[2], seed=7)
+        assert clients[2].circuit() == ["open", "half_open", "closed"]   # the quiet one recovers ...
+        misses(3, clients[1], seed=7)
+        assert clients[1].circuit() == ["open"]                          # ... the stuck one never tries again
+        assert clients[1].sample('agent_dependency_circuit_state{dependency="redis"}') == 2.0
+        for c in clients:
+            c.close()
