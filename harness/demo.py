@@ -3,7 +3,10 @@
     1. production: start the agent, drive production-like traffic at it, record it with eBPF
        (falling back to pcap, then the recording proxy, each time saying why)
     2. shadow:     a fresh agent behind the fault proxy; replay the recording at 2x speed while
-                   network jitter and CPU contention hit it (the jitter-and-cpu story)
+                   network jitter and CPU contention hit it (the jitter-and-cpu story); the agent
+                   caches its answers (the recording loops, so its calls come again): in a Redis the
+                   run starts behind its own fault proxy when redis-server is installed, else in its
+                   local tier only (said so)
     3. verdicts:   alert, limiter, degradation, recovery and accounting checked; reports written
 """
 
@@ -26,10 +29,11 @@ SCENARIO = """\
 name: demo
 description: Recorded production traffic replayed at 2x with jitter and CPU contention.
 seed: {seed}
+{dependencies}
 target:
   agent: {{limiter: seed, p99_threshold_ms: 20, alert_periods: 3, resolve_periods: 3, period_s: 1.0,
           initial_rate: 180, max_rate: 180,   # near the ~120/s replayed: a cut must shed load
-          queue_light_depth: 0}}   # only P99High degrades, so `degrades` judges the alert's doing
+          queue_light_depth: 0{cache}}}   # only P99High degrades, so `degrades` judges the alert's doing
 traffic: {{recording: "{recording}", speed: 2.0, loop: {loop}}}
 phases:
   - {{name: warmup, duration: 5s}}
@@ -120,13 +124,36 @@ class _Stopper:
         self.rec.stop()
 
 
-def demo_scenario(capture: Capture, seed: int, record_s: float) -> Any:
-    """The jitter-and-cpu story over the recording, looped to cover the whole run at 2x."""
+def demo_scenario(capture: Capture, seed: int, record_s: float, redis: bool | None = None) -> Any:
+    """The jitter-and-cpu story over the recording, looped to cover the whole run at 2x. The agent
+    caches: with a Redis the run starts (`redis`: default, when redis-server is installed), else in
+    its local tier only."""
+    from harness.dependencies import find_redis
     from harness.scenario_load import load_scenario_text
 
+    if redis is None:
+        redis = find_redis() is not None
     loop = max(1, math.ceil(RUN_S * 2.0 / max(record_s, 1.0)) + 1)
-    text = SCENARIO.format(seed=seed, recording=capture.path, loop=loop)
+    text = SCENARIO.format(seed=seed, recording=capture.path, loop=loop,
+                           dependencies="dependencies: {redis: {}}" if redis else "",
+                           cache="" if redis else ", cache: local")
     return load_scenario_text(text, "<demo>")
+
+
+def cache_line(result: Any) -> str:
+    """What the agent's cache answered over the run, in one line (or why it cannot be told)."""
+    from harness.checks.dependency import HITS, cache_counts
+
+    tl = result.timeline
+    counts = cache_counts(tl, 0.0, tl.duration_s + 60.0)
+    where = "Redis behind its fault proxy + local tier" if tl.outside.get("dependencies") else "local tier only"
+    if not counts or not sum(counts.values()):
+        return f"cache ({where}): no lookups counted"
+    hits = sum(counts[r] for r in HITS)
+    total = hits + counts["miss"]
+    return (f"cache ({where}): {hits:.0f} of {total:.0f} lookups answered from the cache "
+            f"({hits / total * 100:.0f}%: local {counts['hit_local']:.0f}, redis {counts['hit_redis']:.0f}, "
+            f"stale {counts['stale']:.0f}); the rest computed by the model")
 
 
 def run_demo(report_dir: str, *, record_s: float = 12.0, rate: float = 60.0, seed: int = 7,
@@ -152,9 +179,19 @@ def run_demo(report_dir: str, *, record_s: float = 12.0, rate: float = 60.0, see
         raise RunError(f"the {capture.backend} recording holds no calls; see `shadowtest doctor`")
     say("2/3 replay it at 2x through the fault proxy: jitter 5+15 ms and CPU contention in the fault phase")
     notes = [f"capture backend: {capture.backend}"] + [f"capture fallback, {f}" for f in capture.fallbacks]
-    scenario = demo_scenario(capture, seed, record_s)
+    from harness.dependencies import find_redis
+
+    redis = find_redis() is not None
+    if redis:
+        say("the agent caches its answers in a Redis started for the run (loopback, behind its own fault proxy)")
+    else:
+        say("redis-server is not installed: the agent caches its answers in its local tier only "
+            "(apt-get install redis-server for the Redis tier)")
+        notes.append("redis-server not installed: the agent's cache ran with its local tier only")
+    scenario = demo_scenario(capture, seed, record_s, redis)
     if scale != 1.0:
         scenario = scenario.scaled(scale)
     result, paths = run_scenario(scenario, report_dir=report_dir, stream=out, notes=notes)
+    say(cache_line(result))
     say("3/3 verdicts")
     return result, paths

@@ -63,8 +63,10 @@ class NetworkProxy:
     Raises RunError when the proxy cannot start.
     """
 
-    def __init__(self, upstream: str, name: str, seed: int, call_toxics: bool = False) -> None:
+    def __init__(self, upstream: str, name: str, seed: int, call_toxics: bool = False,
+                 listen: str = "127.0.0.1:0") -> None:
         self.upstream, self.name, self.seed = upstream, name, seed
+        self.want_listen = listen          # a dependency's proxy may be asked to listen on a fixed address
         self.call_toxics = call_toxics     # grpc_delay/grpc_error wanted: only our proxy has them
         self.listen = ""
         self.kind = ""
@@ -85,7 +87,7 @@ class NetworkProxy:
                 self._child = spawn_proxy_server(seed=self.seed)
                 url = self._child.url
             self._net = NetworkFaults(url=url, seed=self.seed).start()
-            made = self._net.proxy(self.name, upstream=self.upstream, listen="127.0.0.1:0")
+            made = self._net.proxy(self.name, upstream=self.upstream, listen=self.want_listen)
         except (FaultsError, OSError) as exc:
             self.__exit__()
             raise RunError(f"cannot start the fault proxy in front of {self.upstream}: {exc}") from exc
@@ -100,6 +102,11 @@ class NetworkProxy:
         if self._child is not None:
             self._child.stop()
             self._child = None
+
+    @property
+    def pid(self) -> int | None:
+        """Our proxy's child process (None: toxiproxy-server, or not running)."""
+        return int(self._child.proc.pid) if self._child is not None else None
 
     @property
     def api_url(self) -> str:
@@ -117,6 +124,23 @@ class NetworkProxy:
                 yield held
             finally:
                 held.effect = self.effect_of(name)
+
+    @contextlib.contextmanager
+    def down(self) -> Iterator[float]:
+        """The link unreachable while entered: the proxy disabled (stops listening, closes every
+        connection: Toxiproxy's `enabled: false`), enabled again on exit on the same address. Yields
+        when the API confirmed it (time.monotonic()). The proxy runs in a child of this process (or a
+        toxiproxy-server it spawned), so a run killed meanwhile takes the disabled proxy with it."""
+        proxy = self._net.client.get_proxy(self.name)
+        if proxy is None:
+            raise RunError(f"proxy {self.name} not found on {self.api_url}")
+        proxy.disable()
+        try:
+            yield time.monotonic()
+        finally:
+            again = self._net.client.get_proxy(self.name) if self._net is not None else None
+            if again is not None:
+                again.enable()
 
     def effect_of(self, toxic_name: str) -> dict[str, Any] | None:
         """What our proxy measured the toxic did so far; None with toxiproxy-server (no such endpoint)."""

@@ -64,7 +64,13 @@ class FaultSession:
             self.remove(key)
 
     def active_labels(self) -> list[str]:
-        return [label.split(" ")[0] for label, _ in self._held.values()]
+        """The faults in effect, short: `network:latency`, or `network:latency@redis` on a dependency."""
+        out = []
+        for label, _ in self._held.values():
+            words = label.split(" ")
+            on = words[2] if len(words) > 2 and words[1] == "on" else ""
+            out.append(words[0] + (f"@{on}" if on else ""))
+        return out
 
 
 # ---- network faults: toxics on the proxy in front of the target -----------------------------------
@@ -97,12 +103,35 @@ def toxic_of(spec: FaultSpec) -> dict[str, Any]:
     return {"type": spec.kind, "stream": stream, "toxicity": float(params.get("toxicity", 1.0)), "attributes": attrs}
 
 
-@register("network", *_TOXIC_ATTRS)
-@contextlib.contextmanager
-def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
+def proxy_of(spec: FaultSpec, ctx: FaultContext) -> Any:
+    """The proxy a network fault acts on: the dependency's (`on: redis`) or the target's inbound one."""
+    if spec.on is not None:
+        dependency = getattr(ctx.running, "dependencies", {}).get(spec.on)
+        if dependency is None:
+            raise RunError(f"no dependency {spec.on!r} is running (the scenario's dependencies: "
+                           f"{', '.join(getattr(ctx.running, 'dependencies', {})) or 'none'})")
+        return dependency.proxy
     proxy = ctx.running.proxy
     if proxy is None:
         raise RunError("a network fault needs the proxy: remove `proxy: false` from the scenario")
+    return proxy
+
+
+@register("network", "down")
+@contextlib.contextmanager
+def _down(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
+    proxy = proxy_of(spec, ctx)
+    with proxy.down() as at:
+        ctx.applied_at = at
+        where = f"{spec.on}'s" if spec.on else "the target's inbound"
+        yield (f"proxy {proxy.name} disabled: {where} link unreachable ({proxy.listen} refuses connections, "
+               "live ones closed)")
+
+
+@register("network", *_TOXIC_ATTRS)
+@contextlib.contextmanager
+def _network(spec: FaultSpec, ctx: FaultContext) -> Iterator[str]:
+    proxy = proxy_of(spec, ctx)
     toxic = toxic_of(spec)
     if spec.kind in _CALL_TOXICS and proxy.kind == "toxiproxy-server":
         raise RunError(f"network: {spec.kind} is a call-level toxic of shadowtest's own proxy; toxiproxy-server "

@@ -37,6 +37,9 @@ FAULT_FAMILIES: dict[str, dict[str, dict[str, Param]]] = {
         "slicer": {"average_size": Param("int", required=True), "size_variation": Param("int"),
                    "delay_us": Param("int"), "stream": _STREAM},
         "limit_data": {"bytes": Param("int", required=True), "stream": _STREAM},
+        # The link unreachable: the proxy stops listening and closes every connection (Toxiproxy's
+        # `enabled: false`); new connections are refused until the fault is removed (re-enabled).
+        "down": {},
         # Call-level (HTTP/2, gRPC): one draw per call, so a single shared connection is hit in part.
         "grpc_delay": {"delay_ms": Param("int", required=True, help="how long the chosen calls' requests are held"),
                        "jitter_ms": Param("int"), "share": _SHARE, "share_pct": _SHARE_PCT, "method": _METHOD},
@@ -93,6 +96,9 @@ _BOUNDS: dict[str, Bound] = {
 }
 # The faults that act per call (only shadowtest's own proxy has them; they must read the traffic)
 CALL_FAULTS = frozenset({"grpc_delay", "grpc_error", "http_delay", "http_error"})
+# What `on: DEPENDENCY` may take: the connection-level network faults (a dependency speaks its own
+# protocol, Redis's RESP, which the call-level toxics cannot read).
+DEPENDENCY_FAULTS = frozenset(k for k in FAULT_FAMILIES["network"] if k not in CALL_FAULTS)
 MAX_BODY = 4096                  # an http_error body: an error page, not a payload
 _HTTP_METHOD_RE = re.compile(r"[A-Z][A-Z-]{0,19}")
 _HEADER_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}(\s*:\s*[ -~]{0,200})?")

@@ -108,14 +108,28 @@ class Runner:
             self.log(f"scenario {self.scenario.name} (seed {self.scenario.seed}, "
                      f"{self.scenario.duration_s:g}s in {len(self.scenario.phases)} phases)")
             self._leg_log = _leg_log_path(stack)
+            dependencies = self._dependencies(stack)     # before the target, which connects to them
             running = _with_env(LEG_LOG_ENV, self._leg_log,
                                 lambda: open_target(self.scenario, stack, self.options.startup_timeout_s,
-                                                    self.options.agent_class))
+                                                    self.options.agent_class, dependencies))
             self.log(f"target {running.grpc_address} (pid {running.pid}); traffic to {running.traffic_address}")
             self._prom = self._prometheus(running, stack)
             result = self._play(running, stack)
         result.started_wall = started_wall
         return result
+
+    def _dependencies(self, stack: contextlib.ExitStack) -> dict[str, Any]:
+        """Start each dependency (a Redis) and its fault proxy; logged with PIDs and addresses."""
+        if not self.scenario.dependencies:
+            return {}
+        from harness.dependencies import start_dependencies
+
+        started = start_dependencies(self.scenario, stack)
+        for dep in started.values():
+            what = f"started (pid {dep.pid})" if dep.pid is not None else "external"
+            self.log(f"dependency {dep.name} at {dep.address}, {what}; its proxy listens on {dep.listen} "
+                     f"({dep.proxy.kind})")
+        return started
 
     def _prometheus(self, running: Running, stack: contextlib.ExitStack) -> PrometheusServer | None:
         spec = self.scenario.prometheus
@@ -148,6 +162,12 @@ class Runner:
         if left:
             from harness.faultrun import clear_leftovers
             self.log(f"a previous run left faults behind; undone first: {'; '.join(clear_leftovers())}")
+        if self.scenario.dependencies:
+            from harness.dependencies import sweep_stale_redis
+
+            swept = sweep_stale_redis()
+            if swept:
+                self.log(f"a previous run left its Redis behind; ended first: {'; '.join(swept)}")
 
     def _play(self, running: Running, stack: contextlib.ExitStack) -> RunResult:
         s = self.scenario
@@ -211,7 +231,10 @@ class Runner:
             if spec.references == ("agent",):
                 if not isinstance(self.scenario.target, AgentTarget):
                     raise RunError("references: [agent] starts the bundled agent, but the target is not the agent")
-                known_good = AgentTarget({**self.scenario.target.options, "limiter": "off"})
+                options = dict(self.scenario.target.options)
+                if options.get("cache") == "redis":      # its Redis is the run's; references compute every answer
+                    options["cache"] = "off"
+                known_good = AgentTarget({**options, "limiter": "off"})
                 addresses = []
                 for _ in range(2):
                     addresses.append(start_agent(known_good, stack, self.options.startup_timeout_s).grpc_address)
@@ -308,7 +331,7 @@ class Runner:
             for spec in specs:
                 on = start + spec.after_s
                 off = min(end, on + spec.for_s) if spec.for_s is not None else end
-                window = FaultWindow(spec.label, name, spec.family, spec.kind, on)
+                window = FaultWindow(spec.label, name, spec.family, spec.kind, on, on=spec.on)
                 self.windows.append(window)
                 out += [_Action(on, True, window, spec), _Action(off, False, window, spec)]
         # At a phase boundary, remove the old phase's faults before applying the next one's.
@@ -426,6 +449,8 @@ class Runner:
                       samples=samples, cpu=followers["cpu"].samples, faults=self.windows,
                       replay_report=traffic.report, metric_names=vars(running.names),
                       partial=interrupted is not None, alert_periods=s.alert_periods)
+        if running.dependencies:
+            tl.outside["dependencies"] = [d.describe() for d in running.dependencies.values()]
         if running.proxy is not None and self._leg_log:
             tl.outside["proxy_legs"] = read_leg_log(self._leg_log, self.t0)
             if getattr(s.target, "tls", None) is not None:

@@ -8,6 +8,7 @@ validates it with file and line numbers. The runner and the checks read only thi
      +-- traffic: RecordingTraffic (replay a recording) | GeneratorTraffic (built-in generator)
      +-- phases:  [Phase(name, duration_s, faults=[FaultSpec])]   played back to back
      +-- expect:  [CheckSpec(kind, params)]                          evaluated on the timeline
+     +-- dependencies: [DependencySpec(name, kind, address, listen)] each behind its own fault proxy
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class MetricNames:
     model_tier: str = "agent_model_tier"
     queue_depth: str = "agent_queue_depth"
     expired_calls: str = "agent_expired_calls_total"
+    # The response cache and its dependencies (dependency checks: harness/checks/dependency.py)
+    cache_total: str = "agent_cache_total"                       # {result=hit_local|hit_redis|stale|miss}
+    dependency_seconds: str = "agent_dependency_seconds"         # histogram {dependency, op}
+    dependency_errors: str = "agent_dependency_errors_total"     # {dependency, op, kind}
+    circuit_state: str = "agent_dependency_circuit_state"        # {dependency}: 0 closed, 1 half_open, 2 open
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class GeneratorTraffic:
     seed: int | None = None                    # None: the scenario's seed
     stream_share: float = 0.0
     timeout_ms: float | None = None            # each call's deadline (grpc-timeout); None: the runner's default
+    repeat_pct: float = 0.0                    # share of calls that resend an earlier snapshot (cache hits)
+    repeat_pool: int = 200                     # drawn from this many of the latest distinct snapshots
 
 
 Traffic = RecordingTraffic | GeneratorTraffic
@@ -120,11 +128,13 @@ class FaultSpec:
     after_s: float = 0.0
     for_s: float | None = None
     line: int | None = None
+    on: str | None = None           # a network fault on a dependency's link (`on: redis`); None: the target's
 
     @property
     def label(self) -> str:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.family}:{self.kind}" + (f" ({shown})" if shown else "")
+        where = f" on {self.on}" if self.on else ""
+        return f"{self.family}:{self.kind}{where}" + (f" ({shown})" if shown else "")
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,25 @@ class PrometheusSpec:
     interval_s: float = 1.0          # scrape and rule evaluation
 
 
+DEPENDENCY_KINDS = ("redis",)
+
+
+@dataclass(frozen=True)
+class DependencySpec:
+    """`dependencies: {redis: {...}}`: a service the target depends on, behind its own fault proxy.
+
+    Without `address` the runner starts one (redis-server on loopback, a temp dir, no persistence);
+    with it (an external target's, or an existing Redis) nothing is started and the proxy forwards to it.
+    `listen`: where that proxy listens (default 127.0.0.1, a free port); the bundled agent is handed
+    the proxy's address, an external service must be pointed at `listen` by its owner."""
+
+    name: str                        # the key, also what `on:` names
+    kind: str = "redis"
+    address: str | None = None       # HOST:PORT the dependency listens on (None: the runner starts it)
+    listen: str | None = None        # HOST:PORT the harness's proxy for it listens on (None: 127.0.0.1:0)
+    line: int | None = None
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -171,6 +200,7 @@ class Scenario:
     source: str | None = None        # the file it came from
     faults: tuple[FaultSpec, ...] = ()   # held for the whole run (e.g. a small CPU quota: the container)
     prometheus: PrometheusSpec | None = None   # judge alerts as a real Prometheus evaluates the rules
+    dependencies: tuple[DependencySpec, ...] = ()   # started (or reached) before the target, each behind a proxy
     # The run's policy, not the file's: `chaos run --strict` (a skipped check fails the run).
     strict: bool = False
 
@@ -189,6 +219,9 @@ class Scenario:
     @property
     def alert_periods(self) -> int:
         return self.target.alert_periods
+
+    def dependency(self, name: str) -> DependencySpec | None:
+        return next((d for d in self.dependencies if d.name == name), None)
 
     def phase(self, name: str) -> Phase | None:
         return next((p for p in self.phases if p.name == name), None)

@@ -18,6 +18,7 @@ from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
 from harness.faultspecs import (
     CALL_FAULTS,
+    DEPENDENCY_FAULTS,
     FAULT_FAMILIES,
     GRPC_STATUS,
     MAX_TOXIC_MS,
@@ -25,9 +26,11 @@ from harness.faultspecs import (
     fault_problem,
 )
 from harness.scenario import (
+    DEPENDENCY_KINDS,
     UNTIL_END,
     AgentTarget,
     CheckSpec,
+    DependencySpec,
     ExternalTarget,
     FaultSpec,
     GeneratorTraffic,
@@ -52,8 +55,15 @@ AGENT_OPTIONS: dict[str, Param] = {
     "max_message_bytes": Param("int"), "alerts": Param("bool"), "jit": Param("bool"),
     "min_samples": Param("int"), "rejected_ratio_threshold": Param("number"),
     "queue_light_depth": Param("int"),   # 0: only the P99 alert degrades (no queue-driven light tier)
+    # The response cache (agent_under_test/cache.py). `cache: redis` comes with `dependencies: {redis: {}}`,
+    # whose proxy's address the runner hands the agent as redis_url (so redis_url is not an option here).
+    "cache": Param("choice:off,local,redis"), "cache_threshold": Param("number"),
+    "cache_local_ttl_s": Param("number"), "cache_redis_ttl_s": Param("number"),
+    "redis_timeout_ms": Param("number"), "circuit_failures": Param("int"), "circuit_open_s": Param("number"),
+    "dependency_threshold_ms": Param("number"),
 }
-_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults", "prometheus"}
+_TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults", "prometheus",
+        "dependencies"}
 RUN_PHASE = "(whole run)"   # the phase name fault windows of top-level faults carry
 
 # ---- ranges: every number a scenario gives is checked against one of these -------------------------
@@ -78,11 +88,19 @@ AGENT_BOUNDS: dict[str, Bound] = {
     "min_samples": Bound(1, 1_000_000, "calls", whole=True),
     "queue_light_depth": Bound(0, 1_000_000, "calls", whole=True),
     "rejected_ratio_threshold": Bound(0, 1, note="(a share of the offered calls)"),
+    "cache_threshold": Bound(0, 1, above=True, note="(a cosine similarity)"),
+    "cache_local_ttl_s": Bound(0, MAX_DURATION_S, "s", above=True),
+    "cache_redis_ttl_s": Bound(0, MAX_DURATION_S, "s", above=True),
+    "redis_timeout_ms": Bound(0, MAX_TOXIC_MS, "ms", above=True),
+    "circuit_failures": Bound(1, 1_000_000, "failures", whole=True),
+    "circuit_open_s": Bound(0, 3600, "s", above=True),
+    "dependency_threshold_ms": _LATENCY_MS,
 }
 TRAFFIC_BOUNDS: dict[str, Bound] = {
     "rate": Bound(0.1, MAX_RATE, "calls/s"), "seed": SEED, "stream_share": Bound(0, 1),
     "speed": Bound(MIN_SPEED, MAX_SPEED, "x the recorded pace"), "loop": Bound(1, 1000, "times", whole=True),
     "timeout_ms": Bound(1, 600_000, "ms"),
+    "repeat_pct": Bound(0, 100, "% of the calls"), "repeat_pool": Bound(1, 100_000, "snapshots", whole=True),
 }
 _TIMEOUT = Param("number", help="each call's deadline in ms, sent as grpc-timeout (default: 4 periods, at "
                                 "least 2 s)")
@@ -146,6 +164,12 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
         return node.boolean(what)
     if kind == "strlist":
         return node.strings(what)
+    if kind == "phases":
+        names = node.strings(what)
+        for name in names:
+            if phases is not None and name not in phases:
+                node.fail(f"{what}: no phase named {name!r}; the phases are: {', '.join(sorted(phases))}")
+        return names
     if kind.startswith("choice:"):
         choices = kind.split(":", 1)[1].split(",")
         raw = node.scalar(what)
@@ -252,6 +276,7 @@ def _target(node: Node, base: Path) -> AgentTarget | ExternalTarget:
     if "agent" in entries:
         options = typed_params(entries["agent"], AGENT_OPTIONS, "target.agent", bounds=AGENT_BOUNDS)
         _limiter_range(entries["agent"], options)
+        _cache_ttls(entries["agent"], options)
         return AgentTarget(options)
     ext_node = entries["external"]
     ext = ext_node.mapping("target.external")
@@ -344,6 +369,67 @@ def _external_allowed(addr_node: Node, address: str, allow_node: Node | None) ->
         addr_node.fail(f"target.external.address: {reason}{hint}")
 
 
+def _cache_ttls(node: Node, options: dict[str, Any]) -> None:
+    """cache_local_ttl_s <= cache_redis_ttl_s (soft before hard), counting the agent's defaults."""
+    soft = options.get("cache_local_ttl_s", ServeOptions.cache_local_ttl_s)
+    hard = options.get("cache_redis_ttl_s", ServeOptions.cache_redis_ttl_s)
+    if soft <= hard:
+        return
+    entries = node.mapping("target.agent")
+    key = "cache_redis_ttl_s" if "cache_redis_ttl_s" in entries else "cache_local_ttl_s"
+    entries[key].fail(f"target.agent.{key} {entries[key].text}: cache_local_ttl_s {soft:g} (soft TTL) must be at "
+                      f"most cache_redis_ttl_s {hard:g} (hard TTL)")
+
+
+_DEPENDENCY_KEYS = {"address": Param("str", help="HOST:PORT the dependency listens on (nothing is started then)"),
+                    "listen": Param("str", help="HOST:PORT where the harness's proxy for it listens (point "
+                                                "your service at it)")}
+
+
+def _dependencies(node: Node, target: AgentTarget | ExternalTarget, target_node: Node) -> tuple[DependencySpec, ...]:
+    """`dependencies: {redis: {}}` (the runner starts a Redis behind a proxy and hands the agent the proxy's
+    address) or, for an external target, `{redis: {address: HOST:PORT, listen: HOST:PORT}}`."""
+    if node.value() is None:
+        node.fail("dependencies: expected a mapping like {redis: {}}")
+    entries = node.mapping("dependencies")
+    if not entries:
+        node.fail("dependencies: expected a mapping like {redis: {}}")
+    out = []
+    for name, item in entries.items():
+        what = f"dependencies.{name}"
+        if name not in DEPENDENCY_KINDS:
+            item.fail(f"dependencies: unknown dependency {name!r}; expected one of: {', '.join(DEPENDENCY_KINDS)}")
+        values = typed_params(item if item.value() is not None else None, _DEPENDENCY_KEYS, what)
+        given = item.mapping(what) if item.value() is not None else {}
+        for key, value in values.items():
+            _host_port(given[key], f"{what}.{key}", value, zero_port=key == "listen")
+        if isinstance(target, ExternalTarget):
+            missing = [k for k in ("address", "listen") if k not in values]
+            if missing:
+                item.fail(f"{what}: an external target's dependency needs {' and '.join(repr(k) for k in missing)} "
+                          "(address: where it listens; listen: where the harness's proxy for it listens, the "
+                          "address your service must use); the harness starts no dependency for a service it "
+                          "does not start")
+            if values["listen"].rsplit(":", 1)[1] == "0":
+                given["listen"].fail(f"{what}.listen {values['listen']}: an external service must be pointed at "
+                                     "a fixed port; give one")
+        out.append(DependencySpec(name, name, values.get("address"), values.get("listen"), line=item.line))
+    if isinstance(target, AgentTarget):
+        cache = target.options.get("cache")
+        if cache is not None and cache != "redis":
+            agent = target_node.mapping("target")["agent"].mapping("target.agent")
+            agent["cache"].fail(f"target.agent.cache {cache}: the scenario declares a redis dependency, which the "
+                                "agent uses only with cache: redis (leave cache out: the runner sets it)")
+    return tuple(out)
+
+
+def _host_port(node: Node, what: str, value: str, zero_port: bool) -> None:
+    host, sep, port = value.rpartition(":")
+    lo = 0 if zero_port else 1
+    if not sep or not host or not port.isdigit() or not lo <= int(port) <= 65535 or " " in value:
+        node.fail(f"{what}: expected HOST:PORT with a port {lo}..65535, like 127.0.0.1:6379, got {value!r}")
+
+
 def _limiter_range(node: Node, options: dict[str, Any]) -> None:
     """min_rate <= max_rate, counting the agent's defaults for the one not given (else it would not start)."""
     lo = options.get("min_rate", ServeOptions.min_rate)
@@ -367,7 +453,11 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
         _unknown(entries, {"generator"}, "traffic")
         spec = {"rate": Param("number", required=True, help="calls/s"),
                 "pattern": Param("choice:poisson,bursty,constant"), "seed": Param("int"),
-                "stream_share": Param("number"), "timeout_ms": _TIMEOUT}
+                "stream_share": Param("number"), "timeout_ms": _TIMEOUT,
+                "repeat_pct": Param("number", help="share of calls that send again a snapshot sent before "
+                                                   "(what a response cache hits), 0..100 (default 0)"),
+                "repeat_pool": Param("int", help="how many of the latest distinct snapshots a repeat is drawn "
+                                                 "from (default 200)")}
         return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
                                                bounds=TRAFFIC_BOUNDS))
     spec = {"recording": Param("str", required=True), "speed": Param("number"),
@@ -401,9 +491,11 @@ def _window(node: Node) -> tuple[float, float]:
 _WATCH_BOUNDS = {"pid": Bound(1, 1 << 22, whole=True, note="(a process id)")}
 
 
-def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
-    """One fault; `span_s` is how long it can be held (its phase, or the run for a top-level fault)."""
+def _fault(node: Node, what: str, span_s: float, span: str, dependencies: tuple[str, ...] = ()) -> FaultSpec:
+    """One fault; `span_s` is how long it can be held (its phase, or the run for a top-level fault);
+    `dependencies`: the names `on:` may take."""
     entries = node.mapping(what)
+    on_node = entries.pop("on", None)
     families = [f for f in FAULT_FAMILIES if f in entries]
     if len(families) != 1:
         node.fail(f"{what}: expected exactly one of {', '.join(FAULT_FAMILIES)} (e.g. network: latency)")
@@ -433,11 +525,29 @@ def _fault(node: Node, what: str, span_s: float, span: str) -> FaultSpec:
     problem = fault_problem(kind, params)
     if problem is not None:
         entries[problem[0]].fail(f"{what}.{problem[0]}{problem[1]}")
+    on = _on(on_node, what, family, kind, dependencies) if on_node is not None else None
     return FaultSpec(family, kind, params, after_s=timing.get("after", 0.0), for_s=timing.get("for"),
-                     line=node.line)
+                     line=node.line, on=on)
 
 
-def _phases(node: Node, traffic: RecordingTraffic | GeneratorTraffic) -> tuple[Phase, ...]:
+def _on(node: Node, what: str, family: str, kind: str, dependencies: tuple[str, ...]) -> str:
+    """`on: redis`: the fault acts on that dependency's link (the proxy between the target and it)."""
+    name = node.string(f"{what}.on")
+    if name not in dependencies:
+        declared = (f"the scenario declares: {', '.join(dependencies)}" if dependencies else
+                    "the scenario declares none (add e.g. `dependencies: {redis: {}}`)")
+        node.fail(f"{what}.on: no dependency named {name!r}; {declared}")
+    if family != "network":
+        node.fail(f"{what}.on: only network faults act on a dependency's link ({family}: {kind} acts on the "
+                  "target's process)")
+    if kind not in DEPENDENCY_FAULTS:
+        node.fail(f"{what}.on: network: {kind} is a call-level fault that reads gRPC/HTTP calls; a dependency's "
+                  f"link takes {', '.join(sorted(DEPENDENCY_FAULTS))}")
+    return name
+
+
+def _phases(node: Node, traffic: RecordingTraffic | GeneratorTraffic,
+            dependencies: tuple[str, ...] = ()) -> tuple[Phase, ...]:
     items = node.sequence("phases")
     if not items:
         node.fail("phases: expected at least one phase ({name: baseline, duration: 15s})")
@@ -457,7 +567,7 @@ def _phases(node: Node, traffic: RecordingTraffic | GeneratorTraffic) -> tuple[P
             entries["name"].fail(f"{what}.name: duplicate phase name {name!r}")
         seen.add(name)
         duration = entries["duration"].duration(f"{what}.duration", PHASE_BOUNDS["duration"])
-        faults = tuple(_fault(f, f"{what}.faults[{j}]", duration, "the phase")
+        faults = tuple(_fault(f, f"{what}.faults[{j}]", duration, "the phase", dependencies)
                        for j, f in enumerate(entries["faults"].sequence(f"{what}.faults"))) \
             if "faults" in entries and entries["faults"].value() else ()
         load = entries["load"].number(f"{what}.load", PHASE_BOUNDS["load"]) if "load" in entries else 1.0
@@ -506,11 +616,15 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
     name = entries["name"].string("name")
     target = _target(entries["target"], base or Path("."))
     traffic = _traffic(entries["traffic"], base or Path("."))
-    phases = _phases(entries["phases"], traffic)
+    dependencies = _dependencies(entries["dependencies"], target, entries["target"]) \
+        if "dependencies" in entries else ()
+    names = tuple(d.name for d in dependencies)
+    _cache_needs(entries["target"], target, names)
+    phases = _phases(entries["phases"], traffic, names)
     expect = _checks(entries["expect"], {p.name for p in phases}) if "expect" in entries else ()
     expect = tuple(declare_rule(c, target) for c in expect)   # alert_rule: the rule the target declares
     run_s = sum(p.duration_s for p in phases)
-    faults = tuple(_fault(f, f"faults[{j}]", run_s, "the run")
+    faults = tuple(_fault(f, f"faults[{j}]", run_s, "the run", names)
                    for j, f in enumerate(entries["faults"].sequence("faults"))) \
         if "faults" in entries and entries["faults"].value() else ()
     if getattr(target, "tls", None) is not None:
@@ -524,7 +638,16 @@ def load_scenario_text(text: str, file: str = "<scenario>", base: Path | None = 
         description=entries["description"].string("description") if "description" in entries else "",
         proxy=entries["proxy"].boolean("proxy") if "proxy" in entries else True, source=file,
         faults=faults,
-        prometheus=_prometheus(entries["prometheus"], base) if "prometheus" in entries else None)
+        prometheus=_prometheus(entries["prometheus"], base) if "prometheus" in entries else None,
+        dependencies=dependencies)
+
+
+def _cache_needs(node: Node, target: AgentTarget | ExternalTarget, dependencies: tuple[str, ...]) -> None:
+    """`cache: redis` on the agent needs the Redis the scenario declares (the runner hands it its address)."""
+    if isinstance(target, AgentTarget) and target.options.get("cache") == "redis" and "redis" not in dependencies:
+        agent = node.mapping("target")["agent"].mapping("target.agent")
+        agent["cache"].fail("target.agent.cache redis: needs a Redis: add `dependencies: {redis: {}}` (the runner "
+                            "starts one behind a fault proxy and hands the agent its address)")
 
 
 def _prometheus(node: Node, base: Path | None) -> PrometheusSpec:

@@ -10,7 +10,7 @@ stopped, whatever happens to the run.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.errors import RunError
@@ -32,28 +32,43 @@ class Running:
     log_tail: object | None = None     # callable returning the agent's last log lines
     watch_pid: int | None = None       # a process only observed (an external service's `pid:`)
     watch_cgroup: str | None = None    # or its cgroup directory
+    # The scenario's dependencies by name (harness.dependencies.RunningDependency): each behind its own proxy
+    dependencies: dict[str, Any] = field(default_factory=dict)
 
 
 def open_target(scenario: Scenario, stack: contextlib.ExitStack, startup_timeout_s: float = 120.0,
-                agent_class: type[Any] | None = None) -> Running:
+                agent_class: type[Any] | None = None, dependencies: dict[str, Any] | None = None) -> Running:
     """Start the agent (or use the external service) and, unless `proxy: false`, a proxy in front.
+    `dependencies` (already running, harness.dependencies): the bundled agent is handed a redis one's
+    proxy address (cache=redis, redis_url=redis://PROXY/0).
 
     Raises RunError when the agent cannot start or the proxy cannot be created.
     """
     target = scenario.target
+    dependencies = dependencies or {}
     if isinstance(target, AgentTarget):
-        running = start_agent(target, stack, startup_timeout_s, agent_class)
+        running = start_agent(agent_with(target, dependencies), stack, startup_timeout_s, agent_class)
     else:
         running = _external(target)
+    running.dependencies = dict(dependencies)
     if scenario.proxy:
         from harness.faultrun import NetworkProxy
 
-        calls = any(f.kind in CALL_FAULTS for p in scenario.phases for f in p.faults + scenario.faults)
+        calls = any(f.kind in CALL_FAULTS and f.on is None for p in scenario.phases for f in p.faults + scenario.faults)
         proxy = stack.enter_context(NetworkProxy(running.grpc_address, name=f"st-{scenario.name}"[:40],
                                                  seed=scenario.seed, call_toxics=calls))
         running.proxy = proxy
         running.traffic_address = proxy.listen
     return running
+
+
+def agent_with(target: AgentTarget, dependencies: dict[str, Any]) -> AgentTarget:
+    """The agent's options with its dependencies' addresses: a redis dependency makes it cache=redis
+    with redis_url the dependency's proxy (its other cache options as the scenario gives them)."""
+    redis = dependencies.get("redis")
+    if redis is None:
+        return target
+    return AgentTarget({**target.options, "cache": "redis", "redis_url": redis.url})
 
 
 def start_agent(target: AgentTarget, stack: contextlib.ExitStack, startup_timeout_s: float,

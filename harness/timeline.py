@@ -97,6 +97,7 @@ class FaultWindow:
     detail: str = ""
     error: str | None = None
     effect: dict[str, Any] | None = None
+    on: str | None = None            # the dependency whose link it faulted (None: the target's inbound link)
 
 
 @dataclass(frozen=True)

@@ -49,14 +49,42 @@ def generator_plan(traffic: GeneratorTraffic, duration_s: float, seed: int) -> I
     pattern = arrivals.bursty if traffic.pattern == "bursty" else arrivals.poisson
     times = _constant(traffic.rate, duration_s) if traffic.pattern == "constant" else \
         pattern(traffic.rate, duration_s, rng)
+    repeats = _Repeats(traffic, rng) if traffic.repeat_pct > 0 else None
     for index, offset in enumerate(times):
         stream = rng.random() < traffic.stream_share
         count = _STREAM_MESSAGES if stream else 1
-        messages = [PlannedMessage(i * _STREAM_GAP_NS, sim.next(index * 8 + i).SerializeToString())
+        messages = [PlannedMessage(i * _STREAM_GAP_NS,
+                                   (repeats.next(sim, index * 8 + i) if repeats else
+                                    sim.next(index * 8 + i)).SerializeToString())
                     for i in range(count)]
         yield PlannedCall(index=index, due_ns=int(offset * 1e9), connection=f"gen-{index % _CONNECTIONS}",
                           protocol="grpc", method=DECIDE_STREAM if stream else DECIDE,
                           kind="bidi" if stream else "unary", messages=messages)
+
+
+class _Repeats:
+    """`repeat_pct`: that share of the snapshots is one sent before (drawn uniformly from the latest
+    `repeat_pool` distinct ones, with this call's sequence id), the rest new from the market model. A
+    repeat is the same book, ticks and position: what a response cache answers without the model."""
+
+    def __init__(self, traffic: GeneratorTraffic, rng: random.Random) -> None:
+        self.share, self.pool_size, self.rng = traffic.repeat_pct / 100.0, traffic.repeat_pool, rng
+        self.pool: list[Any] = []
+        self._next = 0
+
+    def next(self, sim: Any, sequence_id: int) -> Any:
+        if self.pool and self.rng.random() < self.share:
+            msg = type(self.pool[0])()
+            msg.CopyFrom(self.rng.choice(self.pool))
+            msg.sequence_id = sequence_id
+            return msg
+        msg = sim.next(sequence_id)
+        if len(self.pool) < self.pool_size:
+            self.pool.append(msg)
+        else:                                 # the oldest goes: repeats follow the market along
+            self.pool[self._next] = msg
+            self._next = (self._next + 1) % self.pool_size
+        return msg
 
 
 def base_duration(profile: list[tuple[float, float, float]]) -> float:

@@ -116,6 +116,8 @@ class Node:
         out: dict[str, Node] = {}
         for key_node, value_node in self.node.value:
             key = self._wrap(key_node).scalar(f"{what} key")
+            if isinstance(key, bool) and isinstance(key_node, yaml.ScalarNode) and key_node.style is None:
+                key = str(key_node.value)   # YAML 1.1 reads a bare `on:` (yes, off, ...) as a bool: a name here
             if not isinstance(key, str):
                 self._wrap(key_node).fail(f"{what}: keys must be names, got {key!r}")
             if key in out:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.checks import alerts, answers, limiter, memory, rule, service, tier  # noqa: F401  (register the checks)
+from harness.checks import alerts, answers, dependency, limiter, memory, rule, service, tier  # noqa: F401  (register the checks)
 from harness.checks.base import CHECKS, Check, Param, Verdict, no_calls, register, verdict
 
 if TYPE_CHECKING:

@@ -38,6 +38,12 @@ def markdown(result: RunResult, png_name: str | None = None, command: str = "cha
                      f"{sum(p.completed for p in ps) / span:.0f} | {sum(p.ok for p in ps)} | "
                      f"{sum(p.rejected for p in ps)} | {sum(p.errors + p.timeouts for p in ps)} | "
                      f"{_fmt(max(p50s) if p50s else None)} | {_fmt(max(p99s) if p99s else None)} |")
+    deps = tl.outside.get("dependencies") or []
+    if deps:
+        lines += ["", "### Dependencies", "", "| dependency | address | its proxy | started |", "|---|---|---|---|"]
+        for d in deps:
+            started = f"pid {d['started_pid']}" if d.get("started_pid") else "external"
+            lines.append(f"| {d['name']} ({d['kind']}) | {d['address']} | {d['proxy']} | {started} |")
     if tl.faults:
         lines += ["", "### Faults", "", "| fault | phase | asked | took effect | removed | note |",
                   "|---|---|---|---|---|---|"]

@@ -89,7 +89,7 @@ def _shade(ax: Axes, tl: Timeline) -> None:
     for f in tl.faults:
         if f.applied_s is not None:
             end = f.removed_s if f.removed_s is not None else tl.duration_s
-            ax.axvspan(f.applied_s, end, color="orange", alpha=0.15, label=f"fault: {f.family}:{f.kind}")
+            ax.axvspan(f.applied_s, end, color="orange", alpha=0.15, label=f"fault: {f.family}:{f.kind}" + (f" on {f.on}" if f.on else ""))
     for name, start, _ in tl.phases:
         ax.axvline(start, color="gray", linewidth=0.6)
         if ax is ax.figure.axes[0]:

@@ -71,6 +71,7 @@ class RunResult:
                 "checks": {"total": len(self.verdicts), "failed": sum(not v.passed for v in self.verdicts),
                            "skipped": self.skipped},
                 "verdicts": [v.as_dict() for v in self.verdicts], "notes": self.notes, "log": self.log,
+                "dependencies": self.timeline.outside.get("dependencies", []),
                 "timeline": self.timeline.as_dict()}
 
 
