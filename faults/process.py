@@ -81,6 +81,20 @@ def undo_pause(entry: dict[str, Any]) -> None:
     signal_if_same(int(entry["pid"]), entry.get("start"), signal.SIGCONT)
 
 
+def end_child(proc: subprocess.Popen[Any], term_s: float = 10.0, kill_s: float = 5.0) -> None:
+    """End a child we started: SIGTERM, then SIGKILL if it has not exited within `term_s`; reaped."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(term_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(kill_s)
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """preexec_fn: PR_SET_PDEATHSIG, so a helper never outlives the thread that spawned it."""
     with contextlib.suppress(Exception):

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from faults.process import die_with_parent, end_child
 from harness.errors import RunError
+from harness.prom import log_tail
 from harness.scenario import DependencySpec, Scenario
 
 PREFIX = "shadowtest-redis-"
@@ -100,12 +102,12 @@ class RedisServer:
                     [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                      "--dir", self.folder, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=_die_with_parent)
+                    preexec_fn=die_with_parent)
             Path(self.folder, "redis.pid").write_text(str(self.proc.pid))
             if self._wait_ready(port):
                 self.address = f"127.0.0.1:{port}"
                 return
-            last = _tail(log_path)
+            last = log_tail(log_path)
             self._stop_proc()
             if "in use" not in last:
                 break
@@ -123,34 +125,14 @@ class RedisServer:
 
     def _stop_proc(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        _end(proc.pid)
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5.0)
+        if proc is not None:
+            end_child(proc)
 
     def __exit__(self, *exc: object) -> None:
         self._stop_proc()
         if self.folder:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = ""
-
-
-def _end(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the harness dies, even by kill -9."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def _is_our_redis(pid: int, folder: Path) -> bool:
@@ -244,11 +226,3 @@ def start_dependencies(scenario: Scenario, stack: contextlib.ExitStack) -> dict[
                                                  seed=scenario.seed, listen=dep.listen or "127.0.0.1:0"))
         out[dep.name] = RunningDependency(dep, address, proxy, pid)
     return out
-
-
-def _tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in text[-lines:])

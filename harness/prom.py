@@ -143,7 +143,7 @@ class PrometheusServer:
             if self._wait_ready():
                 self._wait_first_scrape()
                 return
-            last = _tail(log_path)
+            last = log_tail(log_path)
             self._stop_proc()
             if "address already in use" not in last:
                 break
@@ -208,17 +208,11 @@ class PrometheusServer:
         return {"alerts": alerts, "step_s": step, "url": self.url, "rules": list(self.spec.rules)}
 
     def _stop_proc(self) -> None:
+        from faults.process import end_child
+
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5.0)
+        if proc is not None:
+            end_child(proc)
 
     def __exit__(self, *exc: object) -> None:
         self._stop_proc()
@@ -278,7 +272,8 @@ def sweep_stale(prefix: str) -> list[str]:
     return removed
 
 
-def _tail(path: Path, lines: int = 3) -> str:
+def log_tail(path: Path, lines: int = 3) -> str:
+    """The last `lines` lines of a child's log, on one line ("" when unreadable)."""
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
