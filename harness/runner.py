@@ -266,8 +266,9 @@ class Runner:
         return out
 
     def _heap_watch(self, now: float, followers: dict[str, Any]) -> None:
-        """Start tracing the agent's heap once a memory_flat window shows growth: half its slope bound
-        and a quarter of its growth floor in the samples so far."""
+        """Start tracing the agent's heap once a memory_flat window shows growth: over its slope bound
+        and half its growth floor in the samples so far (a healthy agent's first seconds can grow a few
+        MB; the leak the tests plant grows 6 MB a second)."""
         if self._heap_on or not self._heap_plans or "cpu" not in followers:
             return
         from harness.checks.memory import slope_per_min
@@ -277,7 +278,7 @@ class Runner:
             if now < look or len(points) < 3:
                 continue
             slope, growth = slope_per_min(points), points[-1][1] - points[0][1]
-            if slope > bound / 2 and growth > floor / 4:
+            if slope > bound and growth > floor / 2:
                 try:
                     heap_call(self._heap_url, "/heap/start?frames=1", post=True)
                 except (OSError, ValueError) as exc:

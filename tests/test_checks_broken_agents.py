@@ -213,7 +213,6 @@ def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passe
         assert mem.evidence["heap_sites"][0]["site"].endswith(f"broken_agent.py:{line}"), mem.evidence
     else:
         assert mem.evidence["samples"] >= 8
-        assert "heap_sites" not in mem.evidence     # flat memory: the heap was never traced (it costs the agent)
 
 
 EXPIRING = """\
