@@ -18,15 +18,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from faults.errors import ProxyApiError, ProxyUnavailableError
-from faults.process import OwnedProcess
+from faults.process import OwnedProcess, free_port
 from faults.proxy.server import EmbeddedToxiproxy
 from faults.state import FaultRegistry, default_registry
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(host: str, port: int, timeout: float) -> bool:
@@ -57,7 +51,7 @@ class NetworkFaults:
         if self.url:
             self.kind = "real"
         elif binary:
-            port = _free_port()
+            port = free_port()
             self._owned = OwnedProcess([binary, "-host", "127.0.0.1", "-port", str(port)],
                                        registry=self.registry).start()
             self.url, self.kind = f"http://127.0.0.1:{port}", "real-spawned"

@@ -81,6 +81,16 @@ def undo_pause(entry: dict[str, Any]) -> None:
     signal_if_same(int(entry["pid"]), entry.get("start"), signal.SIGCONT)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a child server that cannot take port 0 itself (it may be
+    taken again before the child binds it: callers retry)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def end_child(proc: subprocess.Popen[Any], term_s: float = 10.0, kill_s: float = 5.0) -> None:
     """End a child we started: SIGTERM, then SIGKILL if it has not exited within `term_s`; reaped."""
     if proc.poll() is not None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from faults.process import free_port
 from harness.errors import RunError
 
 BACKENDS = ("ebpf", "pcap", "proxy")
@@ -65,18 +65,13 @@ class Capture:
     fallbacks: list[str] = field(default_factory=list)   # "ebpf: why it could not run", ...
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _start_recorder(backend: str, port: int, output: Path) -> tuple[Any, str]:
     """A started Recorder and the address production clients must use. Raises CaptureError."""
     from capture.backends import RecordOptions
     from capture.record import Recorder
 
-    listen = _free_port() if backend == "proxy" else 0
+    listen = free_port() if backend == "proxy" else 0
     rec = Recorder(RecordOptions(output=str(output), backend=backend, port=port, listen_port=listen,
                                  overwrite=True)).start()
     return rec, (f"127.0.0.1:{listen}" if backend == "proxy" else f"127.0.0.1:{port}")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults.process import die_with_parent, end_child
+from faults.process import die_with_parent, end_child, free_port
 from harness.errors import RunError
 from harness.prom import log_tail
 from harness.scenario import DependencySpec, Scenario
@@ -44,11 +44,6 @@ _READY_TIMEOUT_S = 15.0
 def find_redis() -> str | None:
     return shutil.which("redis-server")
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
@@ -96,7 +91,7 @@ class RedisServer:
         log_path = Path(self.folder, "redis.log")
         last = ""
         for _ in range(3):
-            port = _free_port()
+            port = free_port()
             with open(log_path, "wb") as log:
                 self.proc = subprocess.Popen(
                     [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

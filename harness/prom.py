@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from faults.process import free_port
 from harness.errors import RunError
 from harness.scenario import PrometheusSpec
 from harness.yamlnodes import Node
@@ -70,11 +70,6 @@ def parse_prometheus(node: Node, base: Path) -> PrometheusSpec:
 def find_binary() -> str | None:
     return shutil.which("prometheus")
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _duration(seconds: float) -> str:
@@ -131,7 +126,7 @@ class PrometheusServer:
         log_path = folder / "prometheus.log"
         last = ""
         for _ in range(3):       # a free port can be taken between our probe and its bind: try another
-            port = _free_port()
+            port = free_port()
             self.url = f"http://127.0.0.1:{port}"
             with open(log_path, "wb") as log:
                 self.proc = subprocess.Popen(
