@@ -71,6 +71,11 @@ PING_BUDGET = (1000, 100)       # each call opened gives one PING back (a busy c
 SETTINGS_BUDGET = (100, 10)
 RESET_BUDGET = (2000, 1000)     # resets of streams whose request never completed ("rapid reset")
 EMPTY_BUDGET = (1000, 100)      # empty DATA/CONTINUATION, PRIORITY, unknown frame types
+# After our side closes, the client's input is read and dropped for this long / this much, as nginx's
+# lingering close does: closing a socket with unread input sends a reset, and a reset that overtakes our
+# last frames (under load, loopback packets can be delivered out of order across CPUs) loses the GOAWAY
+# that says why. Our FIN goes after the GOAWAY, so the client reads both before it sees the end.
+LINGER_S, LINGER_BYTES = 1.0, 1 << 20
 _SHUTDOWN_PING = b"shutdown"
 _DATA, _HEADERS, _SETTINGS = FrameType.DATA, FrameType.HEADERS, FrameType.SETTINGS
 _END_STREAM, _END_HEADERS, _ACK, _PADDED = Flag.END_STREAM, Flag.END_HEADERS, Flag.ACK, Flag.PADDED
@@ -132,6 +137,8 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         self.blocked: deque[Call] = deque()      # calls with DATA held back by flow control
         self.age_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.linger_left = LINGER_BYTES
         self.pings, self.settings = Budget(*PING_BUDGET), Budget(*SETTINGS_BUDGET)
         self.resets, self.empties = Budget(*RESET_BUDGET), Budget(*EMPTY_BUDGET)
         self._out: list[bytes] = []             # frames written in this loop iteration, sent together
@@ -155,13 +162,23 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forget the connection's calls and timers (once closed by either side; idempotent)."""
         self.server.connections.discard(self)
         for timer in (self.age_timer, self.idle_timer):
             if timer is not None:
                 timer.cancel()
+        self.age_timer = self.idle_timer = None
         for call in list(self.calls.values()):
             self._drop(call, cancelled=True)
         self.server.call_ended()
+
+    def eof_received(self) -> bool | None:
+        return None  # the client is done sending: close (our side too, if it is not closed already)
 
     def pause_writing(self) -> None:
         """The peer is not reading what we write: stop reading what it sends (PINGs, calls) meanwhile."""
@@ -182,12 +199,17 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         self._out.append(data)
 
     def _write_out(self) -> None:
-        if self._out and self.transport is not None and not self.transport.is_closing():
+        if self._out and self.transport is not None and not self.closed and not self.transport.is_closing():
             self.transport.write(b"".join(self._out))
         self._out.clear()
 
     # ---- receiving -----------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.closed:  # lingering after our close: drop the input, within bounds
+            self.linger_left -= len(data)
+            if self.linger_left < 0 and self.transport is not None:
+                self.transport.close()
+            return
         try:
             self._receive(data)
         except H2Error as exc:
@@ -598,10 +620,21 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
             self.close()
 
     def close(self) -> None:
-        if not self.closed and self.transport is not None:
-            self._write_out()
-            self.closed = True
-            self.transport.close()
+        """Send what is queued, then FIN; linger (LINGER_S, LINGER_BYTES) on the client's input, then close."""
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        self._write_out()
+        self.closed = True
+        try:
+            if transport.is_closing() or not transport.can_write_eof():
+                raise ConnectionError("no half-close")
+            transport.write_eof()
+            transport.resume_reading()
+            self.linger_timer = self.loop.call_later(LINGER_S, transport.close)
+        except OSError:  # the client is gone already (reset, not connected): nothing to linger for
+            transport.close()
+        self._forget()
 
     def cancel_all(self) -> None:
         for call in list(self.calls.values()):

@@ -975,6 +975,25 @@ def test_malformed_frame_is_a_connection_error(shared: ServerProc, case: str) ->
     shared.assert_serving()
 
 
+def test_goaway_survives_a_client_that_keeps_sending(shared: ServerProc) -> None:
+    """A connection error while the client's input is still unread: the server half-closes after its
+    GOAWAY and drains, so the client reads GOAWAY and then a clean end, never a reset that can overtake
+    (and so lose) the GOAWAY. The input after the bad frame is valid PINGs, 256 KiB of them, so all
+    the server can object to is the first frame."""
+    since = shared.stderr_size()
+    conn = connect(shared)
+    pings = frame(T.PING, 0, 0, b"12345678") * ((256 << 10) // 17)
+    conn.send(frame(T.HEADERS, PADDED | END_HEADERS, 1) + pings)
+    closed = conn.wait_closed(3)
+    g = conn.goaway()
+    assert g is not None and g.code == Err.FRAME_SIZE_ERROR, f"expected GOAWAY FRAME_SIZE_ERROR, got {conn.describe()}"
+    assert closed and conn.ended == "closed", \
+        f"expected the GOAWAY then a clean close (FIN), not a reset, got {conn.ended}: {conn.describe()}"
+    conn.close()
+    shared.assert_no_traceback(since)
+    shared.assert_serving()
+
+
 # ---- 8: an empty header name --------------------------------------------------------------------------
 def test_empty_header_name_resets_only_that_stream(shared: ServerProc) -> None:
     since = shared.stderr_size()
