@@ -69,7 +69,7 @@ class AgentServer:
         if workers > 0:
             self._executor = ThreadPoolExecutor(workers, thread_name_prefix="agent-forward")
         self.batcher = Batcher(self.engine.run, self.guard, self._executor, window_s=opts.batch_window_ms / 1000,
-                               max_batch=opts.max_batch, workers=workers)
+                               max_batch=opts.max_batch, workers=workers, adaptive=opts.batch_window == "adaptive")
         self.batcher.start()
         self.cache = await build_cache(cache_settings, self.guard)
         self._server = self._build_server()

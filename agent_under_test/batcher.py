@@ -8,6 +8,11 @@
 A batch forms when a worker slot is free; while all workers are busy the queue grows, so batches
 grow with load (that is what makes latency respond to queueing). Queue depth and batch sizes are
 observable through `depth` and the Guard's on_batch.
+
+The window is adaptive by default: a free slot waits for more calls only while they arrive faster than
+a forward pass runs (the smoothed gap between arrivals is shorter than the smoothed pass), and never
+longer than `window_s`. An idle server runs a lone call at once instead of waiting out a window that
+nothing will join; a busy one batches as before. `adaptive=False` always waits the full window.
 """
 
 from __future__ import annotations
@@ -43,14 +48,45 @@ class _Item:
     future: asyncio.Future[BatchResult]
 
 
+class Pace:
+    """Smoothed gap between arrivals and smoothed forward pass: is a free slot's wait worth it?
+
+    Waiting pays only when another call is likely to join before a pass would have finished anyway:
+    the gap between arrivals (each gap capped at two windows, so one idle spell does not hide the next
+    burst for long) is shorter than a pass. With no history (a first call, no pass timed yet) it is not."""
+
+    ALPHA = 0.2
+
+    def __init__(self, window_s: float) -> None:
+        self.cap = 2 * window_s
+        self.gap_s: float | None = None       # smoothed gap between arrivals
+        self.forward_s: float | None = None   # smoothed forward pass
+        self._last: float | None = None
+
+    def arrived(self, now: float) -> None:
+        if self._last is not None:
+            gap = min(max(now - self._last, 0.0), self.cap)
+            self.gap_s = gap if self.gap_s is None else self.gap_s + self.ALPHA * (gap - self.gap_s)
+        self._last = now
+
+    def ran(self, forward_s: float) -> None:
+        self.forward_s = forward_s if self.forward_s is None else self.forward_s + self.ALPHA * (forward_s - self.forward_s)
+
+    def worth_waiting(self) -> bool:
+        return self.gap_s is not None and self.forward_s is not None and self.gap_s < self.forward_s
+
+
 class Batcher:
     """Collects submitted features into batches and runs them on `executor` (one slot per worker),
     or inline on the event loop when `executor` is None."""
 
     def __init__(self, run: RunFn, guard: Guard, executor: Executor | None, *, window_s: float = 0.002,
-                 max_batch: int = 32, workers: int = 1) -> None:
+                 max_batch: int = 32, workers: int = 1, adaptive: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._run, self._guard, self._executor = run, guard, executor
-        self.window_s, self.max_batch = window_s, max_batch
+        self.window_s, self.max_batch, self.adaptive = window_s, max_batch, adaptive
+        self._now = clock
+        self.pace = Pace(window_s)
         self._queue: deque[_Item] = deque()
         self._slots = asyncio.Semaphore(max(1, workers))
         self._wake = asyncio.Event()
@@ -80,7 +116,9 @@ class Batcher:
 
     async def submit(self, features: Features) -> BatchResult:
         fut: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(features, time.perf_counter(), fut))
+        now = self._now()
+        self.pace.arrived(now)
+        self._queue.append(_Item(features, now, fut))
         # Wake the collector only when it can act: first arrival, or a full batch.
         if len(self._queue) == 1 or len(self._queue) >= self.max_batch:
             self._wake.set()
@@ -106,8 +144,8 @@ class Batcher:
             self._wake.clear()
             await self._wake.wait()
         # The window runs from the oldest waiting request: under load it has already expired.
-        delay = self._queue[0].arrival + self.window_s - time.perf_counter()
-        if delay > 0 and len(self._queue) < self.max_batch:
+        delay = self._queue[0].arrival + self.window_s - self._now()
+        if delay > 0 and len(self._queue) < self.max_batch and (not self.adaptive or self.pace.worth_waiting()):
             self._wake.clear()
             timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
             try:
@@ -134,7 +172,7 @@ class Batcher:
                 self.expired_computed += gone
                 self._guard.on_expired("computed", gone)
             tier = self._guard.choose_tier(depth)
-            start = time.perf_counter()
+            start = self._now()
             loop = asyncio.get_running_loop()
             try:
                 feats = [i.features for i in batch]
@@ -147,7 +185,8 @@ class Batcher:
                     if not item.future.done():
                         item.future.set_exception(exc)
                 return
-            forward_s = time.perf_counter() - start
+            forward_s = self._now() - start
+            self.pace.ran(forward_s)
             self.batches += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             self._guard.on_batch(len(batch), len(self._queue), tier)

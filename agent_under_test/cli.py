@@ -49,7 +49,9 @@ def _require_agent_extra(*modules: str) -> None:
 @_opt("--tier", type=click.Choice(TIERS), default=_D.tier, help="model tier served when healthy")
 @_opt("--weights", type=click.Path(dir_okay=False), default=None, help="weights file (default: seeded)")
 @_opt("--seed", type=int, default=_D.seed, help="seed of the default weights")
-@_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window")
+@_opt("--batch-window-ms", type=float, default=_D.batch_window_ms, help="micro-batching window (the longest wait)")
+@_opt("--batch-window", type=click.Choice(("adaptive", "fixed")), default=_D.batch_window,
+      help="adaptive: a free model waits only while calls arrive faster than a forward pass runs; fixed: always")
 @_opt("--max-batch", type=click.IntRange(1, 1024), default=_D.max_batch, help="largest forward pass")
 @_opt("--workers", type=click.IntRange(0, 64), default=None,
       help="forward-pass threads, one CUDA stream each (0: inline on the event loop; default 1 on CUDA, 0 on CPU)")

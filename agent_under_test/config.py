@@ -29,6 +29,7 @@ class ServeOptions:
     weights: str | None = None
     seed: int = 0                        # seeds the model weights when --weights is not given
     batch_window_ms: float = 2.0
+    batch_window: str = "adaptive"       # adaptive: wait only while calls arrive faster than a pass; fixed: always
     max_batch: int = 32
     workers: int | None = None           # forward-pass threads (one CUDA stream each); 0: inline on the loop;
                                          # None: 1 on CUDA, 0 on CPU (app.forward_workers says why)

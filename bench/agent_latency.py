@@ -3,7 +3,8 @@
 For each of: an echo grpc.aio server of the same proto (the peer: gRPC + client cost alone), the agent
 with the full tier and the agent with the light tier (both on its default lean h2 server, each tier pinned:
 no queue-depth or P99 degradation), the agent as served (full, degrading batches to light while calls
-queue), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with
+queue), the full tier with the fixed batching window of before (`--batch-window fixed`, the peer of the
+adaptive window), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with
 --no-grpcio), it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
   - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
@@ -385,7 +386,8 @@ def main() -> None:
     # full/light/grpcio pin their tier (no queue-depth or P99 degradation): a tier's own throughput.
     # "served" is the agent as shipped, which turns batches light while calls queue for the model.
     pinned = {"queue_light_depth": 0, "alerts": False}
-    runs = [("full", "full", "h2", pinned), ("light", "light", "h2", pinned), ("served", "full", "h2", {})]
+    runs = [("full", "full", "h2", pinned), ("light", "light", "h2", pinned), ("served", "full", "h2", {}),
+            ("fixed", "full", "h2", {**pinned, "batch_window": "fixed"})]   # before the adaptive window
     runs += [] if args.no_grpcio else [("grpcio", "full", "grpcio", pinned)]
     for name, tier, server, extra in runs:
         with AgentProcess(tier=tier, device="cpu", metrics_port=None, server=server, **extra) as agent:
@@ -415,7 +417,7 @@ def _print_ratios(results: dict, rates: list[float]) -> None:
     model = results["model"]
     print("\n== summary (sustained = highest offered rate with p99 <= 20 ms and no errors;"
           " one core = 1e6 / server CPU us per call; throughput = closed loop, server saturation in brackets)")
-    for name in [n for n in ("echo", "full", "light", "served", "grpcio") if n in results]:
+    for name in [n for n in ("echo", "full", "light", "served", "fixed", "grpcio") if n in results]:
         res, cpu = results[name], _cpu_per_call(results[name])
         print(f"{name:6s} batch1 {res['batch1']['calls_s']:8.1f} calls/s (p50 {res['batch1']['p50_ms']} ms)   "
               f"sustained {_best_rate(res):8.1f} calls/s   server CPU {cpu:6.0f} us/call = one core {1e6 / cpu:6.0f} calls/s"
@@ -423,6 +425,13 @@ def _print_ratios(results: dict, rates: list[float]) -> None:
     full_cpu, light_cpu, echo_cpu = (_cpu_per_call(results[n]) for n in ("full", "light", "echo"))
     tp = {n: results[n]["throughput"]["calls_s"] for n in ("full", "light")}
     print(f"ratio light/full  throughput {tp['light'] / max(tp['full'], 1):.2f} (target >= 2)")
+    if "fixed" in results:
+        echo_p50 = results["echo"]["batch1"]["p50_ms"]
+        for name in ("full", "light", "fixed"):
+            print(f"batch 1 p50 {name:5s} {results[name]['batch1']['p50_ms']:.3f} ms = echo + "
+                  f"{results[name]['batch1']['p50_ms'] - echo_p50:.3f} ms (adaptive window goal: <= 1 ms, <= echo + 0.6)")
+        print(f"ratio adaptive/fixed window  throughput {tp['full'] / max(results['fixed']['throughput']['calls_s'], 1):.2f}"
+              f"   sustained {_best_rate(results['full']) / max(_best_rate(results['fixed']), 1):.2f}")
     print(f"ratio full/echo   one-core capacity {echo_cpu / full_cpu:.2f}   sustained "
           f"{_best_rate(results['full']) / max(_best_rate(results['echo']), 1):.2f}")
     print(f"ratio light/full  one-core capacity {full_cpu / light_cpu:.2f}   sustained "

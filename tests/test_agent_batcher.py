@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from agent_under_test.batcher import Batcher
+from agent_under_test.batcher import Batcher, Pace
 from agent_under_test.features import Features
 from agent_under_test.hooks import NullGuard
 
@@ -75,9 +75,74 @@ def test_max_batch_splits_and_tier_is_reported() -> None:
 
 
 def test_a_lone_request_waits_at_most_about_the_window() -> None:
-    results = _with_batcher(Seen(), lambda b: _submit_all(b, 1), window_s=0.01, max_batch=32)
+    results = _with_batcher(Seen(), lambda b: _submit_all(b, 1), window_s=0.01, max_batch=32, adaptive=False)
     # Tolerance: the window is 10 ms; allow 200 ms for a loaded CI host.
     assert results[0].batch_size == 1 and 0.009 <= results[0].queue_s < 0.2
+
+
+def test_pace_trajectory_in_virtual_time() -> None:
+    # Arrivals 10 ms apart, then 1 ms apart; passes of 3 ms. Each gap is capped at two windows (4 ms),
+    # smoothed with alpha 0.2. Waiting is worth it once the smoothed gap is shorter than the smoothed pass.
+    pace = Pace(0.002)
+    assert not pace.worth_waiting()                     # no history: a lone call runs at once
+    pace.arrived(0.0)
+    assert pace.gap_s is None
+    gaps, verdicts = [], []
+    pace.ran(0.003)
+    t = 0.0
+    for step in [0.010, 0.010, 0.001, 0.001, 0.001, 0.001]:
+        t += step
+        pace.arrived(t)
+        gaps.append(round(pace.gap_s * 1e6, 3))
+        verdicts.append(pace.worth_waiting())
+    # 4000 (capped), 4000, 4000 + 0.2 * (1000 - 4000) = 3400, 2920, 2536, 2228.8 us
+    assert gaps == [4000.0, 4000.0, 3400.0, 2920.0, 2536.0, 2228.8]
+    assert verdicts == [False, False, False, True, True, True]
+    pace.ran(0.001)                                     # passes got cheaper: 3 + 0.2 * (1 - 3) = 2.6 ms
+    assert round(pace.forward_s * 1e6, 3) == 2600.0 and pace.worth_waiting() is True
+    pace.arrived(t - 1.0)                               # a clock going back counts as a zero gap, not negative
+    assert round(pace.gap_s * 1e6, 3) == round(2228.8 * 0.8, 3)
+
+
+@pytest.mark.parametrize("history", ["none", "sparse", "dense"])
+def test_adaptive_window_waits_only_while_calls_come_faster_than_a_pass(history: str) -> None:
+    # A 300 ms window and one call. With no history, or calls further apart than a pass, the call runs at
+    # once; with calls closer together than a pass, it waits the window for company (as a fixed window would).
+    async def one(b: Batcher):
+        if history != "none":
+            b.pace.gap_s, b.pace.forward_s = (0.050, 0.010) if history == "sparse" else (0.001, 0.010)
+            b.pace._last = None   # this call's arrival leaves the seeded gap as it is
+        return await _submit_all(b, 1)
+    results = _with_batcher(Seen(), one, window_s=0.3, max_batch=32)
+    waited = results[0].queue_s
+    if history == "dense":
+        assert 0.29 <= waited < 2.0, f"expected the call to wait the 300 ms window, it waited {waited * 1e3:.1f} ms"
+    else:
+        assert waited < 0.15, f"expected the call to run at once, it waited {waited * 1e3:.1f} ms"
+
+
+def test_adaptive_window_still_batches_a_burst() -> None:
+    # Twenty calls at once while the first pass runs (a slow 50 ms pass): natural batching, no window needed.
+    def slow(items, tier):
+        import time
+        time.sleep(0.05)
+        return run_fn(items, tier)
+
+    async def main():
+        guard = Seen()
+        with ThreadPoolExecutor(1) as pool:
+            b = Batcher(slow, guard, pool, window_s=0.002, max_batch=32)
+            b.start()
+            try:
+                first = asyncio.create_task(b.submit(feat(0)))
+                await asyncio.sleep(0.01)                     # the first call's pass is running
+                rest = await _submit_all(b, 20)
+                return guard, [await first, *rest]
+            finally:
+                await b.close()
+    guard, results = asyncio.run(main())
+    sizes = [c[1] for c in guard.calls if c[0] == "batch"]
+    assert sizes[0] == 1 and sum(sizes) == 21 and max(sizes[1:]) >= 10, sizes
 
 
 def test_forward_failure_reaches_every_caller() -> None:
@@ -100,7 +165,7 @@ def test_forward_failure_reaches_every_caller() -> None:
 def test_close_cancels_queued_requests(n: int) -> None:
     async def main():
         with ThreadPoolExecutor(1) as pool:
-            b = Batcher(run_fn, Seen(), pool, window_s=10.0)
+            b = Batcher(run_fn, Seen(), pool, window_s=10.0, adaptive=False)
             b.start()
             tasks = [asyncio.create_task(b.submit(feat(i))) for i in range(n)]
             await asyncio.sleep(0.01)
@@ -138,7 +203,7 @@ class _Expiry(Seen):
 
 @pytest.mark.parametrize("drops", [True, False])
 def test_calls_whose_caller_is_gone_are_not_computed(drops: bool) -> None:
-    # Five calls wait out a 50 ms window; the servers cancel three of them at their deadline meanwhile.
+    # Five calls wait out a fixed 50 ms window; the servers cancel three of them at their deadline meanwhile.
     # An agent that honours deadlines takes them out of the batch; one that does not computes them for nobody.
     seen: list[list[float]] = []
 
@@ -148,7 +213,7 @@ def test_calls_whose_caller_is_gone_are_not_computed(drops: bool) -> None:
 
     async def main() -> list[bool]:
         guard = _Expiry(drops)
-        batcher = Batcher(forward, guard, None, window_s=0.05, max_batch=32)
+        batcher = Batcher(forward, guard, None, window_s=0.05, max_batch=32, adaptive=False)
         batcher.start()
         tasks = [asyncio.create_task(batcher.submit(feat(i))) for i in range(5)]
         await asyncio.sleep(0.01)

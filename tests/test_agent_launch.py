@@ -28,8 +28,9 @@ def test_serve_args_maps_options_to_flags() -> None:
 
 
 def test_sigterm_drains_in_flight_calls() -> None:
-    # A 3 s batching window keeps every call in flight when SIGTERM arrives.
-    with AgentProcess(tier="light", batch_window_ms=3000, max_batch=64, metrics_port=None) as agent:
+    # A fixed 3 s batching window keeps every call in flight when SIGTERM arrives.
+    with AgentProcess(tier="light", batch_window_ms=3000, batch_window="fixed", max_batch=64,
+                      metrics_port=None) as agent:
         assert agent.ready["event"] == "ready" and agent.ready["pid"] == agent.pid
         assert agent.ready["device"] == "cpu" and agent.ready["metrics"] is None
         sim = MarketSim(random.Random(0))

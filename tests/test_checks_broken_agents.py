@@ -218,7 +218,8 @@ def test_a_limiter_that_doubles_and_a_leak_fail_their_checks_and_the_agent_passe
 EXPIRING = """\
 name: expiring
 seed: 5
-target: {agent: {limiter: off, p99_threshold_ms: 500, period_s: 0.5, batch_window_ms: 300, max_batch: 256}}
+target: {agent: {limiter: off, p99_threshold_ms: 500, period_s: 0.5, batch_window_ms: 300, batch_window: fixed,
+                       max_batch: 256}}
 traffic: {generator: {rate: 40, timeout_ms: 100}}
 phases:
   - {name: only, duration: 4s}
