@@ -43,6 +43,7 @@ from capture.backends import RecordOptions
 from capture.ebpf.loader import SockInfo, rename_maps
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.tls_join import TlsJoiner
+from capture.ebpf.tlslibs import Inspector, ProcessTls, TlsFile, all_pids, cgroup_pids
 from capture.errors import CaptureError, PrivilegeError
 from capture.sink import FlowSink
 
@@ -51,6 +52,8 @@ TLS_MODES = ("auto", "on", "off")
 MAX_BYTES_LIMIT = 262144    # plaintext kept per SSL call (OpenSSL hands out at most 16 KiB records)
 POLL_S = 0.1                 # how long the full drain thread waits before it looks again
 IDLE_S = 1.0                 # the longest a TLS thread sleeps with no wake-up (light traffic: the poller drains)
+RESCAN_S = 1.0               # how often processes started since the last look are inspected for TLS libraries
+_PROCS_KEPT = 65536          # processes whose inspection is remembered (for the flows they leave behind)
 # The program wakes the drain thread once per WAKE_BYTES written on a CPU: at download speed a
 # megabyte comes in milliseconds, not in POLL_S. (With a 100 ms timer alone and the decoding in the same
 # thread, four clients downloading 8 MiB files lost 800-5,000 records a run to an 8 MiB ring; with the
@@ -158,7 +161,8 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, names: dict[str, 
 
 
 class TlsProgram:
-    """tls.bpf.c loaded and attached to one libssl file. Raises PrivilegeError when it cannot be."""
+    """tls.bpf.c loaded, and attached (`attach`) to each file holding OpenSSL's API. Raises
+    PrivilegeError when it cannot be loaded, or attached to the first file `libssl`."""
 
     def __init__(self, options: RecordOptions, libssl: str, cgroup_id: int = 0,
                  names: dict[str, str] | None = None) -> None:
@@ -169,6 +173,7 @@ class TlsProgram:
         except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception
             raise PrivilegeError(f"bcc is not importable ({exc})") from exc
         self.libssl = libssl
+        self.attached: dict[tuple[int, int], str] = {}   # (device, inode) -> the path it was attached by
         # records drained from the ring, in ring order; consumed only under _ring_lock (libbpf's
         # consumer is not thread-safe), by the drain thread and by the joiner when it must be current
         self._raw: list[bytes] = []
@@ -183,16 +188,48 @@ class TlsProgram:
         except Exception as exc:  # noqa: BLE001 - compile errors are plain Exception
             raise PrivilegeError(f"cannot load the TLS program ({str(exc).splitlines()[0][:160]})") from exc
         try:
-            for sym, enter, ret in PROBES:
-                self.bpf.attach_uprobe(name=libssl.encode(), sym=sym.encode(), fn_name=enter.encode())
-                if ret:
-                    self.bpf.attach_uretprobe(name=libssl.encode(), sym=sym.encode(), fn_name=ret.encode())
+            self.attach(libssl)
             self.bpf[b"tls_events"].open_ring_buffer(self._on_event)
             self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
             self.bpf.cleanup()
-            raise PrivilegeError(f"cannot attach uprobes to {libssl} ({str(exc).splitlines()[0][:160]})") from exc
+            raise PrivilegeError(str(exc)) from exc
         self._positions = self.bpf[b"positions"]
+
+    def attach(self, path: str) -> bool:
+        """Attach the probes to the file at `path` (once per device and inode: False when it already
+        was). A function the file lacks (SSL_read_ex before OpenSSL 1.1.1) is left out; a file without
+        SSL_read and SSL_write raises PrivilegeError."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
+        key = (st.st_dev, st.st_ino)
+        if key in self.attached:
+            return False
+        done: list[str] = []
+        for sym, enter, ret in PROBES:
+            try:
+                self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=enter.encode())
+                if ret:
+                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret.encode())
+            except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+                if sym in ("SSL_read", "SSL_write"):
+                    for name in done:   # bcc detaches by the same (path, symbol) it attached
+                        self._detach(path, name)
+                    raise PrivilegeError(f"cannot attach uprobes to {path} "
+                                         f"({str(exc).splitlines()[0][:160]})") from exc
+                continue
+            done.append(sym)
+        self.attached[key] = path
+        return True
+
+    def _detach(self, path: str, sym: str) -> None:
+        for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
+            try:
+                how(name=path.encode(), sym=sym.encode())
+            except Exception:  # noqa: BLE001, S110 - not attached that way (SSL_free has no return probe)
+                pass
 
     def _on_event(self, ctx: object, data: int, size: int) -> int:
         self._raw.append(ctypes.string_at(data, size))
@@ -319,6 +356,15 @@ class TlsBackend:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = (0, 0)
+        # discovery of TLS libraries per process (capture/ebpf/tlslibs.py)
+        self.inspector = Inspector()
+        self.libraries: dict[tuple[int, int], dict[str, object]] = {}   # per file, as status["libraries"]
+        self._procs: dict[int, ProcessTls] = {}       # the last inspection of each process
+        self._seen: set[int] = set()
+        self._asked: dict[int, float] = {}            # processes that opened a flow -> when inspected
+        self._asked_lock = threading.Lock()
+        self._ask = threading.Event()
+        self._discovery: threading.Thread | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -327,22 +373,98 @@ class TlsBackend:
         return cast(dict[str, object], self.inner.describe()) | {"tls": dict(self.status)}
 
     def why_unreadable(self, pid: int, program: TlsProgram | None) -> str:
-        """Why a TLS flow of process `pid` was recorded as ciphertext."""
+        """Why a TLS flow of process `pid` was recorded as ciphertext: what its process holds."""
         if program is None:
             return f"encrypted: {self.off_reason}"
-        mapped = maps_libssl(pid, self.libssl)
-        if mapped is False:
-            return "encrypted: process does not use the system libssl (statically linked TLS such as " \
-                   "grpcio's BoringSSL, Node.js's own OpenSSL, or Go's crypto/tls)"
-        if mapped:
-            return "encrypted: the process maps the system libssl, but this connection's TLS does not go " \
-                   "through it on this socket (another TLS library linked in, or memory BIOs as in asyncio)"
-        return "encrypted: no plaintext from the system libssl for this connection (process gone)"
+        proc = self._procs.get(pid)
+        if proc is None or proc.error:
+            fresh = self.inspector.process(pid)
+            proc = fresh if not fresh.error or proc is None else proc
+        if proc.error:
+            return f"encrypted: no plaintext for this connection, and its process cannot be inspected ({proc.error})"
+        named = [f for f in proc.files if not f.readable]
+        probed = [f.path for f in proc.files if f.readable and self.libraries.get(f.key, {}).get("attached")]
+        if named:
+            also = (f" (it also maps {', '.join(probed)}, probed, which this connection's TLS did not go through)"
+                    if probed else "")
+            return "encrypted: " + "; ".join(f.why_not for f in named) + also
+        if probed:
+            return (f"encrypted: the process maps {', '.join(probed)}, probed, but this connection's TLS does not "
+                    "go through it on this socket (another TLS library linked in, or memory BIOs as in asyncio)")
+        return ("encrypted: no TLS library this tool can probe in the process (no libssl mapped, no OpenSSL API "
+                "exported; see `shadowtest record --list-tls --pid PID`)")
+
+    # ---- discovery: which files to probe ----------------------------------------------------------
+    def _targets(self) -> list[int]:
+        """The processes the recording targets: --pid, the --cgroup's, else every process."""
+        if self.options.pid:
+            return [self.options.pid]
+        return cgroup_pids(self.options.cgroup) if self.options.cgroup else all_pids()
+
+    def _flow_opened(self, pid: int) -> None:
+        """A flow of `pid` opened: inspect it again if that was a while ago (it may have exec'd or
+        loaded a TLS library since)."""
+        if time.monotonic() - self._asked.get(pid, 0.0) < RESCAN_S:
+            return
+        with self._asked_lock:
+            self._asked.setdefault(pid, 0.0)
+        self._ask.set()
+
+    def _discover(self, program: TlsProgram) -> None:
+        """Inspect new processes every RESCAN_S, and at once those whose flows open."""
+        while not self._stop.is_set():
+            self._ask.wait(RESCAN_S)
+            self._ask.clear()
+            if self._stop.is_set():
+                return
+            now = time.monotonic()
+            with self._asked_lock:
+                again = [p for p, at in self._asked.items() if now - at >= RESCAN_S]
+                for p in again:
+                    self._asked[p] = now
+                if len(self._asked) > _PROCS_KEPT:
+                    self._asked.clear()
+            try:
+                fresh = [p for p in self._targets() if p not in self._seen]
+            except OSError:
+                fresh = []
+            self._inspect(program, sorted(set(again) | set(fresh)))
+
+    def _inspect(self, program: TlsProgram, pids: list[int]) -> None:
+        me = os.getpid()
+        for pid in pids:
+            if pid == me:
+                continue
+            proc = self.inspector.process(pid)
+            self._seen.add(pid)
+            if len(self._procs) >= _PROCS_KEPT:
+                self._procs.pop(next(iter(self._procs)))
+            self._procs[pid] = proc
+            for f in proc.files:
+                self._note_file(program, f, pid)
+        self.status["libraries"] = list(self.libraries.values())
+
+    def _note_file(self, program: TlsProgram, f: TlsFile, pid: int) -> None:
+        entry = self.libraries.get(f.key)
+        if entry is None:
+            entry = self.libraries[f.key] = {"path": f.path, "inode": f.ino, "kind": f.kind, "version": f.version,
+                                             "attached": False, "why_not": f.why_not, "pids": [], "processes": 0}
+            if f.readable:
+                try:
+                    program.attach(f.attach_path)
+                    entry["attached"] = True
+                except PrivilegeError as exc:
+                    entry["why_not"] = str(exc)
+        pids = cast(list[int], entry["pids"])
+        if pid not in pids:
+            entry["processes"] = cast(int, entry["processes"]) + 1
+            if len(pids) < 8:
+                pids.append(pid)
 
     def start(self, sink: FlowSink) -> None:
         libssl = self.libssl = find_libssl()
         j = self.joiner = TlsJoiner(sink, self.options.side == "server", max_bytes(self.options),
-                                    self.why_unreadable)
+                                    self.why_unreadable, self._flow_opened)
         self.inner.start(cast(FlowSink, j))
         if self.options.tls == "off":
             self.off_reason = "TLS capture is off (--tls off)"
@@ -360,6 +482,13 @@ class TlsBackend:
                 raise PrivilegeError(f"--tls on: {exc}") from exc
             return
         self.status = {"capture": "on", "libssl": libssl, "version": libssl_version(libssl)}
+        st = os.stat(libssl)
+        self.libraries[(st.st_dev, st.st_ino)] = {"path": libssl, "inode": st.st_ino, "kind": "openssl",
+                                                  "version": self.status["version"],
+                                                  "attached": True, "why_not": "", "pids": [], "processes": 0}
+        self._inspect(program, self._targets())      # what runs now; then new processes as they come
+        self._discovery = threading.Thread(target=self._discover, args=(program,), name="tls-discovery", daemon=True)
+        self._discovery.start()
         with j._lock:
             j.program = program
         program.start_draining()
@@ -391,8 +520,10 @@ class TlsBackend:
     def stop(self) -> None:
         j = self.joiner
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._ask.set()
+        for thread in (self._thread, self._discovery):
+            if thread is not None:
+                thread.join(timeout=5)
         try:
             self.inner.stop()
         finally:

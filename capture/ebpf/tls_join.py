@@ -42,7 +42,7 @@ import collections
 import struct
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, cast
 
 from capture.ebpf.loader import TLS_CIPHERTEXT
@@ -96,8 +96,10 @@ class _Conn:
 class TlsJoiner:
     """Between the eBPF backend and the FlowSink: see the module docstring. Thread-safe."""
 
-    def __init__(self, sink: FlowSink, server_side: bool, max_bytes: int, why_unreadable: Any) -> None:
+    def __init__(self, sink: FlowSink, server_side: bool, max_bytes: int, why_unreadable: Any,
+                 on_open: Callable[[int], None] | None = None) -> None:
         self.sink = sink
+        self._on_open = on_open                 # told each new flow's process (the TLS libraries' discovery)
         self.program: TlsProgram | None = None
         self._why_unreadable = why_unreadable   # (pid, program or None) -> reason of an encrypted flow
         self._server_side = server_side
@@ -147,7 +149,9 @@ class TlsJoiner:
             if fdkey is not None:
                 self._by_fd[fdkey] = key
                 self._adopt(fdkey, c)
-            return flow_id
+        if fdkey is not None and self._on_open is not None:
+            self._on_open(fdkey[0])
+        return flow_id
 
     def data(self, key: Hashable, direction: Direction, ts_ns: int, data: bytes) -> None:
         with self._lock:

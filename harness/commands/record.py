@@ -61,13 +61,16 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
               help="TLS plaintext from uprobes on the system libssl (eBPF): auto = on where it works, else "
                    "recorded without it and the reason printed; on = fail if it cannot work; off")
 @click.option("--print-bpf", is_flag=True, help="print the generated eBPF program and exit")
+@click.option("--list-tls", is_flag=True,
+              help="list, per process the recording would target (--pid, --cgroup, --port; else all), the TLS "
+                   "library it runs, whether its plaintext will be read and why not, then exit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
-            decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, output: str | None,
-            force: bool, as_json: bool) -> None:
+            decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, list_tls: bool,
+            output: str | None, force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
     Stops cleanly on Ctrl-C / SIGTERM or after --duration, then prints flows, calls, bytes and loss.
@@ -86,6 +89,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 50051 --descriptors api.protoset -o prod.rec
       shadowtest record --port 50051 --print-bpf
       shadowtest record --port 8443 --tls off -o https.rec   (TLS flows as ciphertext only)
+      shadowtest record --port 8443 --list-tls               (what each process's TLS is, read or why not)
     """
     from capture.backends import RecordOptions
 
@@ -102,6 +106,9 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         done |= _name_methods(output, descriptors, reflection=False)
         click.echo(json.dumps(done, indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")
         _print_methods(done, output, as_json)
+        return
+    if list_tls:
+        _list_tls(port, pid, cgroup, as_json)
         return
     if print_bpf:
         from capture.ebpf.loader import cgroup_filter, render_program
@@ -315,3 +322,27 @@ def _print_methods(result: dict[str, object], output: str | None, as_json: bool)
     if info["unknown"]:
         click.echo(f"methods: name the rest with `shadowtest infer {output} --descriptors SRC` "
                    f"(FILE.protoset or reflection=HOST:PORT) or --method-map FLOW:REF=/package.Service/Method")
+
+
+def _list_tls(port: int, pid: int | None, cgroup: str | None, as_json: bool) -> None:
+    """`record --list-tls`: the processes the recording would target and what their TLS is."""
+    from capture.ebpf import tlslibs
+
+    if pid:
+        pids, scope = [pid], f"process {pid}"
+    elif cgroup:
+        pids, scope = tlslibs.cgroup_pids(cgroup), f"the processes of {cgroup}"
+    elif port:
+        pids, scope = tlslibs.port_pids(port), f"the processes with a TCP socket on port {port}"
+    else:
+        pids, scope = tlslibs.all_pids(), "every process"
+    rows = [p.as_dict() for p in tlslibs.inspect_all(pids) if p.files or p.error or pid]
+    if as_json:
+        click.echo(json.dumps({"scope": scope, "processes": rows}, indent=2))
+        return
+    if not rows:
+        click.echo(f"no TLS library in {scope}" + ("" if pids else " (none found)"))
+        return
+    click.echo(f"TLS in {scope}:")
+    for r in rows:
+        click.echo(f"  {r['pid']:>7} {str(r['comm'])[:15]:15} {r['verdict']}")
