@@ -125,6 +125,9 @@ def test_list_tls_names_what_each_process_runs(tmp_path: Path, libssl_copy: Path
     text = subprocess.run([sys.executable, "-m", "harness.cli", "record", "--list-tls", "--pid", str(n.proc.pid)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert text.returncode == 0 and f"{n.proc.pid}" in text.stdout and "read: openssl" in text.stdout, text.stdout
+    doctor = subprocess.run([sys.executable, "-m", "harness.cli", "doctor", "--json", "--pid", str(n.proc.pid)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert json.loads(doctor.stdout)["process"]["verdict"] == mine["verdict"], doctor.stdout[-2000:]
 
 
 def test_list_tls_names_node_and_grpcio_as_not_read_with_the_reason(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from harness.console import make_console
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
-def command(as_json: bool) -> None:
+@click.option("--pid", type=int, default=None, help="also say what TLS this process runs and whether it will be read")
+def command(as_json: bool, pid: int | None) -> None:
     """Show what works on this host, each missing piece with how to fix it.
 
     Exit 0 when the core (replay, proxy, agent on CPU) works, 1 otherwise.
@@ -23,11 +24,16 @@ def command(as_json: bool) -> None:
     Examples:
       shadowtest doctor
       shadowtest doctor --json | jq '.checks[] | select(.ok | not)'
+      shadowtest doctor --pid $(pgrep -o nginx)
     """
     from harness import doctor
 
     checks = doctor.run_checks()
     report = doctor.as_json(checks)
+    if pid is not None:
+        from capture.ebpf.tlslibs import Inspector
+
+        report["process"] = Inspector().process(pid).as_dict()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -41,4 +47,8 @@ def command(as_json: bool) -> None:
         console.print(table)
         for name, verdict in doctor.capture_backends(checks).items():
             console.print(f"capture backend [bold]{escape(name)}[/]: {escape(verdict)}")
+        if pid is not None:
+            proc = report["process"]
+            assert isinstance(proc, dict)
+            console.print(f"TLS of process {pid} ({escape(str(proc['comm']))}): {escape(str(proc['verdict']))}")
     sys.exit(0 if report["ok"] else 1)
