@@ -72,6 +72,9 @@ class Recorder:
                 "redaction_rules": self.redactor.specs, "recorder_pid": os.getpid(), "decode": self.options.decode}
 
     def start(self) -> Recorder:
+        preflight = getattr(self.backend, "preflight", None)
+        if preflight is not None:
+            preflight()        # missing privileges fail here, before a file is created or replaced
         writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
         try:
             self.sink = FlowSink(writer, self.redactor, self.options.decode)
@@ -82,6 +85,7 @@ class Recorder:
             self.backend.start(self.sink)
         except BaseException:
             writer.close()
+            writer.remove()    # a recording that never started is no recording: leave no file behind
             self.sink = None   # nothing started: stop() has nothing to stop (it would write to a closed file)
             raise
         self._started_ns = self.clock.now_ns()   # after the (slow) eBPF load: capture starts now

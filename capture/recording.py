@@ -488,6 +488,11 @@ class RecordingWriter:
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()
 
+    def remove(self) -> None:
+        """Delete the (closed) file this writer created, and SQLite's side files."""
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(str(self.path) + suffix).unlink(missing_ok=True)
+
     def __enter__(self) -> RecordingWriter:
         return self
 

@@ -92,7 +92,7 @@ def tls_capture_check() -> Check:
     """TLS plaintext capture: the system libssl found, and a uprobe on it attached and fired (this
     process's own ssl module runs a handshake step through it)."""
     name = "TLS capture (uprobes on libssl)"
-    fix = ("needs root, bcc and uprobes (CONFIG_UPROBE_EVENTS) and the system libssl.so.3 (apt-get install "
+    fix = ("needs root (or the capabilities capture/privileges.py names), bcc and uprobes (CONFIG_UPROBE_EVENTS) and the system libssl.so.3 (apt-get install "
            "libssl3); without it TLS flows are recorded as ciphertext and listed as encrypted")
     try:
         from capture.ebpf.tls import find_libssl, libssl_version, probe_uprobe
@@ -100,8 +100,11 @@ def tls_capture_check() -> Check:
         libssl = find_libssl()
         if libssl is None:
             return Check(name, False, "no libssl.so.3 found (ldconfig -p)", fix)
-        if os.geteuid() != 0:
-            return Check(name, False, f"{libssl} found; uprobes need root", fix)
+        from capture import privileges
+
+        needed = privileges.RECORDER + privileges.TLS
+        if lacking := privileges.missing(needed):
+            return Check(name, False, f"{libssl} found; {privileges.refusal('uprobes', lacking, needed)}", fix)
         hits = probe_uprobe(libssl)
     except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
         return Check(name, False, f"uprobe does not attach: {str(exc).splitlines()[0][:120]}", fix)

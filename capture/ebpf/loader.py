@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from capture import privileges
 from capture.backends import RecordOptions
 from capture.ebpf import procnet
 from capture.ebpf.ringbuf import RingReader
@@ -250,10 +251,14 @@ class EbpfBackend:
                 "max_bytes": self._max_bytes, "ring_pages": ring_pages(self.options),
                 "cgroup_id": self.cgroup_id, "cgroup_v1_tgids": self.tgid_map}
 
+    def preflight(self) -> None:
+        """Raise PrivilegeError when this process lacks a capability the backend needs."""
+        if lacking := privileges.missing(privileges.RECORDER):
+            raise PrivilegeError(privileges.refusal("the ebpf backend", lacking, privileges.RECORDER)
+                                 + "; or use --backend proxy (unprivileged)")
+
     def _load(self) -> _Bcc:
-        if os.geteuid() != 0:
-            raise PrivilegeError("the ebpf backend needs root (CAP_BPF + CAP_PERFMON): run as root, "
-                                 "or use --backend proxy (unprivileged) or pcap")
+        self.preflight()
         try:
             from bcc import BPF
         except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+from capture import privileges
 from capture.backends import RecordOptions
 from capture.ebpf.loader import SockInfo, rename_maps
 from capture.ebpf.ringbuf import RingReader
@@ -166,8 +167,9 @@ class TlsProgram:
 
     def __init__(self, options: RecordOptions, libssl: str, cgroup_id: int = 0,
                  names: dict[str, str] | None = None) -> None:
-        if os.geteuid() != 0:
-            raise PrivilegeError("TLS capture needs root (uprobes)")
+        if lacking := privileges.missing(privileges.RECORDER + privileges.TLS):
+            raise PrivilegeError(privileges.refusal("TLS capture (uprobes)", lacking,
+                                                    privileges.RECORDER + privileges.TLS))
         try:
             from bcc import BPF
         except Exception as exc:  # noqa: BLE001 - bcc can fail with plain Exception
