@@ -20,7 +20,8 @@ more p99, zero lost events at 3,000 calls/s, recorder CPU <= 5 % of a core per 1
 Choose --rate below the agent's knee (~500 calls/s for the light tier on the 2-core dev host), or
 the p99 comparison measures the agent's queueing, not the recorder. Needs root + bcc; run as
 `.venv/bin/python bench/capture_overhead.py [--rate 400 --duration 8 --pairs 2 --decode live|at-stop|later]
-[--max-bytes N] [--large-calls 10 --large-mb 4]`.
+[--max-bytes N] [--large-calls 10 --large-mb 4]`; the import alone, with tcpdump and tshark on the same
+file beside it (no root needed): `.venv/bin/python bench/capture_overhead.py --import-only`.
 """
 
 from __future__ import annotations
@@ -171,8 +172,12 @@ def burst(agent: AgentProcess, port: int, tmp: Path, rate: float, duration: floa
                 "lost": r.meta.get("lost_events", 0), "truncated": r.meta.get("truncated_events", 0)}
 
 
-def import_speed(tmp: Path, packets: int) -> dict[str, float]:
-    """Write a `packets`-packet pcap of gRPC conversations, then time `import_capture` on it."""
+def import_speed(tmp: Path, packets: int, peers: bool = True) -> dict[str, Any]:
+    """Write a `packets`-packet pcap of gRPC conversations, then time `import_capture` on it (wall and
+    CPU seconds, in this process), our framing alone (`capture.pcapfile.read_packets`), and the peers
+    on the same file: `tcpdump -r FILE -w /dev/null` (libpcap's framing, in C) and tshark dissecting it
+    (TCP reassembly and HTTP/2 headers: the nearest to what import does), each the whole command, with
+    its start-up (the same command on a header-only file) measured beside it."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_capture_pcap import _segments, _write_pcap  # the tests' own generator
 
@@ -193,12 +198,61 @@ def import_speed(tmp: Path, packets: int) -> dict[str, float]:
         conn += 1
     pkts = pkts[:packets]
     _write_pcap(tmp / "big.pcap", pkts)
+    _write_pcap(tmp / "empty.pcap", [])
     from capture.pcap_import import import_capture
+    from capture.pcapfile import read_packets
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = import_capture(str(tmp / "big.pcap"), str(tmp / "big.rec"))
-    return {"packets": res.packets, "seconds": time.perf_counter() - t0, "calls": res.sink.calls,
-            "flows": res.sink.flows}
+    out: dict[str, Any] = {"packets": res.packets, "seconds": time.perf_counter() - t0,
+                           "cpu_s": time.process_time() - c0, "calls": res.sink.calls, "flows": res.sink.flows}
+    t0 = time.perf_counter()
+    framed = sum(1 for _ in read_packets(str(tmp / "big.pcap"), []))
+    out["framing_s"] = time.perf_counter() - t0
+    assert framed == res.packets
+    out["peers"] = _peers(tmp) if peers else []
+    return out
+
+
+_PEERS = {"tcpdump": ["tcpdump", "-r", "{file}", "-w", "/dev/null"],
+          "tshark": ["tshark", "-r", "{file}", "-d", "tcp.port==50051,http2", "-T", "fields", "-e",
+                     "http2.headers.path"]}
+
+
+def _peers(tmp: Path) -> list[dict[str, Any]]:
+    """(command, seconds on the capture, seconds on a header-only file) for each peer installed."""
+    import shutil
+
+    out = []
+    for name, argv in _PEERS.items():
+        if shutil.which(name) is None:
+            out.append({"name": name, "missing": True})
+            continue
+        timed = {}
+        for which in ("big", "empty"):
+            cmd = [a.format(file=tmp / f"{which}.pcap") for a in argv]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=600)
+            timed[which] = time.perf_counter() - t0
+        out.append({"name": name, "command": " ".join(a.format(file="big.pcap") for a in argv) + " >/dev/null",
+                    "seconds": timed["big"], "startup_s": timed["empty"]})
+    return out
+
+
+def print_import(i: dict[str, Any]) -> None:
+    n = i["packets"]
+    print(f"pcap import: {n} packets in {i['seconds']:.2f} s = {n / i['seconds']:.0f} "
+          f"packets/s ({i['cpu_s']:.2f} CPU s), {i['flows']} flows, {i['calls']} calls   (target: well under 60 s; "
+          "issue 28: >= 200,000 packets/s)")
+    print(f"  framing alone (capture.pcapfile.read_packets): {i['framing_s']:.3f} s = "
+          f"{n / i['framing_s']:.0f} packets/s")
+    for p in i["peers"]:
+        if p.get("missing"):
+            print(f"  {p['name']}: not installed")
+            continue
+        net = p["seconds"] - p["startup_s"]
+        print(f"  {p['command']}: {p['seconds']:.3f} s = {n / p['seconds']:.0f} packets/s whole command "
+              f"(start-up {p['startup_s']:.3f} s; without it {n / net if net > 0 else float('inf'):.0f} packets/s)")
 
 
 def _large_load(port: int, calls: int, size: int) -> tuple[float, int]:
@@ -275,7 +329,13 @@ def main() -> None:
     ap.add_argument("--max-bytes", type=int, default=None, help="the recorder's --max-bytes (default: its own)")
     ap.add_argument("--large-calls", type=int, default=10, help="large-message path: unary calls (0: skip)")
     ap.add_argument("--large-mb", type=float, default=4, help="large-message path: MiB each way per call")
+    ap.add_argument("--import-only", action="store_true",
+                    help="only the pcap import (and its peers, tcpdump and tshark, on the same file): no root, no agent")
     args = ap.parse_args()
+    if args.import_only:
+        with tempfile.TemporaryDirectory() as d:
+            print_import(import_speed(Path(d), args.packets))
+        return
     global MAX_BYTES
     MAX_BYTES = args.max_bytes
     with tempfile.TemporaryDirectory() as d, AgentProcess(tier="light") as agent:
@@ -321,9 +381,7 @@ def main() -> None:
                   f"{g['traced_cpu_s']:.2f} s vs {statistics.median(g['base_cpu_runs']):.2f} s unrecorded (runs "
                   f"{[round(x, 2) for x in g['base_cpu_runs']]}) = {g['traced_extra_cpu_s'] / mb * 1000:+.1f} ms per MiB")
     with tempfile.TemporaryDirectory() as d:
-        i = import_speed(Path(d), args.packets)
-        print(f"pcap import: {i['packets']} packets in {i['seconds']:.1f} s = {i['packets'] / i['seconds']:.0f} "
-              f"packets/s, {i['flows']} flows, {i['calls']} calls   (target: well under 60 s)")
+        print_import(import_speed(Path(d), args.packets))
 
 
 if __name__ == "__main__":
