@@ -206,18 +206,21 @@ class Inspector:
 
 
 def _go_reason(where: str, shown: str) -> str | None:
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
+    """None: not a Go binary; else why its crypto/tls is not read (capture/ebpf/goelf.py's analysis)."""
+    from capture.ebpf import goelf
 
     try:
-        with open(where, "rb") as f:
-            elf = ELFFile(f)
-            if elf.get_section_by_name(".go.buildinfo") is None and elf.get_section_by_name(".gopclntab") is None:
-                return None
-    except (OSError, ELFError, ValueError):
+        info = goelf.analyze(where)
+    except goelf.GoElfError as exc:
+        return f"Go binary {shown}? it cannot be analysed ({exc})"
+    if info is None:
         return None
-    return (f"Go binary {shown}: its TLS is Go's own crypto/tls, not OpenSSL; these probes cannot read it "
-            "(record it on its plaintext side, or front it with a proxy that uses OpenSSL)")
+    version = info.go_version or "unknown version"
+    if info.why_not:
+        return f"Go binary {shown} ({version}): {info.why_not}"
+    return (f"Go binary {shown} ({version}): its TLS is Go's own crypto/tls; the binary is analysed (Read/Write "
+            f"entries, {len(info.read_ret_offsets)} returns, offsets from {info.offsets_source}) but Go TLS "
+            "capture is not in the recorder yet: record it on its plaintext side")
 
 
 def _exports(path: str, names: Iterable[bytes]) -> bool:
