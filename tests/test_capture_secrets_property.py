@@ -462,7 +462,7 @@ def check_file(path: Path, windows: np.ndarray) -> None:
 def test_no_six_bytes_of_a_secret_anywhere_after_random_segmentations(tmp_path: Path) -> None:
     rng = random.Random(20261201)
     total_flows = 0
-    for i in range(8):
+    for i in range(4):          # 8 before the CI budget tightened: the same seeds' first half
         sec = Secrets(rng)
         path = tmp_path / f"r{i}.rec"
         flows = 220
@@ -471,14 +471,14 @@ def test_no_six_bytes_of_a_secret_anywhere_after_random_segmentations(tmp_path: 
         windows = sec.windows()
         check_file(path, windows)
         if i % 2:
-            continue              # redact and export half the files (time): 880 flows each
+            continue              # redact and export half the files (time): 440 flows each
         out = tmp_path / f"r{i}.redacted.rec"
         redact_recording(str(path), str(out), build_redactor(False, ["header:x-extra"]))
         check_file(out, windows)
         pcap = tmp_path / f"r{i}.pcapng"
         export_file(str(path), str(pcap))
         assert not leaks(pcap.read_bytes(), windows), f"{pcap.name}: secret bytes in the export"
-    assert total_flows >= 1750          # 3,500 randomly segmented streams (two per flow)
+    assert total_flows >= 880           # 1,760 randomly segmented streams (two per flow)
 
 
 def test_no_credential_field_survives_random_segmentations(tmp_path: Path) -> None:
