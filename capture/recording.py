@@ -75,15 +75,18 @@ import functools
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from capture.errors import CorruptRecordingError, RecordingError
 from capture.rowcrc import row_matches, with_call_crcs, with_chunk_crcs, with_message_crcs
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 SCHEMA_VERSION = 1
 # calls.status_message of a call whose trailers were recorded but refer to HPACK entries from before the
@@ -279,6 +282,15 @@ def _create_private(path: Path, overwrite: bool) -> None:
     os.close(fd)
 
 
+def _locked(method: _F) -> _F:
+    """Run `method` holding the writer's lock (RecordingWriter: one thread at a time)."""
+    @functools.wraps(method)
+    def run(self: RecordingWriter, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(_F, run)
+
+
 class RecordingWriter:
     """Append flows, chunks and calls to a new recording file.
 
@@ -295,6 +307,10 @@ class RecordingWriter:
     def __init__(self, path: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
                  overwrite: bool = False, flush_interval_s: float = 0.5, existing: bool = False) -> None:
         self.path = Path(path)
+        # Every public method holds it: the recorder writes from its decode thread while others set
+        # meta, and two commits at once wrote the same queued rows twice (a batch of messages stored
+        # twice: each call got another's answer as well).
+        self._lock = threading.RLock()
         if existing:
             if not self.path.is_file():
                 raise RecordingError(f"{self.path}: no such recording")
@@ -333,11 +349,13 @@ class RecordingWriter:
         self.set_meta(base | (meta or {}))
         self.flush()
 
+    @_locked
     def set_meta(self, values: dict[str, Any]) -> None:
         self._db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                              [(k, json.dumps(v)) for k, v in values.items()])
         self._maybe_commit()
 
+    @_locked
     def add_flow(self, flow: Flow) -> int:
         cur = self._db.execute(
             "INSERT INTO flows(src_addr, src_port, dst_addr, dst_port, pid, comm, opened_ns, closed_ns,"
@@ -347,6 +365,7 @@ class RecordingWriter:
         self._maybe_commit()
         return int(cur.lastrowid or 0)
 
+    @_locked
     def update_flow(self, flow_id: int, **fields: Any) -> None:
         """Set columns of a flow already written, e.g. `closed_ns=...` or `protocol='grpc'`."""
         allowed = {"closed_ns", "protocol", "pid", "comm", "opened_ns", "joined_midstream"}
@@ -357,21 +376,25 @@ class RecordingWriter:
         self._db.execute(f"UPDATE flows SET {cols} WHERE id = ?", (*fields.values(), flow_id))
         self._maybe_commit()
 
+    @_locked
     def add_chunk(self, chunk: Chunk) -> None:
         self.add_chunk_data(chunk.flow_id, chunk.direction, chunk.ts_ns, chunk.data)
 
+    @_locked
     def add_chunk_data(self, flow_id: int, direction: Direction, ts_ns: int, data: bytes) -> None:
         """`add_chunk` without building a Chunk first (the recorder's per-syscall path)."""
         data = bytes(data)
         self._chunk_rows.append((flow_id, direction, ts_ns, data))
         self._maybe_commit()
 
+    @_locked
     def add_gap(self, flow_id: int, direction: Direction, chunks_before: int, nbytes: int | None,
                 how: str | None = None) -> None:
         """Bytes of `direction` not captured after its first `chunks_before` chunks (nbytes None: unknown)."""
         self._gap_rows.append((flow_id, direction, chunks_before, nbytes, how))
         self._maybe_commit()
 
+    @_locked
     def add_call(self, call: Call) -> int:
         """Queue a call and its messages for the next commit; returns the call's id.
 
@@ -409,6 +432,7 @@ class RecordingWriter:
             text = self._meta_json[key] = json.dumps(metadata)
         return text
 
+    @_locked
     def clear_calls(self) -> None:
         """Drop every call and message (a decode that was cut short is redone from the chunks)."""
         self._call_rows, self._message_rows = [], []
@@ -417,10 +441,12 @@ class RecordingWriter:
         self._written["calls"] = self._written["messages"] = 0
         self._maybe_commit()
 
+    @_locked
     def meta_value(self, key: str, default: Any = None) -> Any:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
+    @_locked
     def flow_rows(self) -> list[tuple[int, bool, int | None]]:
         """(id, joined_midstream, closed_ns) of every flow written so far."""
         return [(int(r[0]), bool(r[1]), r[2])
@@ -473,6 +499,7 @@ class RecordingWriter:
             self._message_rows = []
         db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('rows_written', ?)", (json.dumps(written),))
 
+    @_locked
     def flush(self) -> None:
         """Write the queued rows and commit; after this a SIGKILL loses none of it."""
         try:
@@ -482,6 +509,7 @@ class RecordingWriter:
             raise RecordingError(f"cannot write {self.path}: {exc}") from exc
         self._last_commit = time.monotonic()
 
+    @_locked
     def close(self) -> None:
         self.flush()
         # Fold the WAL back so the recording is one self-contained file when the recorder exits.

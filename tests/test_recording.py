@@ -369,3 +369,38 @@ def test_the_writer_s_fast_row_crcs_equal_the_checker_s() -> None:
     assert [r[-1] for r in with_message_crcs(messages)] == [message_crc(*r) for r in messages]
     assert [r[-1] for r in with_call_crcs(calls)] == [call_crc(*r[1:]) for r in calls]
     assert [r[:-1] for r in with_call_crcs(calls)] == calls
+
+
+def test_writes_from_two_threads_store_each_row_once(tmp_path: Path) -> None:
+    # The recorder's decode thread adds calls while another thread sets meta (the recorder does so once
+    # its backend is up, after the TLS program loaded): each commit then ran twice at once, and a batch
+    # of up to half a second of messages was stored twice, each call given another's answer as well.
+    import threading
+
+    w = RecordingWriter(tmp_path / "r.rec", flush_interval_s=0.0)
+    fid = w.add_flow(Flow(src=("127.0.0.1", 1), dst=("127.0.0.1", 2), pid=1, comm="t", opened_ns=1))
+    stop = threading.Event()
+
+    def meta() -> None:
+        i = 0
+        while not stop.is_set():
+            w.set_meta({"backend_settings": {"n": i}})
+            i += 1
+
+    other = threading.Thread(target=meta)
+    other.start()
+    try:
+        for i in range(2000):
+            w.add_call(Call(flow_id=fid, protocol="http1", method="GET /x", request_ts_ns=i,
+                            requests=[Message("c2s", 0, i, b"q" * 64)], responses=[Message("s2c", 0, i, b"a" * 64)]))
+            w.add_chunk_data(fid, "c2s", i, b"x")
+    finally:
+        stop.set()
+        other.join(10)
+    w.close()
+    with Recording(tmp_path / "r.rec") as r:
+        calls = list(r.calls())
+        chunks = list(r.chunks(fid))
+    assert len(calls) == 2000 and len(chunks) == 2000
+    per_call = [(len(c.requests), len(c.responses)) for c in calls]
+    assert per_call == [(1, 1)] * 2000, [p for p in per_call if p != (1, 1)][:5]
