@@ -7,8 +7,11 @@ compact JSON ``{"error":"<message>","status":<code>}`` -- so Content-Type `text/
 failure); creates answer 201 (toxics 200, as Toxiproxy does), deletes and /reset 204. Mutating answers
 also carry `X-Shadowtest-Applied-At`: CLOCK_MONOTONIC seconds when every live connection had switched.
 
-One route is shadowtest's own, never part of Toxiproxy's answers: `GET /proxies/{name}/effects`,
-what each toxic of that proxy was measured to do (`{toxic_name: {...}}`, removed toxics included).
+Two routes are shadowtest's own, never part of Toxiproxy's answers: `GET /proxies/{name}/effects`,
+what each toxic of that proxy was measured to do (`{toxic_name: {...}}`, removed toxics included), and
+`GET /proxies/{name}/flows`, how its connections move bytes (`{"connections": [{"upstream": {"mode":
+"fast"|"chunk", "fast_bytes", "spliced_bytes", "chunk_bytes", "to_fast", "to_chunk"}, "downstream":
+{...}}, ...], "closed": {the counts of closed connections, summed}}`).
 """
 
 from __future__ import annotations
@@ -129,6 +132,10 @@ async def _effects(c: ProxyCollection, v: dict[str, str], raw: Any) -> Reply:
     return 200, c.get(v["proxy"]).effects.to_json()
 
 
+async def _flows(c: ProxyCollection, v: dict[str, str], raw: Any) -> Reply:
+    return 200, c.get(v["proxy"]).flow_stats()
+
+
 async def _version(c: ProxyCollection, v: dict[str, str], raw: Any) -> Reply:
     return 200, f'{{"version": "{VERSION}"}}\n'
 
@@ -145,6 +152,7 @@ ROUTES: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
     (re.compile(rf"^/proxies/{_P}/toxics/{_T}$"), {"GET": _toxic_show, "POST": _toxic_update,
                                                    "PATCH": _toxic_update, "DELETE": _toxic_delete}),
     (re.compile(rf"^/proxies/{_P}/effects$"), {"GET": _effects}),
+    (re.compile(rf"^/proxies/{_P}/flows$"), {"GET": _flows}),
     (re.compile(r"^/version$"), {"GET": _version}),
 ]
 _MUTATING = {"POST", "PATCH", "DELETE"}

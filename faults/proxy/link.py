@@ -1,7 +1,11 @@
 """One direction of one proxied connection: a chain of toxic stages between a reader and a writer.
 
     source socket --push--> head Channel -> [Stage: toxic] -> Channel -> [Stage] -> tail -> writer -> dest
-                    \\____ no toxics and nothing queued: written straight to dest (fast path) ____/
+                    \\____ no toxics and nothing queued: written straight to dest (direct write) ____/
+
+Bytes reach `push` only on the chunk path: while a direction has no toxic, nothing queued here and no
+call tap on its connection, its `flow.Flow` moves them socket to socket without a chunk (flow.py), and
+`stages` and `tail` are what it checks before each read.
 
 Adding or removing a toxic interrupts only its neighbours, as Toxiproxy's ToxicLink does: the
 interrupted stage flushes the chunk it held (minus what it already sent) into its output, the

@@ -1,4 +1,11 @@
-"""A proxy (listener -> upstream) and the connections it carries, each with two toxic links."""
+"""A proxy (listener -> upstream) and the connections it carries, each with two toxic links.
+
+A connection's two sockets are its own (`flow.Sock`); each direction (`flow.Flow`) reads its source and
+moves what it read by the fast path (no chunk, no tap, no link) while its gate (`Connection._gate_up`,
+`_gate_down`) allows: no call tap on the connection, its protocol detected, no toxic and nothing queued
+on that direction's link. Otherwise, and from the first read after a toxic is added, bytes take the
+chunk path: the tap (HTTP/1.x, HTTP/2), then the link's toxic stages and writer.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,11 @@ import random
 import socket
 import struct
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 from faults.proxy.calls import CALL_TOXICS, CallRule
 from faults.proxy.channel import CLOSE, EOF, RESET, Chunk
+from faults.proxy.flow import Flow, Listener, Sock, dial
 from faults.proxy.h1tap import H1Tap, looks_like_http1
 from faults.proxy.h2tap import EffectRule, H2Tap
 from faults.proxy.link import Link
@@ -22,6 +30,7 @@ from wire.h2 import PREFACE
 log = logging.getLogger(__name__)
 _EARLY_LIMIT = 1 << 20
 TAP_COUNTS = ("calls_seen", "calls_delayed", "calls_failed", "calls_cut")   # what each tap counts
+FLOW_COUNTS = ("fast_bytes", "spliced_bytes", "chunk_bytes", "to_fast", "to_chunk")  # what each direction counts
 _WRITE_HIGH = 1 << 20  # server bytes kept until we know whether the connection speaks HTTP/2
 EFFECTS_KEPT = 256     # toxic names whose measured effect a proxy keeps (the newest), removed or not
 
@@ -67,49 +76,20 @@ def split_hostport(addr: str) -> tuple[str, int]:
     return host, int(port or 0)
 
 
-class _Side(asyncio.Protocol):
-    def __init__(self, proxy: Proxy | None, conn: Connection | None, role: str) -> None:
-        self.proxy, self.conn, self.role = proxy, conn, role
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.role == "client":
-            assert self.proxy is not None
-            client = cast(asyncio.Transport, transport)   # a stream server's transport; typed as the base
-            client.pause_reading()
-            self.conn = Connection(self.proxy, client)
-
-    def data_received(self, data: bytes) -> None:
-        if self.conn is not None:
-            self.conn.on_data(self.role, data)
-
-    def eof_received(self) -> bool:
-        if self.conn is not None:
-            self.conn.on_eof(self.role)
-        return True  # keep our write side open: the other direction may still be flowing
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.conn is not None:
-            self.conn.on_lost(self.role)
-
-    def pause_writing(self) -> None:
-        if self.conn is not None:
-            self.conn.dest_paused(self.role, True)
-
-    def resume_writing(self) -> None:
-        if self.conn is not None:
-            self.conn.dest_paused(self.role, False)
-
-
 class Connection:
     """client <-> proxy <-> upstream, with `up` (client->upstream) and `down` links."""
 
-    def __init__(self, proxy: Proxy, client: asyncio.Transport) -> None:
-        self.proxy, self.client = proxy, client
+    def __init__(self, proxy: Proxy, client: socket.socket) -> None:
+        self.proxy = proxy
         self.loop = asyncio.get_running_loop()
+        self.client = Sock(self.loop, client, "client", _WRITE_HIGH)
+        self.client.on_lost = self.on_lost
         self.rng = random.Random(proxy.rng.getrandbits(64))
-        self.upstream: asyncio.Transport | None = None
+        self.upstream: Sock | None = None
         self.up: Link | None = None
         self.down: Link | None = None
+        self.up_flow: Flow | None = None
+        self.down_flow: Flow | None = None
         self.tap: H2Tap | H1Tap | None = None
         self._proto_known = False
         self._early_down: list[bytes] = []
@@ -134,35 +114,54 @@ class Connection:
     async def _open(self) -> None:
         try:
             host, port = split_hostport(self.proxy.upstream)
-            self.upstream, _ = await self.loop.create_connection(lambda: _Side(None, self, "upstream"), host, port)
+            sock = await dial(self.loop, host, port)
         except (OSError, ValueError, OverflowError) as exc:
             # One line, and the client is closed at once (as Toxiproxy does), never held open.
             log.warning("proxy %s: upstream %s unreachable: %s", self.proxy.name, self.proxy.upstream, exc)
             return self.close()
-        if self.closed:  # the client went away (or the proxy was disabled) while we dialled
-            self.upstream.close()
+        if self.closed:  # the proxy was disabled while we dialled
+            sock.close()
             return
-        up_t, cl_t = self.upstream, self.client
-        for t in (up_t, cl_t):  # fewer pause/resume round trips on bulk transfers
-            t.set_write_buffer_limits(high=_WRITE_HIGH)
+        up_s, cl_s = Sock(self.loop, sock, "upstream", _WRITE_HIGH), self.client
+        self.upstream = up_s
+        up_s.on_lost = self.on_lost
         effect_of = self.proxy.effects.of
-        self.up = Link(up_t.write, lambda k: self._end("upstream", k), lambda p: self._pause(cl_t, p), self.close,
-                       effect_of)
-        self.down = Link(cl_t.write, lambda k: self._end("downstream", k), lambda p: self._pause(up_t, p),
-                         self.close, effect_of)
-        self.up.build(self.proxy.stage_specs("upstream"), self.rng)
-        self.down.build(self.proxy.stage_specs("downstream"), self.rng)
+        self.up = up = Link(up_s.write, lambda k: self._end("upstream", k), self._pause_client, self.close,
+                            effect_of)
+        self.down = down = Link(cl_s.write, lambda k: self._end("downstream", k), self._pause_upstream,
+                                self.close, effect_of)
+        up_s.on_write_paused = up.set_dest_paused
+        cl_s.on_write_paused = down.set_dest_paused
+        self.up_flow = Flow(cl_s, up_s, self._gate_up, self.on_data, self.on_eof)
+        self.down_flow = Flow(up_s, cl_s, self._gate_down, self.on_data, self.on_eof)
+        up.build(self.proxy.stage_specs("upstream"), self.rng)
+        down.build(self.proxy.stage_specs("downstream"), self.rng)
         for role, data in self._pre:
             self.on_data(role, data) if data is not None else self.on_eof(role)
         self._pre.clear()
         if not self.closed:
-            cl_t.resume_reading()
+            self.up_flow.start()
+            self.down_flow.start()
 
-    @staticmethod
-    def _pause(transport: asyncio.Transport, paused: bool) -> None:
-        if transport.is_closing():
-            return
-        transport.pause_reading() if paused else transport.resume_reading()
+    def _gate_up(self) -> bool:
+        """Whether the upstream direction may move its next read by the fast path: nothing would look
+        at it (no call tap, the protocol detected, no toxic) and nothing is queued ahead of it."""
+        up = self.up
+        return self.tap is None and self._proto_known and up is not None and not up.stages and not up.tail.items
+
+    def _gate_down(self) -> bool:
+        """`_gate_up` for the downstream direction."""
+        down = self.down
+        return (self.tap is None and self._proto_known and down is not None and not down.stages
+                and not down.tail.items)
+
+    def _pause_client(self, paused: bool) -> None:
+        if self.up_flow is not None:
+            self.up_flow.pause(paused)
+
+    def _pause_upstream(self, paused: bool) -> None:
+        if self.down_flow is not None:
+            self.down_flow.pause(paused)
 
     # --- socket events --------------------------------------------------------------------------
     def on_data(self, role: str, data: bytes) -> None:
@@ -246,11 +245,6 @@ class Connection:
         if len(self._lost) == 2 or (self.up is None and role == "client"):
             self.close()
 
-    def dest_paused(self, role: str, paused: bool) -> None:
-        link = self.down if role == "client" else self.up
-        if link is not None:
-            link.set_dest_paused(paused)
-
     # --- ends -----------------------------------------------------------------------------------
     def _end(self, direction: str, kind: int) -> None:
         if kind == RESET:
@@ -284,20 +278,28 @@ class Connection:
         self.proxy.connections.discard(self)
         for key, value in self.call_counts().items():
             self.proxy.closed_totals[key] += value
+        for flow in (self.up_flow, self.down_flow):
+            if flow is not None:
+                for key in FLOW_COUNTS:
+                    self.proxy.closed_flows[key] += getattr(flow, key)
 
     def call_counts(self) -> dict[str, int]:
         """This connection (1) and the calls its tap saw, delayed, failed and cut short (0 untapped)."""
         return {"connections": 1} | {k: getattr(self.tap, k, 0) for k in TAP_COUNTS}
+
+    def flow_stats(self) -> dict[str, dict[str, int | str]]:
+        """Per direction: the way its last read went (fast or chunk), bytes each way, switches."""
+        return {name: flow.stats() for name, flow in (("upstream", self.up_flow), ("downstream", self.down_flow))
+                if flow is not None}
 
     def reset(self) -> None:
         """Abort both sockets with SO_LINGER 0, so each peer gets a TCP RST."""
         for t in (self.client, self.upstream):
             if t is None:
                 continue
-            sock = t.get_extra_info("socket")
-            if sock is not None:
+            if not t.closed:
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 except OSError:
                     pass
             t.abort()
@@ -314,8 +316,9 @@ class Proxy:
         self.toxics: list[ToxicSpec] = []
         self.connections: set[Connection] = set()
         self.closed_totals = dict.fromkeys(("connections", *TAP_COUNTS), 0)
+        self.closed_flows = dict.fromkeys(FLOW_COUNTS, 0)
         self.effects = EffectLog()
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
 
     def to_json(self, with_toxics: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "listen": self.listen, "upstream": self.upstream,
@@ -331,19 +334,28 @@ class Proxy:
     def stage_specs(self, direction: str) -> list[ToxicSpec]:
         return [t for t in self.toxics if t.stream == direction and t.toxic.stage]
 
+    def _accepted(self, sock: socket.socket) -> None:
+        Connection(self, sock)
+
+    def flow_stats(self) -> dict[str, Any]:
+        """How each live connection's directions move bytes (`Connection.flow_stats`), and the byte and
+        switch counts of the closed ones summed."""
+        return {"connections": [c.flow_stats() for c in self.connections], "closed": dict(self.closed_flows)}
+
     def find(self, name: str) -> ToxicSpec | None:
         return next((t for t in self.toxics if t.name == name), None)
 
     async def start(self) -> None:
         if self.enabled:
             return
+        listener = Listener(asyncio.get_running_loop(), self._accepted)
         try:
             host, port = split_hostport(self.listen)
-            self._server = await asyncio.get_running_loop().create_server(
-                lambda: _Side(self, None, "client"), host, port, reuse_address=True)
-        except (OSError, ValueError) as exc:
+            await listener.start(host, port)
+        except (OSError, ValueError, OverflowError) as exc:
             raise ApiError(f"listen tcp {self.listen}: {exc}", 500) from exc
-        sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
+        self._server = listener
+        sock_host, sock_port = listener.sockets[0].getsockname()[:2]
         self.listen = f"{sock_host}:{sock_port}" if ":" not in sock_host else f"[{sock_host}]:{sock_port}"
         self.enabled = True
 

@@ -262,6 +262,16 @@ class EmbeddedToxiproxy:
 
         return self.call(run)
 
+    def flows(self, proxy: str) -> dict[str, Any]:
+        """How the proxy's connections move bytes: per live connection and direction the way its last
+        read went ("fast": straight from socket to socket; "chunk": through the tap and toxics), the
+        bytes each way and the switches; the closed connections' counts summed (`Proxy.flow_stats`)."""
+
+        async def run(c: ProxyCollection) -> dict[str, Any]:
+            return c.get(proxy).flow_stats()
+
+        return self.call(run)
+
 
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: the proxy subprocess never outlives the run that started it
