@@ -87,7 +87,7 @@ async def _connect(cfg: TrafficConfig) -> aio.Channel:
         aio.secure_channel(cfg.target, tls.grpc_credentials(), options=tls.grpc_options())
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout=cfg.connect_timeout_s)
-    except (TimeoutError, asyncio.TimeoutError) as exc:
+    except TimeoutError as exc:
         await channel.close()
         why = "is the agent running (`shadowtest agent serve`)?" if tls is None else \
             "over TLS: is it running, and do its certificate and name fit --ca, --server-name, --cert?"

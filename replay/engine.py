@@ -495,7 +495,7 @@ class ReplayRun:
         self.stats.on_sent(live.intended_ns, live.sent_ns)
         try:
             out = await sender.call(p, requests, self.options.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             out = SendOutcome("timeout", "CLIENT_TIMEOUT")
         except asyncio.CancelledError:
             out = self._cancelled(live)

@@ -60,7 +60,7 @@ class Http1Sender:
             except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
                 await self._drop(conn)
                 return SendOutcome(CONNECTION_ERROR, "CONNECTION", detail=str(exc))
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 await self._drop(conn)  # a half-read response poisons the connection
                 return SendOutcome("timeout", "TIMEOUT")
             except ValueError as exc:

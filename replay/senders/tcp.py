@@ -37,7 +37,7 @@ class TcpSender:
                     self.host, self.port, ssl=self.ssl, server_hostname=self.server_name), timeout_s)
         except ssl.SSLError as exc:
             return SendOutcome(CONNECTION_ERROR, "TLS", detail=describe(exc, self.server_name))
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             return SendOutcome("timeout", "TIMEOUT", detail=f"TLS: no handshake with {self.server_name} "
                                                                f"within {timeout_s:g} s")
         except OSError as exc:
