@@ -149,15 +149,17 @@ class Inspector:
         crypto = next((m for m in mapped if _LIBCRYPTO.match(os.path.basename(m.path))), None)
         for m in mapped:
             name = os.path.basename(m.path)
-            where = attach_path(pid, m)
             if _LIBSSL.match(name):
+                where = attach_path(pid, m)
                 version = self._version(crypto, pid) if crypto is not None else ""
                 out.files.append(TlsFile("openssl", m.path, where, m.dev, m.ino, bool(where), version,
                                          "" if where else f"{m.path}: the mapped file cannot be opened from here"))
                 continue
-            if not m.executable or not where:
-                continue
             is_exe = (m.dev, m.ino) == (exe.st_dev, exe.st_ino)
+            if not m.executable or not (is_exe or _MAYBE_BORING.search(name)):
+                continue           # libc and the like: not opened at all (a host has thousands of them)
+            if not (where := attach_path(pid, m)):
+                continue
             if is_exe and (go := self._go_reason(m, where)) is not None:
                 out.files.append(TlsFile("go", m.path, where, m.dev, m.ino, False, "", go))
             elif (is_exe or _MAYBE_BORING.search(name)) and self._exports_openssl(m, where):
