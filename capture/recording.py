@@ -376,7 +376,6 @@ class RecordingWriter:
         self._db.execute(f"UPDATE flows SET {cols} WHERE id = ?", (*fields.values(), flow_id))
         self._maybe_commit()
 
-    @_locked
     def add_chunk(self, chunk: Chunk) -> None:
         self.add_chunk_data(chunk.flow_id, chunk.direction, chunk.ts_ns, chunk.data)
 

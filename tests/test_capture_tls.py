@@ -374,14 +374,14 @@ def test_grpcio_tls_server_is_reported_encrypted_with_the_reason(nginx: Nginx, t
     """grpcio's TLS is its own BoringSSL: no plaintext from the uprobes, the flow listed with why."""
     import grpc
 
-    from capture.ebpf.tls import maps_libssl
+    from capture.ebpf.tlslibs import Inspector
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", GRPC_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert),
                              str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        maps = maps_libssl(proc.pid, find_libssl())
+        maps = any(f.kind == "openssl" for f in Inspector().process(proc.pid).files)
         out = tmp_path / "grpc.rec"
 
         def call() -> None:

@@ -106,22 +106,6 @@ def libssl_version(path: str) -> str:
         return "unknown version"
 
 
-def maps_libssl(pid: int, libssl: str | None) -> bool | None:
-    """Whether process `pid` maps the system libssl (None: cannot tell, e.g. it has exited)."""
-    if not libssl:
-        return None
-    try:
-        ino = os.stat(libssl).st_ino
-        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[4] == str(ino) and "libssl" in parts[5]:
-                    return True
-    except OSError:
-        return None
-    return False
-
-
 def max_bytes(options: RecordOptions) -> int:
     """Plaintext bytes kept per SSL call: --max-bytes, at most MAX_BYTES_LIMIT, in whole records."""
     want = min(options.max_bytes, MAX_BYTES_LIMIT)
@@ -339,6 +323,12 @@ def probe_uprobe(libssl: str) -> int:
         b.cleanup()
 
 
+def _library(path: str, inode: int, kind: str, version: str, attached: bool, why_not: str) -> dict[str, object]:
+    """One entry of status["libraries"]: a file found, whether it is probed, the processes mapping it."""
+    return {"path": path, "inode": inode, "kind": kind, "version": version, "attached": attached,
+            "why_not": why_not, "pids": [], "processes": 0}
+
+
 class TlsBackend:
     """The eBPF backend with TLS plaintext capture beside it (see the module docstring).
 
@@ -379,9 +369,10 @@ class TlsBackend:
         if program is None:
             return f"encrypted: {self.off_reason}"
         proc = self._procs.get(pid)
-        if proc is None or proc.error:
+        if proc is None or proc.error:         # not inspected yet, or it could not be: look now
             fresh = self.inspector.process(pid)
-            proc = fresh if not fresh.error or proc is None else proc
+            if proc is None or not fresh.error:
+                proc = fresh
         if proc.error:
             return f"encrypted: no plaintext for this connection, and its process cannot be inspected ({proc.error})"
         named = [f for f in proc.files if not f.readable]
@@ -449,8 +440,7 @@ class TlsBackend:
     def _note_file(self, program: TlsProgram, f: TlsFile, pid: int) -> None:
         entry = self.libraries.get(f.key)
         if entry is None:
-            entry = self.libraries[f.key] = {"path": f.path, "inode": f.ino, "kind": f.kind, "version": f.version,
-                                             "attached": False, "why_not": f.why_not, "pids": [], "processes": 0}
+            entry = self.libraries[f.key] = _library(f.path, f.ino, f.kind, f.version, False, f.why_not)
             if f.readable:
                 try:
                     program.attach(f.attach_path)
@@ -485,9 +475,8 @@ class TlsBackend:
             return
         self.status = {"capture": "on", "libssl": libssl, "version": libssl_version(libssl)}
         st = os.stat(libssl)
-        self.libraries[(st.st_dev, st.st_ino)] = {"path": libssl, "inode": st.st_ino, "kind": "openssl",
-                                                  "version": self.status["version"],
-                                                  "attached": True, "why_not": "", "pids": [], "processes": 0}
+        self.libraries[(st.st_dev, st.st_ino)] = _library(libssl, st.st_ino, "openssl", str(self.status["version"]),
+                                                          True, "")
         self._inspect(program, self._targets())      # what runs now; then new processes as they come
         self._discovery = threading.Thread(target=self._discover, args=(program,), name="tls-discovery", daemon=True)
         self._discovery.start()

@@ -28,6 +28,7 @@ _LIBSSL = re.compile(r"^libssl\.so(\.\d+)*$")            # OpenSSL's, not NSS's 
 _LIBCRYPTO = re.compile(r"^libcrypto\.so(\.\d+)*$")
 _OPENSSL_VERSION = re.compile(rb"OpenSSL \d+\.\d+\.\d+[a-z]?(?:-[\w.]+)? +\d{1,2} \w{3} \d{4}")
 _MAYBE_BORING = re.compile(r"grpc|envoy|boring", re.I)    # files worth searching for BoringSSL's marks
+_BORINGSSL = re.compile(rb"BoringSSL")
 _OPENSSL_API = (b"SSL_read", b"SSL_write")
 _SCAN_CAP = 512 << 20        # never search a file bigger than this for a version or a library's marks
 _MAPS_CAP = 8 << 20          # a maps file bigger than this is not read whole
@@ -156,13 +157,14 @@ class Inspector:
                                          "" if where else f"{m.path}: the mapped file cannot be opened from here"))
                 continue
             is_exe = (m.dev, m.ino) == (exe.st_dev, exe.st_ino)
-            if not m.executable or not (is_exe or _MAYBE_BORING.search(name)):
+            maybe_boring = bool(_MAYBE_BORING.search(name))
+            if not m.executable or not (is_exe or maybe_boring):
                 continue           # libc and the like: not opened at all (a host has thousands of them)
             if not (where := attach_path(pid, m)):
                 continue
             if is_exe and (go := self._go_reason(m, where)) is not None:
                 out.files.append(TlsFile("go", m.path, where, m.dev, m.ino, False, "", go))
-            elif (is_exe or _MAYBE_BORING.search(name)) and self._exports_openssl(m, where):
+            elif self._exports_openssl(m, where):
                 if comm == "node" or name in ("node", "nodejs"):
                     out.files.append(TlsFile(
                         "node", m.path, where, m.dev, m.ino, False, "",
@@ -171,7 +173,7 @@ class Inspector:
                         "probes on its TLSWrap)"))
                 else:
                     out.files.append(TlsFile("openssl-in-binary", m.path, where, m.dev, m.ino, True))
-            elif _MAYBE_BORING.search(name) and self._has_boringssl(m, where):
+            elif maybe_boring and self._has_boringssl(m, where):
                 out.files.append(TlsFile(
                     "boringssl-static", m.path, where, m.dev, m.ino, False, "",
                     f"BoringSSL linked statically into {name} with its symbols hidden (grpcio, Envoy): no "
@@ -188,7 +190,7 @@ class Inspector:
     def _has_boringssl(self, m: _Mapped, where: str) -> bool:
         key = (m.dev, m.ino)
         if key not in self._boring:
-            self._boring[key] = _search(where, re.compile(rb"BoringSSL")) is not None
+            self._boring[key] = _search(where, _BORINGSSL) is not None
         return self._boring[key]
 
     def _version(self, crypto: _Mapped, pid: int) -> str:
