@@ -17,6 +17,7 @@ import pytest
 from agent_under_test.hooks import GuardConfig
 from agent_under_test.metrics_http import MetricsServer
 from agent_under_test.protection import ProtectionGuard
+from tests.polling import wait_for
 
 HALF_SENT = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"   # the blank line that would end the headers never comes
 SLACK_S = 2.0   # generous: the machine is shared
@@ -52,15 +53,6 @@ def address(server: MetricsServer) -> tuple[str, int]:
 
 def handler_threads(server: MetricsServer) -> int:
     return sum(t.name == server.handler_thread_name for t in threading.enumerate())
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def connect(server: MetricsServer, data: bytes = b"") -> socket.socket:

@@ -23,6 +23,7 @@ import pytest
 from faults.proxy import EmbeddedToxiproxy, flow
 from faults.proxy.flow import PIPE_SIZE, READ_MAX
 from faults.testing import EchoServer, connect, read_exactly
+from tests.polling import wait_for
 
 MIB = 1 << 20
 
@@ -80,15 +81,6 @@ def read_to_eof(s: socket.socket, digest: Any) -> int:
 def send_and_end(s: socket.socket, payload: bytes) -> None:
     s.sendall(payload)
     s.shutdown(socket.SHUT_WR)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def live(tp: EmbeddedToxiproxy, proxy: str) -> dict[str, dict[str, Any]]:

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import pytest
 
 from agent_under_test.h2server import LeanServer
 from capture.recording import Call, Flow, Message, RecordingWriter
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_DIR = ROOT / "tests" / "interop" / "node"
@@ -162,13 +162,6 @@ class Hosted:
         self.loop.close()
 
 
-def _wait_for(predicate: Any, timeout_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(predicate())
-
-
 def _json_line(text: str) -> dict[str, Any]:
     lines = [ln for ln in text.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON line in node's output:\n{text[-2000:]}"
@@ -270,7 +263,7 @@ def test_deadline_expires_and_the_handler_is_cancelled(grpcjs: ClientRun) -> Non
     assert r["ms"] < 2000
     service = grpcjs.main.service
     assert "deadline" in service.started
-    assert _wait_for(lambda: "deadline" in service.cancelled), "the handler kept running past the deadline"
+    assert wait_for(lambda: "deadline" in service.cancelled, 3.0), "the handler kept running past the deadline"
 
 
 def test_client_cancel_reaches_the_handler(grpcjs: ClientRun) -> None:
@@ -278,7 +271,7 @@ def test_client_cancel_reaches_the_handler(grpcjs: ClientRun) -> None:
     assert r["code"] == CANCELLED and r["error"]["details"] == "Cancelled on client"
     service = grpcjs.main.service
     assert "cancel" in service.started
-    assert _wait_for(lambda: "cancel" in service.cancelled), "RST_STREAM(CANCEL) did not cancel the handler"
+    assert wait_for(lambda: "cancel" in service.cancelled, 3.0), "RST_STREAM(CANCEL) did not cancel the handler"
 
 
 def test_4mib_messages_both_ways_and_one_byte_over_the_limit(grpcjs: ClientRun) -> None:
