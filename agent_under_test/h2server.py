@@ -626,14 +626,16 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
             return
         self._write_out()
         self.closed = True
-        try:
-            if transport.is_closing() or not transport.can_write_eof():
-                raise ConnectionError("no half-close")
-            transport.write_eof()
-            transport.resume_reading()
-            self.linger_timer = self.loop.call_later(LINGER_S, transport.close)
-        except OSError:  # the client is gone already (reset, not connected): nothing to linger for
+        if transport.is_closing() or not transport.can_write_eof():
             transport.close()
+        else:
+            try:
+                transport.write_eof()
+            except OSError:  # the client is gone already (reset, not connected): nothing to linger for
+                transport.close()
+            else:
+                transport.resume_reading()
+                self.linger_timer = self.loop.call_later(LINGER_S, transport.close)
         self._forget()
 
     def cancel_all(self) -> None:
