@@ -44,7 +44,7 @@ from capture.backends import RecordOptions
 from capture.ebpf.loader import SockInfo, rename_maps
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.tls_join import TlsJoiner
-from capture.ebpf.tlslibs import Inspector, ProcessTls, TlsFile, all_pids, cgroup_pids
+from capture.ebpf.tlslibs import Inspector, ProcessTls, TlsFile, target_pids
 from capture.errors import CaptureError, PrivilegeError
 from capture.sink import FlowSink
 
@@ -389,10 +389,9 @@ class TlsBackend:
 
     # ---- discovery: which files to probe ----------------------------------------------------------
     def _targets(self) -> list[int]:
-        """The processes the recording targets: --pid, the --cgroup's, else every process."""
-        if self.options.pid:
-            return [self.options.pid]
-        return cgroup_pids(self.options.cgroup) if self.options.cgroup else all_pids()
+        """The processes the recording targets: --pid, the --cgroup's, else every process (any may open
+        the recorded port later, so not only those that hold it now)."""
+        return target_pids(self.options.pid, self.options.cgroup)
 
     def _flow_opened(self, pid: int) -> None:
         """A flow of `pid` opened: inspect it again if that was a while ago (it may have exec'd or

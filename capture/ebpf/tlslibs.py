@@ -293,6 +293,15 @@ def port_pids(port: int) -> list[int]:
     return sorted(pids)
 
 
+def target_pids(pid: int | None, cgroup: str | None, port: int = 0) -> list[int]:
+    """The processes a recording targets: --pid, the --cgroup's, the holders of a socket on `port`, else all."""
+    if pid:
+        return [pid]
+    if cgroup:
+        return cgroup_pids(cgroup)
+    return port_pids(port) if port else all_pids()
+
+
 def inspect_all(pids: Iterable[int], inspector: Inspector | None = None) -> Iterator[ProcessTls]:
     inspector = inspector or Inspector()
     for pid in pids:

@@ -328,14 +328,9 @@ def _list_tls(port: int, pid: int | None, cgroup: str | None, as_json: bool) -> 
     """`record --list-tls`: the processes the recording would target and what their TLS is."""
     from capture.ebpf import tlslibs
 
-    if pid:
-        pids, scope = [pid], f"process {pid}"
-    elif cgroup:
-        pids, scope = tlslibs.cgroup_pids(cgroup), f"the processes of {cgroup}"
-    elif port:
-        pids, scope = tlslibs.port_pids(port), f"the processes with a TCP socket on port {port}"
-    else:
-        pids, scope = tlslibs.all_pids(), "every process"
+    pids = tlslibs.target_pids(pid, cgroup, port)
+    scope = (f"process {pid}" if pid else f"the processes of {cgroup}" if cgroup else
+             f"the processes with a TCP socket on port {port}" if port else "every process")
     rows = [p.as_dict() for p in tlslibs.inspect_all(pids) if p.files or p.error or pid]
     if as_json:
         click.echo(json.dumps({"scope": scope, "processes": rows}, indent=2))
