@@ -1,4 +1,5 @@
-"""Shared test set-up: capability-based skips for the `root`, `ebpf` and `gpu` markers.
+"""Shared test set-up: capability-based skips for the `root`, `ebpf` and `gpu` markers, and the Go
+toolchain fixtures (`host_goarch`, `go_version`, `build`) of the tests that build Go peers.
 
 A marked test skips only with a reason that names the missing capability and how to get it.
 """
@@ -7,8 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+from tests.golang import ELF_ARCH, go_cmd
 
 
 @functools.cache
@@ -38,3 +43,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=why))
         if "gpu" in item.keywords and (why := _gpu_problem()):
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(scope="session")
+def host_goarch() -> str:
+    arch = go_cmd("env", "GOARCH").strip()
+    if arch not in ELF_ARCH:
+        pytest.skip(f"the Go tests build for the host and goelf traces amd64/arm64 only (host GOARCH {arch})")
+    return arch
+
+
+@pytest.fixture(scope="session")
+def go_version() -> str:
+    # "go version go1.19.8 linux/amd64"
+    return go_cmd("version").split()[2]
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory: pytest.TempPathFactory, host_goarch: str) -> Callable[..., Path]:
+    """build(name, source, *go build flags, goarch=host) -> the binary; each built once per session.
+    CGO_ENABLED=0 (static, no C compiler), GOPATH mode (no module proxy), GOCACHE under pytest's tmp."""
+    root = tmp_path_factory.mktemp("gobuild")
+    env = {**os.environ, "GOCACHE": str(root / "gocache"), "GOPATH": str(root / "gopath"),
+           "GO111MODULE": "off", "GOFLAGS": "", "CGO_ENABLED": "0", "GOOS": "linux"}
+    built: dict[str, Path] = {}
+
+    def _build(name: str, source: Path, *flags: str, goarch: str | None = None) -> Path:
+        if name not in built:
+            out = root / name
+            go_cmd("build", *flags, "-o", str(out), str(source), env={**env, "GOARCH": goarch or host_goarch},
+                   cwd=root)
+            built[name] = out
+        return built[name]
+
+    return _build

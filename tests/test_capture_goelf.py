@@ -23,61 +23,19 @@ import tracemalloc
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from capture.ebpf import goelf
 from capture.ebpf.goelf import GoElfError, GoStructOffsets, GoTlsInfo
+from tests.golang import ELF_ARCH, GO, GO_SRC, go_cmd
 
-GO = shutil.which("go")
 pytestmark = pytest.mark.skipif(GO is None, reason="needs the Go toolchain (apt-get install golang-go; "
                                                    "scripts/setup.sh does)")
-SRC = Path(__file__).parent / "interop" / "go"
-HTTPS_SRC = SRC / "https_roundtrip.go"
-PLAIN_SRC = SRC / "plain_http.go"
-ELF_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}
+HTTPS_SRC = GO_SRC / "https_roundtrip.go"
+PLAIN_SRC = GO_SRC / "plain_http.go"
 OTHER_GOARCH = {"amd64": "arm64", "arm64": "amd64"}
-
-
-def _go(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-    assert GO is not None
-    proc = subprocess.run([GO, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
-    assert proc.returncode == 0, f"go {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
-    return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def host_goarch() -> str:
-    arch = _go("env", "GOARCH").strip()
-    if arch not in ELF_ARCH:
-        pytest.skip(f"the Go tests build for the host and goelf traces amd64/arm64 only (host GOARCH {arch})")
-    return arch
-
-
-@pytest.fixture(scope="module")
-def go_version() -> str:
-    # "go version go1.19.8 linux/amd64"
-    return _go("version").split()[2]
-
-
-@pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory, host_goarch: str) -> Callable[..., Path]:
-    """build(name, source, *go build flags, goarch=host) -> the binary; each built once per module."""
-    root = tmp_path_factory.mktemp("gobuild")
-    env = {**os.environ, "GOCACHE": str(root / "gocache"), "GOPATH": str(root / "gopath"),
-           "GO111MODULE": "off", "GOFLAGS": "", "CGO_ENABLED": "0", "GOOS": "linux"}
-    built: dict[str, Path] = {}
-
-    def _build(name: str, source: Path, *flags: str, goarch: str | None = None) -> Path:
-        if name not in built:
-            out = root / name
-            _go("build", *flags, "-o", str(out), str(source), env={**env, "GOARCH": goarch or host_goarch},
-                cwd=root)
-            built[name] = out
-        return built[name]
-
-    return _build
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +60,7 @@ def layout(https_bin: Path) -> dict[str, Any]:
 def _nm(binary: Path) -> dict[str, tuple[int, int]]:
     """name -> (address, size) from `go tool nm -size` (its own ELF reader, not goelf's)."""
     syms: dict[str, tuple[int, int]] = {}
-    for line in _go("tool", "nm", "-size", str(binary)).splitlines():
+    for line in go_cmd("tool", "nm", "-size", str(binary)).splitlines():
         parts = line.split(None, 3)
         if len(parts) == 4:
             syms.setdefault(parts[3], (int(parts[0], 16), int(parts[1])))
@@ -122,7 +80,7 @@ def _pt_load_offset(binary: Path, vaddr: int) -> int:
 
 def _go_objdump_rets(binary: Path, func: str) -> list[int]:
     """Addresses of the RET instructions `go tool objdump` lists in `func` (any architecture)."""
-    out = _go("tool", "objdump", "-s", "^" + re.escape(func) + "$", str(binary))
+    out = go_cmd("tool", "objdump", "-s", "^" + re.escape(func) + "$", str(binary))
     rets = [int(m.group(1), 16) for m in re.finditer(r"^\s+\S+\t+0x([0-9a-f]+)\t+[0-9a-f]+\t+RET\b", out, re.M)]
     assert "TEXT " + func in out, out[:2000]
     return rets
@@ -174,6 +132,18 @@ def test_read_returns_match_objdump(https_bin: Path, https_info: GoTlsInfo) -> N
 
 def test_read_returns_match_go_tool_objdump(https_bin: Path, https_info: GoTlsInfo) -> None:
     assert list(https_info.read_ret_vaddrs) == _go_objdump_rets(https_bin, goelf.READ_SYMBOL)
+
+
+def test_write_returns_and_handshake_entry(https_bin: Path, https_info: GoTlsInfo) -> None:
+    """Write is probed at its returns too (an entry probe fires twice when the goroutine's stack grows),
+    and every handshake starts in handshakeContext: both found the way the Read probes are."""
+    rets = _go_objdump_rets(https_bin, goelf.WRITE_SYMBOL)
+    assert rets and list(https_info.write_ret_vaddrs) == rets
+    assert list(https_info.write_ret_offsets) == [_pt_load_offset(https_bin, a) for a in rets]
+    syms = _nm(https_bin)
+    hs = syms["crypto/tls.(*Conn).handshakeContext"][0]
+    assert https_info.handshake_vaddr == hs and https_info.handshake_offset == _pt_load_offset(https_bin, hs)
+    assert https_info.link_base == 0x400000    # non-PIE amd64/arm64: text from offset 0 at 0x400000
 
 
 def test_struct_offsets_from_dwarf_match_reflect_and_table(https_info: GoTlsInfo, layout: dict[str, Any],
@@ -471,8 +441,9 @@ def test_a_running_go_process_is_named_with_what_its_binary_holds(https_bin: Pat
             proc.kill()
             proc.wait(10)
     full = verdicts["full"]
-    assert [f.kind for f in full.files] == ["go"] and not full.files[0].readable
-    assert full.verdict().startswith(f"not read: Go binary {https_bin} ({go_version}): its TLS is Go's own "
-                                     "crypto/tls; the binary is analysed"), full.verdict()
-    assert "offsets from dwarf" in full.verdict()
+    assert [f.kind for f in full.files] == ["go"] and full.files[0].readable
+    assert full.verdict() == f"read: go {https_bin} ({go_version})", full.verdict()
+    assert full.files[0].go is not None and full.files[0].go.offsets_source == "dwarf"
+    detail = cast(list[dict[str, Any]], full.as_dict()["files"])[0]["detail"]
+    assert "return instructions" in detail and "(dwarf)" in detail
     assert verdicts["stripped"].verdict() == f"not read: Go binary {stripped} ({go_version}): {goelf.STRIPPED}"

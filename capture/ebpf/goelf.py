@@ -1,9 +1,9 @@
-"""Go `crypto/tls`: can a Go binary's TLS plaintext be traced with uprobes, and where (issue 24, item 3).
+"""Go `crypto/tls`: can a Go binary's TLS plaintext be traced with uprobes, and where.
 
-Go does not use OpenSSL, so the uprobes of tls.py see nothing of a Go service. A BPF program can attach
-to `crypto/tls.(*Conn).Write` (the plaintext is an argument at entry) and `crypto/tls.(*Conn).Read`
-(the plaintext is known only when it returns). This module is the pure-Python first half: it reads
-one Go ELF binary and says whether that works and with which numbers. Nothing is guessed: what cannot
+Go does not use OpenSSL, so the OpenSSL probes see nothing of a Go service. tls.bpf.c's Go probes attach
+to `crypto/tls.(*Conn).Write` and `crypto/tls.(*Conn).Read` (entries, and their return instructions,
+where the byte count is known) and to the handshake's entry. This module is the pure-Python half: it
+reads one Go ELF binary and says whether that works and with which numbers. Nothing is guessed: what cannot
 be known from the file is reported in `why_not` instead.
 
     analyze(path) -> GoTlsInfo | None    (None: an ELF that is not a Go binary)
@@ -12,8 +12,8 @@ be known from the file is reported in `why_not` instead.
         arch          ELF e_machine: x86_64 / aarch64 are supported (64-bit little-endian)
         register ABI  Go >= 1.17 on x86_64, >= 1.18 on aarch64 (Go 1.17 used it on amd64 only);
                       the stack ABI is not supported
-        probes        the symbol table (.symtab): Write and Read entries, and every return
-                      instruction inside Read, found by disassembling the function (capstone)
+        probes        the symbol table (.symtab): Write, Read and handshakeContext entries, and every
+                      return instruction inside Read and Write, found by disassembling the function (capstone)
                       within its symbol size. Never uretprobes: the kernel's return probe rewrites
                       the return address on the stack, and Go moves (copies) goroutine stacks.
         fd path       tls.Conn.conn (an interface: itab word, data word) -> *net.TCPConn
@@ -55,6 +55,9 @@ MAX_STRUCT_MEMBERS = 4096
 
 READ_SYMBOL = "crypto/tls.(*Conn).Read"
 WRITE_SYMBOL = "crypto/tls.(*Conn).Write"
+# Every handshake (explicit, or the one Read and Write start) runs through this one (Go 1.17+; before:
+# Handshake): a probe at its entry names the socket before the handshake's first byte moves.
+HANDSHAKE_SYMBOLS = ("crypto/tls.(*Conn).handshakeContext", "crypto/tls.(*Conn).Handshake")
 BUILD_VERSION_SYMBOL = "runtime.buildVersion"
 # Go 1.20 renamed the itab symbols from go.itab.* to go:itab.*
 TCPCONN_ITAB_SYMBOLS = ("go:itab.*net.TCPConn,net.Conn", "go.itab.*net.TCPConn,net.Conn")
@@ -122,6 +125,12 @@ class GoTlsInfo:
     read_offset: int | None
     read_ret_vaddrs: tuple[int, ...]    # every return instruction inside crypto/tls.(*Conn).Read
     read_ret_offsets: tuple[int, ...]
+    write_ret_vaddrs: tuple[int, ...]   # ... and inside Write (its result says how much was written)
+    write_ret_offsets: tuple[int, ...]
+    handshake_vaddr: int | None     # crypto/tls.(*Conn).handshakeContext entry (None: absent)
+    handshake_offset: int | None
+    link_base: int                  # vaddr - file offset of the first PT_LOAD: a mapping of file offset 0
+                                    # that starts at S has load bias S - link_base (0 for a non-PIE binary)
     tcpconn_itab_vaddr: int | None  # go:itab.*net.TCPConn,net.Conn: tls.Conn.conn's itab word when it wraps a TCPConn
     offsets: GoStructOffsets | None
     offsets_source: str | None      # "dwarf" or "table:go1.N"
@@ -142,8 +151,9 @@ def describe(info: GoTlsInfo) -> str:
         return f"{head}: not traceable: {info.why_not}"
     o = info.offsets
     assert o is not None and info.write_offset is not None and info.read_offset is not None
-    return (f"{head}: uprobes at file offsets Write {info.write_offset:#x}, Read {info.read_offset:#x} "
-            f"+ {len(info.read_ret_offsets)} return instructions; fd = conn+{o.tls_conn_conn} "
+    return (f"{head}: uprobes at file offsets Write {info.write_offset:#x} + {len(info.write_ret_offsets)} "
+            f"return instructions, Read {info.read_offset:#x} + {len(info.read_ret_offsets)} return instructions"
+            f"{', handshake' if info.handshake_offset is not None else ''}; fd = conn+{o.tls_conn_conn} "
             f"-> data+{o.iface_data} -> fd+{o.tcpconn_conn_fd} -> pfd+{o.netfd_pfd} -> Sysfd+{o.fd_sysfd} "
             f"({info.offsets_source})")
 
@@ -167,7 +177,8 @@ def _analyze(elf: _Elf, path: str) -> GoTlsInfo | None:
     go_sections = any(elf.section(n) is not None for n in (".go.buildinfo", ".gopclntab", ".note.go.buildid"))
     if version is None and not go_sections and BUILD_VERSION_SYMBOL not in elf.symbols((BUILD_VERSION_SYMBOL,)):
         return None   # checked first so that a large C or C++ binary is not read further
-    symbols = elf.symbols((READ_SYMBOL, WRITE_SYMBOL, BUILD_VERSION_SYMBOL) + TCPCONN_ITAB_SYMBOLS)
+    symbols = elf.symbols((READ_SYMBOL, WRITE_SYMBOL, BUILD_VERSION_SYMBOL) + TCPCONN_ITAB_SYMBOLS
+                          + HANDSHAKE_SYMBOLS)
     if version is None and BUILD_VERSION_SYMBOL in symbols:
         version = _read_go_string(elf, symbols[BUILD_VERSION_SYMBOL][0])
     arch = elf.arch
@@ -178,6 +189,8 @@ def _analyze(elf: _Elf, path: str) -> GoTlsInfo | None:
         path=path, go_version=version, arch=arch, pie=elf.e_type == 3, stripped=elf.symtab is None,
         has_dwarf=elf.has_dwarf(), register_abi=regabi, write_vaddr=None, write_offset=None,
         read_vaddr=None, read_offset=None, read_ret_vaddrs=(), read_ret_offsets=(),
+        write_ret_vaddrs=(), write_ret_offsets=(), handshake_vaddr=None, handshake_offset=None,
+        link_base=min((seg.vaddr - seg.offset for seg in elf.loads), default=0),
         tcpconn_itab_vaddr=None, offsets=None, offsets_source=None, why_not=None)
 
     def result(why_not: str | None = None) -> GoTlsInfo:
@@ -201,23 +214,30 @@ def _analyze(elf: _Elf, path: str) -> GoTlsInfo | None:
             other = READ_SYMBOL if name == WRITE_SYMBOL else WRITE_SYMBOL
             return result(f"{name} absent from the symbol table ({other} is there): both are needed")
     wv, _ = symbols[WRITE_SYMBOL]
-    rv, rsize = symbols[READ_SYMBOL]
+    rv, _ = symbols[READ_SYMBOL]
     fields.update(write_vaddr=wv, write_offset=elf.file_offset(wv, 1, WRITE_SYMBOL, executable=True),
                   read_vaddr=rv, read_offset=elf.file_offset(rv, 1, READ_SYMBOL, executable=True))
     for name in TCPCONN_ITAB_SYMBOLS:
         if name in symbols:
             fields["tcpconn_itab_vaddr"] = symbols[name][0]
             break
-    if rsize <= 0:
-        return result(f"{READ_SYMBOL} has no symbol size: its return instructions cannot be bounded")
-    if rsize > MAX_FUNC_BYTES:
-        raise GoElfError(f"{path}: {READ_SYMBOL} claims {rsize} bytes (more than {MAX_FUNC_BYTES}): damaged symbol table")
-    code = elf.read(elf.file_offset(rv, rsize, READ_SYMBOL, executable=True), rsize)
-    rets, why = _return_instructions(code, rv, arch)
-    if why is not None:
-        return result(why)
-    fields.update(read_ret_vaddrs=tuple(rets),
-                  read_ret_offsets=tuple(elf.file_offset(a, 1, READ_SYMBOL, executable=True) for a in rets))
+    for name in HANDSHAKE_SYMBOLS:
+        if name in symbols:
+            hv = symbols[name][0]
+            fields.update(handshake_vaddr=hv, handshake_offset=elf.file_offset(hv, 1, name, executable=True))
+            break
+    for name, prefix in ((READ_SYMBOL, "read"), (WRITE_SYMBOL, "write")):
+        vaddr, size = symbols[name]
+        if size <= 0:
+            return result(f"{name} has no symbol size: its return instructions cannot be bounded")
+        if size > MAX_FUNC_BYTES:
+            raise GoElfError(f"{path}: {name} claims {size} bytes (more than {MAX_FUNC_BYTES}): damaged symbol table")
+        code = elf.read(elf.file_offset(vaddr, size, name, executable=True), size)
+        rets, why = _return_instructions(code, vaddr, arch, name)
+        if why is not None:
+            return result(why)
+        fields.update({f"{prefix}_ret_vaddrs": tuple(rets),
+                       f"{prefix}_ret_offsets": tuple(elf.file_offset(a, 1, name, executable=True) for a in rets)})
 
     table = KNOWN_OFFSETS.get((1, minor))
     try:
@@ -239,7 +259,7 @@ def _analyze(elf: _Elf, path: str) -> GoTlsInfo | None:
     return result()
 
 
-def _return_instructions(code: bytes, vaddr: int, arch: str) -> tuple[list[int], str | None]:
+def _return_instructions(code: bytes, vaddr: int, arch: str, name: str = READ_SYMBOL) -> tuple[list[int], str | None]:
     """Addresses of the return instructions in `code` (one whole function), by a linear sweep."""
     import capstone
 
@@ -262,16 +282,16 @@ def _return_instructions(code: bytes, vaddr: int, arch: str) -> tuple[list[int],
                     leaves.append(insn.address)
             end = insn.address + insn.size
     except capstone.CsError as exc:
-        return [], f"{READ_SYMBOL}: disassembly failed ({exc})"
+        return [], f"{name}: disassembly failed ({exc})"
     if leaves:   # a tail call: its callee's return would skip every probe placed here
-        return [], (f"{READ_SYMBOL}: jumps out of the function at {leaves[0]:#x} (a tail call): "
+        return [], (f"{name}: jumps out of the function at {leaves[0]:#x} (a tail call): "
                     "return probes would miss that way out")
     if end != vaddr + len(code):
         # Capstone stops at the first byte it cannot decode: a return after it would be missed.
-        return [], (f"{READ_SYMBOL}: cannot disassemble past {end:#x} (function ends at "
+        return [], (f"{name}: cannot disassemble past {end:#x} (function ends at "
                     f"{vaddr + len(code):#x}): its return instructions are not all known")
     if not rets:
-        return [], f"{READ_SYMBOL}: no return instruction found"
+        return [], f"{name}: no return instruction found"
     return rets, None
 
 

@@ -1,5 +1,6 @@
 /*
- * shadowtest TLS recorder: plaintext of the system OpenSSL (libssl.so.3), from uprobes.
+ * shadowtest TLS recorder: plaintext of OpenSSL (any libssl, or a binary exporting its API) and of Go's
+ * crypto/tls (see the Go section at the end), from uprobes.
  *
  * A program of its own beside recorder.bpf.c (own ring buffer), loaded by capture/ebpf/tls.py in
  * the same process after the recorder's program, whose public maps it shares: `socks` (the sockets
@@ -50,6 +51,7 @@
 #define C_LOST 0
 #define C_TRUNCATED 1
 #define C_UNJOINED 2      /* plaintext of an SSL* whose fd was never seen (memory BIO) */
+#define C_GO_OTHER 3      /* a Go tls.Conn over something other than a *net.TCPConn (not joined) */
 
 struct tls_hdr {          /* every record starts with this */
     u64 ts_ns;
@@ -99,7 +101,7 @@ BPF_TABLE("lru_hash", u64, struct stream_pos, positions, 65536);   /* (tgid, fd)
 BPF_TABLE("extern", u64, struct rec_sock, socks, 65536);
 BPF_TABLE("extern", u64, u8, tls_socks, 65536);
 BPF_ARRAY(scratch, struct tls_buf, SCRATCH_CPUS);
-BPF_PERCPU_ARRAY(counters, u64, 3);
+BPF_PERCPU_ARRAY(counters, u64, 4);
 BPF_PERCPU_ARRAY(unwoken, u64, 1);    /* bytes written on this CPU since its last wake-up */
 
 static __always_inline void count(int which) {
@@ -192,7 +194,51 @@ static __always_inline u64 advance(u64 key, u8 is_write, u64 n) {
     return start;
 }
 
-/* The bytes the call returned, in records of at most CHUNK bytes. */
+/* The n plaintext bytes at user address `buf` that one call on recorded socket (tgid, fd) moved, in
+ * records of at most CHUNK bytes. */
+static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u64 n) {
+    u64 key = sock_key(tgid, fd);
+    if (!socks.lookup(&key))
+        return 0;             /* not a recorded connection: nothing to copy */
+    u64 start = advance(key, is_write, n);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct tls_buf *b = scratch.lookup(&cpu);
+    if (!b)
+        return 0;
+    __builtin_memset(&b->h, 0, sizeof(b->h));
+    b->h.ts_ns = bpf_ktime_get_ns();
+    b->h.pos = start;
+    b->h.tgid = tgid;
+    b->h.fd = fd;
+    b->h.type = EV_PLAIN;
+    b->h.is_write = is_write;
+    u32 want = n > 0xffffffffULL ? 0xffffffff : (u32)n;
+    b->h.total = want;
+    if (want > MAX_BYTES) {
+        want = MAX_BYTES;
+        b->h.truncated = 1;
+        count(C_TRUNCATED);
+    }
+    u64 base = buf;
+    u32 offset = 0;
+    for (int j = 0; j < MAX_BYTES / CHUNK; j++) {
+        if (want == 0)
+            break;
+        u32 take = want > CHUNK ? CHUNK : want;
+        u32 size = ((take - 1) & (CHUNK - 1)) + 1;    /* == take; visibly 1..CHUNK for the verifier */
+        bpf_probe_read_user(b->data, size, (void *)base);
+        b->h.len = size;
+        b->h.offset = offset;
+        if (tls_events.ringbuf_output(b, sizeof(b->h) + size, wake_flag(sizeof(b->h) + size)))
+            count(C_LOST);
+        base += size;
+        offset += size;
+        want -= size;
+    }
+    return 0;
+}
+
+/* The bytes the SSL call returned. */
 int ssl_rw_exit(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct tls_call *cp = calls.lookup(&id);
@@ -217,47 +263,7 @@ int ssl_rw_exit(struct pt_regs *ctx) {
         count(C_UNJOINED);
         return 0;
     }
-    u32 tgid = id >> 32;
-    u64 key = sock_key(tgid, c.fd);
-    if (!socks.lookup(&key))
-        return 0;             /* not a recorded connection: nothing to copy */
-    u8 is_write = c.kind == CALL_WRITE;
-    u64 start = advance(key, is_write, n);
-    u32 cpu = bpf_get_smp_processor_id();
-    struct tls_buf *b = scratch.lookup(&cpu);
-    if (!b)
-        return 0;
-    __builtin_memset(&b->h, 0, sizeof(b->h));
-    b->h.ts_ns = bpf_ktime_get_ns();
-    b->h.pos = start;
-    b->h.tgid = tgid;
-    b->h.fd = c.fd;
-    b->h.type = EV_PLAIN;
-    b->h.is_write = is_write;
-    u32 want = n > 0xffffffffULL ? 0xffffffff : (u32)n;
-    b->h.total = want;
-    if (want > MAX_BYTES) {
-        want = MAX_BYTES;
-        b->h.truncated = 1;
-        count(C_TRUNCATED);
-    }
-    u64 base = c.buf;
-    u32 offset = 0;
-    for (int j = 0; j < MAX_BYTES / CHUNK; j++) {
-        if (want == 0)
-            break;
-        u32 take = want > CHUNK ? CHUNK : want;
-        u32 size = ((take - 1) & (CHUNK - 1)) + 1;    /* == take; visibly 1..CHUNK for the verifier */
-        bpf_probe_read_user(b->data, size, (void *)base);
-        b->h.len = size;
-        b->h.offset = offset;
-        if (tls_events.ringbuf_output(b, sizeof(b->h) + size, wake_flag(sizeof(b->h) + size)))
-            count(C_LOST);
-        base += size;
-        offset += size;
-        want -= size;
-    }
-    return 0;
+    return emit_plain(id >> 32, c.fd, c.kind == CALL_WRITE, c.buf, n);
 }
 
 /* ---- which fd an SSL* uses: the syscalls made inside its calls ---- */
@@ -311,4 +317,135 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     if (tls_events.ringbuf_output(&h, sizeof(h), BPF_RB_NO_WAKEUP))
         count(C_LOST);
     return 0;
+}
+
+
+/* ---- Go crypto/tls (capture/ebpf/goelf.py finds the addresses and offsets) ----
+ *
+ *   (*Conn).handshakeContext entry --> the socket is marked in tls_socks before the handshake's first
+ *       byte moves (the recorder then sends its ciphertext as a length only)
+ *   (*Conn).Read / (*Conn).Write entry --> go_calls[(tgid, g)] = {fd, buffer}: keyed by the goroutine
+ *       (its g, in R14 / X28 under the register ABI), not by thread: a goroutine blocked in Read
+ *       resumes on another thread
+ *   every return instruction of Read / Write --> PLAIN records of the n bytes moved (n is the first
+ *       result register). Never uretprobes: they rewrite the return address on a goroutine stack that
+ *       Go may move. An entry seen twice (the stack grew: morestack re-runs the prologue) only
+ *       overwrites the same entry.
+ *
+ * The fd: c -> conn (a net.Conn interface: itab, data) -> *net.TCPConn -> fd *netFD -> pfd.Sysfd,
+ * at offsets from the binary (go_conf). An interface whose itab is not *net.TCPConn's is another
+ * net.Conn (a wrapper, a pipe): counted (C_GO_OTHER), never joined. Config per process (go_procs,
+ * filled by user space as it finds Go processes, with the load bias of a PIE binary), else per entry
+ * address (go_bins: a non-PIE binary's addresses are the same in every process that runs it, so a
+ * process that starts while recording is read before user space has looked at it).
+ */
+#if defined(bpf_target_x86)
+#define GO_G(ctx) ((ctx)->r14)
+#define GO_R0(ctx) ((ctx)->ax)
+#define GO_R1(ctx) ((ctx)->bx)
+#elif defined(bpf_target_arm64)
+#define GO_G(ctx) ((ctx)->regs[28])
+#define GO_R0(ctx) ((ctx)->regs[0])
+#define GO_R1(ctx) ((ctx)->regs[1])
+#else
+#define GO_G(ctx) 0
+#define GO_R0(ctx) 0
+#define GO_R1(ctx) 0
+#endif
+
+struct go_conf {
+    u64 itab;             /* run-time address of go:itab.*net.TCPConn,net.Conn (0: not checked) */
+    u32 conn;             /* tls.Conn.conn */
+    u32 data;             /* the interface's data word */
+    u32 fd;               /* TCPConn -> conn.fd */
+    u32 sysfd;            /* netFD.pfd + poll.FD.Sysfd */
+};
+
+struct go_key {
+    u64 g;
+    u64 tgid;
+};
+
+struct go_call {
+    u64 buf;
+    u32 fd;
+    u8 is_write;
+};
+
+BPF_TABLE("lru_hash", u32, struct go_conf, go_procs, 4096);
+BPF_HASH(go_bins, u64, struct go_conf, 1024);
+BPF_TABLE("lru_hash", struct go_key, struct go_call, go_calls, 16384);
+
+/* The recorded socket under *tls.Conn `c`, or -1. */
+static __always_inline s64 go_conn_fd(struct pt_regs *ctx, u32 tgid, u64 c) {
+    struct go_conf *cf = go_procs.lookup(&tgid);
+    if (!cf) {
+        u64 ip = PT_REGS_IP(ctx);
+        cf = go_bins.lookup(&ip);
+    }
+    if (!cf || !c)
+        return -1;
+    u64 itab = 0, data = 0, nfd = 0;
+    s64 sysfd = -1;
+    if (bpf_probe_read_user(&itab, sizeof(itab), (void *)(c + cf->conn)))
+        return -1;
+    if (cf->itab && itab != cf->itab) {
+        count(C_GO_OTHER);
+        return -1;
+    }
+    if (bpf_probe_read_user(&data, sizeof(data), (void *)(c + cf->conn + cf->data)) || !data)
+        return -1;
+    if (bpf_probe_read_user(&nfd, sizeof(nfd), (void *)(data + cf->fd)) || !nfd)
+        return -1;
+    if (bpf_probe_read_user(&sysfd, sizeof(sysfd), (void *)(nfd + cf->sysfd)))
+        return -1;
+    if (sysfd < 0 || sysfd > 0x7fffffff)
+        return -1;
+    u64 key = sock_key(tgid, (u32)sysfd);
+    if (!socks.lookup(&key))
+        return -1;            /* not a recorded connection */
+    if (!tls_socks.lookup(&key)) {
+        u8 one = 1;
+        tls_socks.update(&key, &one);
+    }
+    return sysfd;
+}
+
+static __always_inline int go_enter(struct pt_regs *ctx, u8 is_write) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!wanted_task(tgid))
+        return 0;
+    s64 fd = go_conn_fd(ctx, tgid, GO_R0(ctx));
+    if (fd < 0)
+        return 0;
+    struct go_key k = {.g = GO_G(ctx), .tgid = tgid};
+    struct go_call gc = {.buf = GO_R1(ctx), .fd = (u32)fd, .is_write = is_write};
+    go_calls.update(&k, &gc);
+    return 0;
+}
+
+int go_read_enter(struct pt_regs *ctx) { return go_enter(ctx, 0); }
+int go_write_enter(struct pt_regs *ctx) { return go_enter(ctx, 1); }
+
+int go_handshake_enter(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (wanted_task(tgid))
+        go_conn_fd(ctx, tgid, GO_R0(ctx));
+    return 0;
+}
+
+int go_rw_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct go_key k = {.g = GO_G(ctx), .tgid = id >> 32};
+    struct go_call *p = go_calls.lookup(&k);
+    if (!p)
+        return 0;
+    struct go_call gc = *p;
+    go_calls.delete(&k);
+    s64 n = (s64)GO_R0(ctx);
+    if (n <= 0)
+        return 0;
+    return emit_plain(id >> 32, gc.fd, gc.is_write, gc.buf, (u64)n);
 }

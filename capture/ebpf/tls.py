@@ -1,4 +1,5 @@
-"""TLS plaintext capture: uprobes on the system libssl, joined to the eBPF recorder's TCP flows.
+"""TLS plaintext capture: uprobes on every libssl the targeted processes map, and on Go binaries'
+crypto/tls (tls.bpf.c has probes of both kinds), joined to the eBPF recorder's TCP flows.
 
     tls.bpf.c (uprobes on SSL_read/_ex, SSL_write/_ex, handshake calls; syscall enters; close)
         | its own ring buffer: PLAIN (bytes an SSL call returned on a recorded socket, at their
@@ -41,6 +42,7 @@ from typing import Any, cast
 
 from capture import privileges
 from capture.backends import RecordOptions
+from capture.ebpf.goelf import GoTlsInfo
 from capture.ebpf.loader import SockInfo, rename_maps
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.tls_join import TlsJoiner
@@ -210,6 +212,57 @@ class TlsProgram:
         self.attached[key] = path
         return True
 
+    def attach_go(self, path: str, info: GoTlsInfo) -> bool:
+        """Attach the Go crypto/tls probes to the Go binary at `path` (analysed: `info`): Read and Write
+        entries, each of their return instructions, the handshake's entry. Once per device and inode
+        (False when it already was). A non-PIE binary's entries are configured here for every process
+        that runs it; a PIE binary's per process (`add_go_process`)."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
+        key = (st.st_dev, st.st_ino)
+        if key in self.attached:
+            return False
+        assert info.write_vaddr is not None and info.read_vaddr is not None
+        entries = [(info.write_vaddr, "go_write_enter"), (info.read_vaddr, "go_read_enter")]
+        if info.handshake_vaddr is not None:
+            entries.append((info.handshake_vaddr, "go_handshake_enter"))
+        probes = entries + [(a, "go_rw_return") for a in info.read_ret_vaddrs + info.write_ret_vaddrs]
+        done: list[int] = []
+        for addr, fn in probes:
+            try:
+                self.bpf.attach_uprobe(name=path.encode(), addr=addr, fn_name=fn.encode())
+            except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+                for a in done:
+                    try:
+                        self.bpf.detach_uprobe(name=path.encode(), addr=a)
+                    except Exception:  # noqa: BLE001, S110 - detached already
+                        pass
+                raise PrivilegeError(f"cannot attach uprobes to {path} at {addr:#x} "
+                                     f"({str(exc).splitlines()[0][:160]})") from exc
+            done.append(addr)
+        if not info.pie:
+            conf = self._go_conf(info, 0)
+            table = self.bpf[b"go_bins"]
+            for addr, _fn in entries:
+                table[ctypes.c_uint64(addr)] = conf
+        self.attached[key] = path
+        return True
+
+    def add_go_process(self, pid: int, info: GoTlsInfo, bias: int) -> None:
+        """Process `pid` runs the Go binary `info` describes, loaded `bias` bytes from its link address."""
+        self.bpf[b"go_procs"][ctypes.c_uint32(pid)] = self._go_conf(info, bias)
+
+    def _go_conf(self, info: GoTlsInfo, bias: int) -> Any:
+        o = info.offsets
+        assert o is not None
+        itab = info.tcpconn_itab_vaddr + bias if info.tcpconn_itab_vaddr is not None else 0
+        leaf = self.bpf[b"go_bins"].Leaf()
+        leaf.itab, leaf.conn, leaf.data = itab, o.tls_conn_conn, o.iface_data
+        leaf.fd, leaf.sysfd = o.tcpconn_conn_fd, o.netfd_pfd + o.fd_sysfd
+        return leaf
+
     def _detach(self, path: str, sym: str) -> None:
         for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
             try:
@@ -278,9 +331,11 @@ class TlsProgram:
         return int(p.rd), int(p.wr)
 
     def counters(self) -> tuple[int, int, int]:
+        """Records lost to a full ring, calls truncated at --max-bytes, calls whose socket is unknown
+        (an SSL* over memory buffers; a Go tls.Conn over a net.Conn other than a *net.TCPConn)."""
         t = self.bpf[b"counters"]
-        lost, trunc, unjoined = (int(sum(t[ctypes.c_int(i)])) for i in range(3))
-        return lost, trunc, unjoined
+        lost, trunc, unjoined, go_other = (int(sum(t[ctypes.c_int(i)])) for i in range(4))
+        return lost, trunc, unjoined + go_other
 
     def cleanup(self) -> None:
         self._stop.set()
@@ -442,10 +497,15 @@ class TlsBackend:
             entry = self.libraries[f.key] = _library(f.path, f.ino, f.kind, f.version, False, f.why_not)
             if f.readable:
                 try:
-                    program.attach(f.attach_path)
+                    if f.go is not None:
+                        program.attach_go(f.attach_path, f.go)
+                    else:
+                        program.attach(f.attach_path)
                     entry["attached"] = True
                 except PrivilegeError as exc:
                     entry["why_not"] = str(exc)
+        if f.go is not None and entry["attached"]:
+            program.add_go_process(pid, f.go, f.map_start - f.go.link_base if f.go.pie else 0)
         pids = cast(list[int], entry["pids"])
         if pid not in pids:
             entry["processes"] = cast(int, entry["processes"]) + 1

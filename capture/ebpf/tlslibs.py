@@ -7,7 +7,8 @@ own, probed on its own:
     OpenSSL, a library (libssl.so.*, any path, any mount namespace)        read: uprobes on SSL_read/_write
     OpenSSL inside the executable, exported (SSL_read in its dynamic table) read, as the library
       ... Node.js (its OpenSSL feeds on memory buffers, no socket)          named: no socket to join it to
-    Go crypto/tls (a Go executable)                                        named, with the binary's reason
+    Go crypto/tls (a Go executable, capture/ebpf/goelf.py's analysis)      read: Go's own probes (tls.bpf.c);
+                                                                           else named, with the binary's reason
     BoringSSL linked in statically, hidden (grpcio's cygrpc, Envoy)        named: nothing to attach to
 
 Probes attach once per file, keyed by (device, inode): a hundred nginx workers and the host's curl all
@@ -23,6 +24,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from capture.ebpf.goelf import GoElfError, GoTlsInfo, analyze, describe
 
 _LIBSSL = re.compile(r"^libssl\.so(\.\d+)*$")            # OpenSSL's, not NSS's libssl3.so
 _LIBCRYPTO = re.compile(r"^libcrypto\.so(\.\d+)*$")
@@ -46,6 +49,8 @@ class TlsFile:
     readable: bool
     version: str = ""
     why_not: str = ""   # for a file that is not read: what it is and what would make it readable
+    map_start: int = 0  # where the process maps the file's first byte (a PIE Go binary's load bias)
+    go: GoTlsInfo | None = field(default=None, compare=False)   # a Go binary that can be read: its analysis
 
     @property
     def key(self) -> tuple[int, int]:
@@ -72,8 +77,13 @@ class ProcessTls:
         return "no TLS library mapped (plain TCP, or TLS this tool does not know)"
 
     def as_dict(self) -> dict[str, object]:
-        return {"pid": self.pid, "comm": self.comm, "verdict": self.verdict(), "error": self.error,
-                "files": [asdict(f) for f in self.files]}
+        files = []
+        for f in self.files:
+            d = {k: v for k, v in asdict(f).items() if k not in ("go", "map_start")}
+            if f.go is not None:
+                d["detail"] = describe(f.go)
+            files.append(d)
+        return {"pid": self.pid, "comm": self.comm, "verdict": self.verdict(), "error": self.error, "files": files}
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,7 @@ class Inspector:
         self._exports: dict[tuple[int, int], bool] = {}
         self._boring: dict[tuple[int, int], bool] = {}
         self._versions: dict[tuple[int, int], str] = {}
-        self._go: dict[tuple[int, int], str | None] = {}
+        self._go: dict[tuple[int, int], tuple[GoTlsInfo | None, str] | None] = {}
 
     def process(self, pid: int) -> ProcessTls:
         comm = _comm(pid)
@@ -162,8 +172,10 @@ class Inspector:
                 continue           # libc and the like: not opened at all (a host has thousands of them)
             if not (where := attach_path(pid, m)):
                 continue
-            if is_exe and (go := self._go_reason(m, where)) is not None:
-                out.files.append(TlsFile("go", m.path, where, m.dev, m.ino, False, "", go))
+            if is_exe and (go := self._go_file(m, where)) is not None:
+                info, why = go
+                out.files.append(TlsFile("go", m.path, where, m.dev, m.ino, info is not None,
+                                         info.go_version or "" if info else "", why, m.start, info))
             elif self._exports_openssl(m, where):
                 if comm == "node" or name in ("node", "nodejs"):
                     out.files.append(TlsFile(
@@ -201,30 +213,25 @@ class Inspector:
             self._versions[key] = found.decode("ascii", "replace") if found else ""
         return self._versions[key]
 
-    def _go_reason(self, m: _Mapped, where: str) -> str | None:
-        """None: not a Go binary; else why its TLS is not read."""
+    def _go_file(self, m: _Mapped, where: str) -> tuple[GoTlsInfo | None, str] | None:
+        """None: not a Go binary; else (its analysis if it can be read, why not if it cannot)."""
         key = (m.dev, m.ino)
         if key not in self._go:
-            self._go[key] = _go_reason(where, m.path)
+            self._go[key] = _go_file(where, m.path)
         return self._go[key]
 
 
-def _go_reason(where: str, shown: str) -> str | None:
-    """None: not a Go binary; else why its crypto/tls is not read (capture/ebpf/goelf.py's analysis)."""
-    from capture.ebpf import goelf
-
+def _go_file(where: str, shown: str) -> tuple[GoTlsInfo | None, str] | None:
+    """None: not a Go binary; else capture/ebpf/goelf.py's analysis, or why its crypto/tls is not read."""
     try:
-        info = goelf.analyze(where)
-    except goelf.GoElfError as exc:
-        return f"Go binary {shown}? it cannot be analysed ({exc})"
+        info = analyze(where)
+    except GoElfError as exc:
+        return None, f"Go binary {shown}? it cannot be analysed ({exc})"
     if info is None:
         return None
-    version = info.go_version or "unknown version"
     if info.why_not:
-        return f"Go binary {shown} ({version}): {info.why_not}"
-    return (f"Go binary {shown} ({version}): its TLS is Go's own crypto/tls; the binary is analysed (Read/Write "
-            f"entries, {len(info.read_ret_offsets)} returns, offsets from {info.offsets_source}) but Go TLS "
-            "capture is not in the recorder yet: record it on its plaintext side")
+        return None, f"Go binary {shown} ({info.go_version or 'unknown version'}): {info.why_not}"
+    return info, ""
 
 
 def _exports(path: str, names: Iterable[bytes]) -> bool:

@@ -1,0 +1,206 @@
+"""Go crypto/tls read by the recorder: uprobes on a Go binary's tls.(*Conn) Read/Write (their return
+instructions) and handshake, the socket found through the conn's field offsets (capture/ebpf/goelf.py).
+
+The peer is tests/interop/go/https_server.go, built here with the Debian Go toolchain: a stdlib
+net/http service over TLS (HTTP/1.1 and, through ALPN, HTTP/2) that prints every call it answered, and
+a stdlib client. Ground truth is the service's own log and curl's view of the answers; the recording
+must hold the same calls in plaintext, credentials masked, no flow left as ciphertext.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any, cast
+
+import pytest
+
+from capture.backends import RecordOptions
+from capture.ebpf.tls import find_libssl
+from capture.ebpf.tlslibs import Inspector
+from capture.record import Recorder
+from capture.recording import Recording
+from tests.golang import GO, GO_SRC, NO_GO
+from tests.test_capture_tls import Nginx, _calls, _file_bytes
+
+pytestmark = [pytest.mark.root, pytest.mark.ebpf,
+              pytest.mark.skipif(GO is None, reason=NO_GO),
+              pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl (apt-get install curl)"),
+              pytest.mark.skipif(find_libssl() is None, reason="no system libssl.so.3")]
+
+SERVER_SRC = GO_SRC / "https_server.go"
+TOKEN = "go-tls-secret-5c1e9a7d3b"
+BIG = 40_000     # one Write of the service, many Reads of a client
+
+
+class GoService:
+    """https_server serve DIR: its port, its certificate, the calls it logged."""
+
+    def __init__(self, binary: Path, d: Path, port: int = 0) -> None:
+        self.cert = d / "cert.pem"
+        self.binary = binary
+        self.proc = subprocess.Popen([str(binary), "serve", str(d), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        out = cast(IO[str], self.proc.stdout)
+        first = out.readline().split()
+        assert first[:1] == ["listening"], first
+        self.port = int(first[1])
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self._lines.extend(iter(out.readline, "")), daemon=True)
+        self._reader.start()
+
+    def calls(self, expect: int) -> list[tuple[str, int, int]]:
+        """(method + path, status, answer bytes) of each call the service answered."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(self._lines) < expect:
+            time.sleep(0.05)
+        out = []
+        for line in list(self._lines):
+            _, method, path, status, size = line.split()
+            out.append((f"{method} {path}", int(status), int(size)))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            cast(IO[str], self.proc.stdin).close()     # the service ends when its stdin closes
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(params=["exe", "pie"])
+def service(request: pytest.FixtureRequest, build: Any, tmp_path: Path) -> Any:
+    """The service built as a plain executable and as a position-independent one (loaded at a random
+    address: the probes' fd path must add the process's load bias to the itab it checks)."""
+    binary = build("https_server", SERVER_SRC) if request.param == "exe" else \
+        build("https_server_pie", SERVER_SRC, "-buildmode=pie")
+    (tmp_path / "svc").mkdir()
+    svc = GoService(binary, tmp_path / "svc")
+    yield svc
+    svc.stop()
+
+
+def _curl(svc: GoService, *args: str) -> None:
+    subprocess.run(["curl", "-sS", "--fail-with-body", "--cacert", str(svc.cert), "-H", f"Authorization: Bearer {TOKEN}",
+                    *args], check=False, capture_output=True, timeout=30)
+
+
+def _traffic(svc: GoService) -> None:
+    base = f"https://127.0.0.1:{svc.port}"
+    # HTTP/1.1 on one keep-alive connection: a GET, a large answer, a POST with a body, a 404
+    _curl(svc, "--http1.1", "-o", "/dev/null", f"{base}/go/one", "-o", "/dev/null", f"{base}/size/{BIG}",
+          "-o", "/dev/null", f"{base}/missing")
+    _curl(svc, "--http1.1", "-o", "/dev/null", "-X", "POST", "-H", "Content-Type: application/json",
+          "--data-binary", '{"name": "gopher"}', f"{base}/items")
+    # HTTP/2 (ALPN h2) on one connection
+    _curl(svc, "--http2", "-o", "/dev/null", f"{base}/h2/first", "-o", "/dev/null", f"{base}/h2/second")
+
+
+def _body(messages: list[Any]) -> bytes:
+    return b"".join(m.data for m in messages)
+
+
+def _check(out: Path, svc: GoService, expect: int) -> dict[str, Any]:
+    logged = svc.calls(expect)
+    assert len(logged) == expect, logged
+    calls = _calls(out)
+    got = collections.Counter((c.method, c.status, len(_body(c.responses))) for c in calls)
+    assert got == collections.Counter(logged), (sorted(got.elements()), sorted(logged))
+    post = next(c for c in calls if c.method == "POST /items")
+    assert _body(post.requests) == b'{"name": "gopher"}'
+    assert _body(post.responses) == b"go saw POST /items with 18 bytes"
+    big = next(c for c in calls if c.method == f"GET /size/{BIG}")
+    assert _body(big.responses) == (b"0123456789" * (BIG // 10 + 1))[:BIG]
+    assert {c.protocol for c in calls} == {"http1", "http2"}
+    auth = [v for c in calls for k, v in c.request_metadata if k.lower() == "authorization"]
+    assert len(auth) == expect and not any(TOKEN in v for v in auth), auth
+    assert TOKEN.encode() not in _file_bytes(out)
+    with Recording(out) as r:
+        meta = r.meta
+    tls = cast(dict[str, Any], meta["tls"])
+    assert tls["capture"] == "on" and tls["encrypted_flows"] == 0, meta["tls_flows"]
+    assert {row[1] for row in cast(list[list[Any]], meta["tls_flows"])} == {"plaintext"}
+    return tls
+
+
+def test_a_go_service_is_recorded_in_plaintext(service: GoService, tmp_path: Path) -> None:
+    out = tmp_path / "go.rec"
+    rec = Recorder(RecordOptions(output=str(out), port=service.port)).start()
+    try:
+        _traffic(service)
+        time.sleep(0.3)
+    finally:
+        stats = rec.stop()
+    tls = _check(out, service, 6)
+    (go,) = [lib for lib in tls["libraries"] if lib["kind"] == "go"]
+    assert go["attached"] is True and service.proc.pid in go["pids"], go
+    assert stats["lost_events"] == 0
+    info = Inspector().process(service.proc.pid).files[0].go
+    assert info is not None and info.pie == service.binary.name.endswith("_pie")
+
+
+def test_a_go_service_started_while_recording_is_read_from_its_first_connection(
+        build: Any, tmp_path: Path) -> None:
+    """A non-PIE Go binary once probed is read in every process that runs it, before the recorder has
+    looked at the new process (it does so every second): a restarted service's first call is plaintext."""
+    binary = build("https_server", SERVER_SRC)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = GoService(binary, tmp_path / "a")
+    out = tmp_path / "restart.rec"
+    second: GoService | None = None
+    try:
+        rec = Recorder(RecordOptions(output=str(out), port=first.port)).start()
+        try:
+            _curl(first, "--http1.1", "-o", "/dev/null", f"https://127.0.0.1:{first.port}/before")
+            before = first.calls(1)
+            first.stop()
+            second = GoService(binary, tmp_path / "b", port=first.port)
+            _curl(second, "--http1.1", "-o", "/dev/null", f"https://127.0.0.1:{second.port}/after")
+            after = second.calls(1)
+            time.sleep(0.3)
+        finally:
+            rec.stop()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert [(m, s) for m, s, _ in before + after] == [("GET /before", 200), ("GET /after", 200)]
+    assert [(c.method, c.status) for c in _calls(out)] == [("GET /before", 200), ("GET /after", 200)]
+    with Recording(out) as r:
+        assert {row[1] for row in cast(list[list[Any]], r.meta["tls_flows"])} == {"plaintext"}
+
+
+def test_a_go_client_is_recorded_in_plaintext(build: Any, tmp_path: Path) -> None:
+    """Client side: the Go client's requests to nginx, read from the Go binary (not nginx's libssl)."""
+    if shutil.which("nginx") is None:
+        pytest.skip("needs nginx (apt-get install nginx)")
+    binary = build("https_server", SERVER_SRC)
+    (tmp_path / "nginx").mkdir()
+    n = Nginx(tmp_path / "nginx")
+    out = tmp_path / "client.rec"
+    try:
+        base = f"https://127.0.0.1:{n.port}"
+        client = subprocess.Popen([str(binary), "get", str(n.cert), f"{base}/go/a", f"{base}/go/b"],
+                                  stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        rec = Recorder(RecordOptions(output=str(out), port=n.port, side="client", pid=client.pid)).start()
+        try:
+            stdout, _ = client.communicate("go\n", timeout=30)
+            time.sleep(0.3)
+        finally:
+            rec.stop()
+    finally:
+        n.stop()
+    assert client.returncode == 0 and stdout.split("\n")[:2] == ["GOT 200 12", "GOT 200 12"], stdout
+    calls = _calls(out)
+    assert [(c.method, c.status, _body(c.responses)) for c in calls] == [
+        ("GET /go/a", 200, b"hello /go/a\n"), ("GET /go/b", 200, b"hello /go/b\n")]
+    with Recording(out) as r:
+        libs = cast(dict[str, Any], r.meta["tls"])["libraries"]
+    assert [lib["path"] for lib in libs if lib["kind"] == "go"] == [str(binary)], libs
