@@ -1,16 +1,19 @@
-"""TLS capture cost: the recorder's CPU per 1,000 calls/s on HTTPS (uprobes on libssl) beside plain HTTP.
+"""TLS capture cost: the recorder's CPU per 1,000 calls/s on HTTPS, per TLS implementation, beside plain HTTP.
 
-    nginx (Debian's, one worker) --+-- port A: HTTP/1.1         <-- keep-alive clients at --rate
-                                   +-- port B: HTTP/1.1 over TLS <-- the same clients over ssl
-    for each pair: plain baseline, plain recorded, TLS baseline, TLS recorded (`shadowtest record
-    --port A|B` in its own process, started and up before the load)
+    nginx (Debian's, one worker) --+-- port A: HTTP/1.1                  <-- keep-alive clients at --rate
+                                   +-- port B: HTTP/1.1 over TLS (libssl) <-- the same clients over ssl
+    node (tls_peer.js https-server: OpenSSL inside node, memory BIOs)     <-- the same clients over ssl
+    Go (https_server.go: crypto/tls, its own probes)                      <-- the same clients over ssl
+    for each pair, each service: baseline, recorded (`shadowtest record --port P` in its own process,
+    started and up before the load)
 
-Prints, per protocol, the medians over --pairs of: the recorder's CPU per 1,000 calls/s (its process,
-read after it is up, so the eBPF compile is not counted), the nginx worker's CPU per call with and
-without the recorder (the uprobes and tracepoints run in nginx's context: that is their cost on the
-recorded service), calls recorded against calls made, and the TLS meta (plaintext flows, encrypted
-flows, ciphertext not stored). Needs root, bcc, nginx, openssl. Run as
-`.venv/bin/python bench/tls_capture_overhead.py [--rate 300 --duration 6 --pairs 2 --connections 4]`.
+Prints, per service, the medians over --pairs of: the recorder's CPU per 1,000 calls/s (its process,
+read after it is up, so the eBPF compile is not counted), the service's CPU per call with and without
+the recorder (the uprobes and tracepoints run in its context: that is their cost on the recorded
+service), calls recorded against calls made, and the TLS meta (plaintext flows, encrypted flows,
+ciphertext not stored). Needs root, bcc, nginx, openssl; node and go for those rows (`--services`).
+Run as `.venv/bin/python bench/tls_capture_overhead.py [--rate 300 --duration 6 --pairs 2 --connections 4
+--services plain,openssl,node,go]`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,27 @@ def start_nginx(d: Path) -> tuple[subprocess.Popen[bytes], int, int]:
             time.sleep(0.05)
     proc.kill()
     raise SystemExit("nginx did not start")
+
+
+def start_peer(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], int]:
+    """A service that prints its port first (a number, or {"port": N}, or "listening N"), then a line
+    per call: those lines are drained by a thread, so a full pipe never stalls it."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd)
+    assert proc.stdout is not None
+    first = proc.stdout.readline().strip()
+    port = int(json.loads(first)["port"]) if first.startswith("{") else int(first.split()[-1])
+    out = proc.stdout
+    threading.Thread(target=lambda: [None for _ in iter(out.readline, "")], daemon=True).start()
+    return proc, port
+
+
+def build_go(d: Path) -> Path:
+    src = REPO / "tests" / "interop" / "go" / "https_server.go"
+    env = {**os.environ, "GOCACHE": str(d / "gocache"), "GOPATH": str(d / "gopath"), "GO111MODULE": "off",
+           "GOFLAGS": "", "CGO_ENABLED": "0"}
+    subprocess.run(["go", "build", "-o", str(d / "https_server"), str(src)], check=True, env=env, cwd=d,
+                   capture_output=True, timeout=600)
+    return d / "https_server"
 
 
 def worker(nginx: subprocess.Popen[bytes]) -> psutil.Process:
@@ -172,19 +196,19 @@ def stop_recorder(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 
 def one(kind: str, port: int, cafile: Path | None, recorded: bool, args: argparse.Namespace, d: Path,
-        nginx_worker: psutil.Process) -> dict[str, Any]:
+        service: psutil.Process) -> dict[str, Any]:
     rec = None
     out = d / f"{kind}-{time.monotonic_ns()}.rec"
     if recorded:
         rec = start_recorder(port, out)
         rproc = psutil.Process(rec.pid)
         r0 = cpu(rproc)
-    w0, t0 = cpu(nginx_worker), time.monotonic()
+    w0, t0 = cpu(service), time.monotonic()
     calls, errors = load(port, cafile, args.rate, args.duration, args.connections)
     elapsed = time.monotonic() - t0
-    w1 = cpu(nginx_worker)
+    w1 = cpu(service)
     row: dict[str, Any] = {"kind": kind, "recorded": recorded, "calls": calls, "errors": errors,
-                           "rate": calls / elapsed, "nginx_us_per_call": (w1 - w0) / max(1, calls) * 1e6}
+                           "rate": calls / elapsed, "service_us_per_call": (w1 - w0) / max(1, calls) * 1e6}
     if rec is not None:
         time.sleep(0.5)       # the ring drains (10 polls)
         r1 = cpu(rproc)
@@ -206,22 +230,48 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of (plain, plain recorded, TLS, TLS recorded)")
     ap.add_argument("--connections", type=int, default=4, help="keep-alive connections")
+    ap.add_argument("--services", default="plain,openssl,node,go",
+                    help="which: plain (nginx HTTP), openssl (nginx HTTPS), node, go")
     args = ap.parse_args()
+    wanted = args.services.split(",")
     if os.geteuid() != 0 or not shutil.which("nginx"):
         raise SystemExit("needs root and nginx")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="tls-bench-") as tmp:
         d = Path(tmp)
         nginx, plain, tls = start_nginx(d)
+        peers: list[subprocess.Popen[str]] = []
         try:
             w = worker(nginx)
-            rows = []
+            services: list[tuple[str, int, Path | None, psutil.Process]] = []
+            if "plain" in wanted:
+                services.append(("plain", plain, None, w))
+            if "openssl" in wanted:
+                services.append(("openssl", tls, d / "cert.pem", w))
+            if "node" in wanted and shutil.which("node"):
+                proc, port = start_peer(["node", "tls_peer.js", "https-server", str(d / "cert.pem"), str(d / "key.pem")],
+                                        REPO / "tests" / "interop" / "node")
+                peers.append(proc)
+                services.append(("node", port, d / "cert.pem", psutil.Process(proc.pid)))
+            if "go" in wanted and shutil.which("go"):
+                (d / "go").mkdir()
+                proc, port = start_peer([str(build_go(d)), "serve", str(d / "go")], d)
+                peers.append(proc)
+                services.append(("go", port, d / "go" / "cert.pem", psutil.Process(proc.pid)))
             for _ in range(args.pairs):
-                for kind, port, ca in (("plain", plain, None), ("tls", tls, d / "cert.pem")):
+                for kind, port, ca, service in services:
                     for recorded in (False, True):
-                        row = one(kind, port, ca, recorded, args, d, w)
+                        row = one(kind, port, ca, recorded, args, d, service)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
         finally:
+            for p in peers:
+                assert p.stdin is not None
+                p.stdin.close()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
             nginx.send_signal(signal.SIGQUIT)
             try:
                 nginx.wait(10)
@@ -235,15 +285,21 @@ def main() -> None:
     print()
     print(f"rate offered {args.rate:.0f} calls/s, {args.connections} keep-alive connections, "
           f"{args.duration:.0f} s per run, {args.pairs} pairs (medians)")
-    for kind in ("plain", "tls"):
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    for kind in kinds:
         rec_rows = [r for r in rows if r["kind"] == kind and r["recorded"]]
-        print(f"{kind:5}  recorder CPU {med(kind, True, 'recorder_cpu_pct_per_1k'):5.1f} % of a core per 1,000 calls/s"
-              f"   nginx worker {med(kind, False, 'nginx_us_per_call'):6.1f} us/call unrecorded, "
-              f"{med(kind, True, 'nginx_us_per_call'):6.1f} us/call recorded"
+        print(f"{kind:8} recorder CPU {med(kind, True, 'recorder_cpu_pct_per_1k'):5.1f} % of a core per 1,000 calls/s"
+              f"   service {med(kind, False, 'service_us_per_call'):6.1f} us/call unrecorded, "
+              f"{med(kind, True, 'service_us_per_call'):6.1f} us/call recorded"
               f"   calls recorded/made {sum(r['recorded_calls'] or 0 for r in rec_rows)}/"
-              f"{sum(r['calls'] for r in rec_rows)}   lost {sum(r['lost_events'] or 0 for r in rec_rows)}")
-    ratio = med("tls", True, "recorder_cpu_pct_per_1k") / max(1e-9, med("plain", True, "recorder_cpu_pct_per_1k"))
-    print(f"TLS recorder / plaintext recorder CPU per call: {ratio:.2f}")
+              f"{sum(r['calls'] for r in rec_rows)}   lost {sum(r['lost_events'] or 0 for r in rec_rows)}"
+              f"   encrypted flows {sum((r['tls'] or {}).get('encrypted_flows') or 0 for r in rec_rows)}")
+    if "plain" in kinds:
+        base = max(1e-9, med("plain", True, "recorder_cpu_pct_per_1k"))
+        for kind in kinds:
+            if kind != "plain":
+                print(f"{kind} recorder / plaintext recorder CPU per call: "
+                      f"{med(kind, True, 'recorder_cpu_pct_per_1k') / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ nginx              the TLS replay tests against a real HTTPS server and the ngin
 wrk                the load in the nginx capture tests (tests/test_capture_nginx.py)
 curl               the HTTPS client of the TLS capture tests (tests/test_capture_tls.py)
 redis-server       the agent's Redis cache tier and its outage tests (tests/test_agent_cache.py; its service is not left running)
-golang-go          the Go crypto/tls analysis tests, which build Go binaries (tests/test_capture_goelf.py)
+golang-go          the Go crypto/tls tests, which build Go peers (tests/test_capture_goelf.py, test_capture_go_tls.py)
+golang-google-grpc-dev  the grpc-go TLS server the Go capture test records (tests/test_capture_go_tls.py)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.golang import ELF_ARCH, go_cmd
+from tests.golang import DEBIAN_GOPATH, ELF_ARCH, go_cmd
 
 
 @functools.cache
@@ -62,9 +62,10 @@ def go_version() -> str:
 @pytest.fixture(scope="session")
 def build(tmp_path_factory: pytest.TempPathFactory, host_goarch: str) -> Callable[..., Path]:
     """build(name, source, *go build flags, goarch=host) -> the binary; each built once per session.
-    CGO_ENABLED=0 (static, no C compiler), GOPATH mode (no module proxy), GOCACHE under pytest's tmp."""
+    CGO_ENABLED=0 (static, no C compiler), GOPATH mode (no module proxy; Debian's Go packages, such as
+    golang-google-grpc-dev, are on the GOPATH), GOCACHE under pytest's tmp."""
     root = tmp_path_factory.mktemp("gobuild")
-    env = {**os.environ, "GOCACHE": str(root / "gocache"), "GOPATH": str(root / "gopath"),
+    env = {**os.environ, "GOCACHE": str(root / "gocache"), "GOPATH": f"{root / 'gopath'}:{DEBIAN_GOPATH}",
            "GO111MODULE": "off", "GOFLAGS": "", "CGO_ENABLED": "0", "GOOS": "linux"}
     built: dict[str, Path] = {}
 

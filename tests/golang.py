@@ -11,6 +11,9 @@ GO = shutil.which("go")
 GO_SRC = Path(__file__).parent / "interop" / "go"
 ELF_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}
 NO_GO = "needs the Go toolchain (apt-get install golang-go; scripts/setup.sh does)"
+DEBIAN_GOPATH = "/usr/share/gocode"      # where Debian's golang-*-dev packages put their sources
+GRPC_GO = Path(DEBIAN_GOPATH) / "src" / "google.golang.org" / "grpc"
+NO_GRPC_GO = "needs grpc-go (apt-get install golang-google-grpc-dev; scripts/setup.sh does)"
 
 
 def go_cmd(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:

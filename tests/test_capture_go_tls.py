@@ -24,7 +24,8 @@ from capture.ebpf.tls import find_libssl
 from capture.ebpf.tlslibs import Inspector
 from capture.record import Recorder
 from capture.recording import Recording
-from tests.golang import GO, GO_SRC, NO_GO
+from tests.golang import GO, GO_SRC, GRPC_GO, NO_GO, NO_GRPC_GO
+from tests.nginx import make_cert
 from tests.test_capture_tls import Nginx, _calls, _file_bytes
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
@@ -204,3 +205,67 @@ def test_a_go_client_is_recorded_in_plaintext(build: Any, tmp_path: Path) -> Non
     with Recording(out) as r:
         libs = cast(dict[str, Any], r.meta["tls"])["libraries"]
     assert [lib["path"] for lib in libs if lib["kind"] == "go"] == [str(binary)], libs
+
+
+@pytest.mark.skipif(not GRPC_GO.is_dir(), reason=NO_GRPC_GO)
+def test_a_grpc_go_server_called_by_grpcio_is_recorded_in_plaintext(build: Any, tmp_path: Path) -> None:
+    """grpc-go (Debian's golang-google-grpc-dev) over TLS, called by grpcio: gRPC over HTTP/2 over Go's
+    crypto/tls, every call decoded with its method, status and messages."""
+    import grpc
+
+    binary = build("grpc_tls_server", GO_SRC / "grpc_tls_server.go")
+    cert = make_cert(tmp_path)
+    proc = subprocess.Popen([str(binary), str(cert), str(tmp_path / "key.pem")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "grpc-go.rec"
+    try:
+        stdout = cast(IO[str], proc.stdout)
+        port = int(stdout.readline().split()[1])
+        rec = Recorder(RecordOptions(output=str(out), port=port)).start()
+        try:
+            creds = grpc.ssl_channel_credentials(cert.read_bytes())
+            with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+                echo = channel.unary_unary("/t.S/Echo")
+                answers = [echo(f"ping {i}".encode(), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+                           for i in range(5)]
+                with pytest.raises(grpc.RpcError) as missing:
+                    channel.unary_unary("/t.S/Nope")(b"x", timeout=10)
+            time.sleep(0.3)
+        finally:
+            rec.stop()
+        served = [stdout.readline().split()[1:] for _ in range(6)]
+    finally:
+        cast(IO[str], proc.stdin).close()
+        proc.wait(10)
+    assert answers == [f"echo:ping {i}".encode() for i in range(5)]
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert served == [["/t.S/Echo", "0"]] * 5 + [["/t.S/Nope", "5"]]
+    calls = _calls(out)
+    assert [(c.method, c.status) for c in calls] == [("/t.S/Echo", 0)] * 5 + [("/t.S/Nope", 5)]
+    assert [_body(c.requests) for c in calls[:5]] == [f"ping {i}".encode() for i in range(5)]
+    assert [_body(c.responses) for c in calls[:5]] == answers
+    assert TOKEN.encode() not in _file_bytes(out)
+    with Recording(out) as r:
+        assert {row[1] for row in cast(list[list[Any]], r.meta["tls_flows"])} == {"plaintext"}
+
+
+def test_a_stripped_go_service_is_recorded_as_ciphertext_with_the_reason(build: Any, tmp_path: Path) -> None:
+    binary = build("https_server_stripped", SERVER_SRC, "-ldflags=-s -w")
+    (tmp_path / "svc").mkdir()
+    svc = GoService(binary, tmp_path / "svc")
+    out = tmp_path / "stripped.rec"
+    try:
+        rec = Recorder(RecordOptions(output=str(out), port=svc.port)).start()
+        try:
+            _curl(svc, "--http1.1", "-o", "/dev/null", f"https://127.0.0.1:{svc.port}/x")
+            time.sleep(0.3)
+        finally:
+            rec.stop()
+        assert [c[0] for c in svc.calls(1)] == ["GET /x"]
+    finally:
+        svc.stop()
+    with Recording(out) as r:
+        rows = cast(list[list[Any]], r.meta["tls_flows"])
+        assert list(r.calls()) == []
+    assert len(rows) == 1 and rows[0][1] == "encrypted", rows
+    assert rows[0][2].startswith(f"encrypted: Go binary {binary} (go1.") and "stripped Go binary" in rows[0][2], rows

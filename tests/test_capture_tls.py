@@ -301,36 +301,55 @@ def test_tls_off_records_no_plaintext_and_says_why_per_flow(nginx: Nginx, tmp_pa
     assert TOKEN_CURL.encode() not in _file_bytes(out)
 
 
-def test_tls_of_a_process_without_the_system_libssl_is_reported_with_the_reason(nginx: Nginx, tmp_path: Path) -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("needs node (its TLS is its own statically linked OpenSSL)")
-    port = _free_port()
-    script = ("const fs=require('fs');require('https').createServer({key:fs.readFileSync(process.argv[1]),"
-              "cert:fs.readFileSync(process.argv[2])},(q,s)=>s.end('hi')).listen(+process.argv[3],'127.0.0.1',"
-              "()=>console.log('ready'))")
-    proc = subprocess.Popen([node, "-e", script, str(nginx.dir / "key.pem"), str(nginx.cert), str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+GRPCIO_TLS_SERVER = """
+import sys, grpc
+from concurrent import futures
+key, cert = (open(p, "rb").read() for p in sys.argv[1:3])
+server = grpc.server(futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+    "t.S", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})])
+port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+server.start()
+print(port, flush=True)
+sys.stdin.read()
+server.stop(None)
+"""
+
+
+def test_tls_of_a_process_without_a_readable_library_is_reported_with_the_reason(nginx: Nginx, tmp_path: Path) -> None:
+    """grpcio's TLS is BoringSSL linked into cygrpc with its symbols hidden: the flow is stored as
+    ciphertext, and says so, naming what was found."""
+    import grpc
+
+    proc = subprocess.Popen([sys.executable, "-c", GRPCIO_TLS_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        out = tmp_path / "node.rec"
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        out = tmp_path / "grpcio.rec"
 
-        def get() -> None:
-            ctx = ssl.create_default_context(cafile=str(nginx.cert))
-            conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
-            conn.request("GET", "/x", headers={"Authorization": "Bearer node-token"})
-            assert conn.getresponse().read() == b"hi"
-            conn.close()
+        def call() -> None:
+            creds = grpc.ssl_channel_credentials(nginx.cert.read_bytes())
+            with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+                echo = channel.unary_unary("/t.S/Echo")
+                assert echo(b"ping", timeout=10, metadata=[("authorization", "Bearer grpcio-token")]) == b"ping"
 
-        _record(out, port, [get])
+        _record(out, port, [call])
     finally:
-        proc.terminate()
+        assert proc.stdin is not None
+        proc.stdin.close()
         proc.wait(10)
     with Recording(out) as r:
         rows = r.meta["tls_flows"]
         assert r.meta["tls"]["capture"] == "on"
-    assert len(rows) == 1 and rows[0][1] == "encrypted"
-    assert rows[0][2].startswith("encrypted: Node.js (") and "memory buffers" in rows[0][2], rows[0][2]
+        calls = list(r.calls())
+        (flow,) = list(r.flows())
+        # held while undecided, then stored as it came: the client's hello, the server's answer
+        hello = [r.first_bytes(flow.id or 0, d, 1) for d in ("c2s", "s2c")]
+    assert len(rows) == 1 and rows[0][1] == "encrypted" and calls == []
+    assert hello == [b"\x16", b"\x16"]
+    assert rows[0][2].startswith("encrypted: BoringSSL linked statically into cygrpc"), rows[0][2]
+    assert b"grpcio-token" not in _file_bytes(out)
 
 
 def test_doctor_reports_tls_capture() -> None:

@@ -130,7 +130,7 @@ def test_list_tls_names_what_each_process_runs(tmp_path: Path, libssl_copy: Path
     assert json.loads(doctor.stdout)["process"]["verdict"] == mine["verdict"], doctor.stdout[-2000:]
 
 
-def test_list_tls_names_node_and_grpcio_as_not_read_with_the_reason(tmp_path: Path) -> None:
+def test_list_tls_names_node_as_read_and_grpcio_as_not_read_with_the_reason(tmp_path: Path) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("needs node")
@@ -150,7 +150,7 @@ def test_list_tls_names_node_and_grpcio_as_not_read_with_the_reason(tmp_path: Pa
         py.wait(10)
     assert all(out.returncode == 0 for out in outs), [out.stderr for out in outs]
     rows = {r["pid"]: r for out in outs for r in json.loads(out.stdout)["processes"]}
-    assert rows[proc.pid]["verdict"].startswith("not read: Node.js ("), rows[proc.pid]
+    assert rows[proc.pid]["verdict"] == f"read: node {os.path.realpath(node)}", rows[proc.pid]
     kinds = {f["kind"] for f in rows[py.pid]["files"]}
     assert kinds == {"openssl", "boringssl-static"}, rows[py.pid]
     assert any("BoringSSL linked statically into cygrpc" in f["why_not"] for f in rows[py.pid]["files"])

@@ -22,8 +22,9 @@
  * Why syscalls, not SSL_get_fd: a BPF program cannot call into the process. OpenSSL's socket BIO
  * (nginx, Python's ssl) and curl's own BIO both move the ciphertext with one of those syscalls
  * inside the SSL call, on the calling thread, so the first syscall of the handshake already names
- * the fd. Memory BIOs (asyncio's SSLObject) make no syscall inside the call: their plaintext has no
- * fd and is only counted (`unjoined`).
+ * the fd. Memory BIOs (Node's TLSWrap, asyncio's SSLObject) make no syscall inside the call: their
+ * SSL* is joined to the socket the same thread writes the handshake's output to right after the call
+ * (wait_for_write, bind_pending); plaintext of an SSL* never joined is only counted (`unjoined`).
  *
  * Which processes: FILTER_PID / FILTER_CGROUP as in recorder.bpf.c; which connections: those in the
  * recorder's `socks`, checked in the kernel, so the plaintext of every other TLS connection of every
@@ -83,6 +84,7 @@ struct tls_call {         /* one thread inside one SSL call */
     u8 ex;
     u8 has_fd;
     u8 marked;            /* tls_socks was seen to for this call's socket */
+    u8 recorded;          /* the fd is a socket the recorder records (in socks) */
 };
 
 struct stream_pos {       /* plaintext bytes of one recorded socket so far */
@@ -97,6 +99,14 @@ struct rec_sock {         /* the recorder's struct sock_info: only looked up her
 BPF_RINGBUF_OUTPUT(tls_events, RINGBUF_PAGES);
 BPF_HASH(calls, u64, struct tls_call, 16384);
 BPF_TABLE("lru_hash", u64, u32, ssl_fd, 65536);      /* SSL* -> fd */
+/* Memory BIOs (Node.js, asyncio): an SSL* whose handshake call just returned without a syscall inside,
+ * waiting on its thread for the write that sends what the call produced (see bind_pending) */
+struct pending_ssl {
+    u64 ssl;
+    u64 ts_ns;
+};
+BPF_HASH(pending, u64, struct pending_ssl, 16384);
+BPF_TABLE("lru_hash", u64, u8, ssl_moved, 65536);    /* SSL*s that moved plaintext before any fd was known */
 BPF_TABLE("lru_hash", u64, struct stream_pos, positions, 65536);   /* (tgid, fd) */
 BPF_TABLE("extern", u64, struct rec_sock, socks, 65536);
 BPF_TABLE("extern", u64, u8, tls_socks, 65536);
@@ -152,6 +162,8 @@ static __always_inline int call_enter(struct pt_regs *ctx, u8 kind, u8 ex) {
     if (fd) {
         c.fd = *fd;
         c.has_fd = 1;
+        u64 key = sock_key(id >> 32, c.fd);
+        c.recorded = socks.lookup(&key) ? 1 : 0;
     }
     calls.update(&id, &c);
     return 0;
@@ -163,17 +175,35 @@ int ssl_write_enter(struct pt_regs *ctx) { return call_enter(ctx, CALL_WRITE, 0)
 int ssl_write_ex_enter(struct pt_regs *ctx) { return call_enter(ctx, CALL_WRITE, 1); }
 int ssl_handshake_enter(struct pt_regs *ctx) { return call_enter(ctx, CALL_HANDSHAKE, 0); }
 
+/* A call that made no syscall and moved no plaintext, on an SSL* with no fd yet: with memory BIOs
+ * (Node's TLSWrap, asyncio's SSLObject) the handshake output it produced is written to the socket by
+ * the same thread right after it returns (Node: EncOut; asyncio: transport.write). The SSL* waits for
+ * that write (bind_pending). An SSL* that moved plaintext first is never bound: its stream would
+ * start in the middle. */
+static __always_inline void wait_for_write(u64 id, struct tls_call *c) {
+    if (c->has_fd && c->recorded)
+        return;
+    u64 ssl = c->ssl;
+    if (ssl_moved.lookup(&ssl))
+        return;
+    struct pending_ssl p = {.ssl = ssl, .ts_ns = bpf_ktime_get_ns()};
+    pending.update(&id, &p);
+}
+
 int ssl_handshake_exit(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct tls_call *c = calls.lookup(&id);
-    if (c && c->kind == CALL_HANDSHAKE)
+    if (c && c->kind == CALL_HANDSHAKE) {
+        wait_for_write(id, c);
         calls.delete(&id);
+    }
     return 0;
 }
 
 int ssl_free_enter(struct pt_regs *ctx) {
     u64 ssl = PT_REGS_PARM1(ctx);
     ssl_fd.delete(&ssl);
+    ssl_moved.delete(&ssl);
     return 0;
 }
 
@@ -249,32 +279,67 @@ int ssl_rw_exit(struct pt_regs *ctx) {
     int ret = (int)PT_REGS_RC(ctx);
     u64 n = 0;
     if (c.ex) {
-        if (ret != 1 || !c.outp)
-            return 0;
-        bpf_probe_read_user(&n, sizeof(n), (void *)c.outp);
-    } else {
-        if (ret <= 0)
-            return 0;
+        if (ret == 1 && c.outp)
+            bpf_probe_read_user(&n, sizeof(n), (void *)c.outp);
+    } else if (ret > 0) {
         n = ret;
     }
-    if (n == 0)
+    if (n == 0) {
+        wait_for_write(id, &c);   /* Node drives its handshake with SSL_read: -1, WANT_READ */
         return 0;
-    if (!c.has_fd) {
-        count(C_UNJOINED);
-        return 0;
+    }
+    if (!c.has_fd || !c.recorded) {
+        u64 ssl = c.ssl;
+        if (!ssl_moved.lookup(&ssl)) {
+            u8 one = 1;
+            ssl_moved.update(&ssl, &one);
+        }
+        if (!c.has_fd)
+            count(C_UNJOINED);
+        return 0;             /* not a recorded connection (or one whose socket is unknown) */
     }
     return emit_plain(id >> 32, c.fd, c.kind == CALL_WRITE, c.buf, n);
 }
 
 /* ---- which fd an SSL* uses: the syscalls made inside its calls ---- */
 
-static __always_inline int io_enter(u32 fd) {
+#define PENDING_NS 20000000ULL   /* a handshake's output is written within microseconds of the call */
+
+/* Outside any SSL call: a thread with a pending SSL* (wait_for_write) writes to a recorded socket:
+ * that is where the handshake output went, so the SSL* is that socket's. A read of a recorded socket
+ * first, or a write later than PENDING_NS, ends the wait unbound (the flow then stays ciphertext,
+ * with its reason: never a guess). */
+static __always_inline int bind_pending(u64 id, u32 fd, u8 is_write) {
+    struct pending_ssl *p = pending.lookup(&id);
+    if (!p)
+        return 0;             /* the common case */
+    u64 key = sock_key(id >> 32, fd);
+    if (!socks.lookup(&key))
+        return 0;             /* an eventfd, a pipe, a log file: keep waiting */
+    u64 ssl = p->ssl;
+    u8 fresh = bpf_ktime_get_ns() - p->ts_ns < PENDING_NS;
+    pending.delete(&id);
+    if (!is_write || !fresh)
+        return 0;
+    ssl_fd.update(&ssl, &fd);
+    if (!tls_socks.lookup(&key)) {
+        u8 one = 1;
+        tls_socks.update(&key, &one);   /* before this syscall's exit, where the recorder looks */
+    }
+    return 0;
+}
+
+static __always_inline int io_enter(u32 fd, u8 is_write) {
     u64 id = bpf_get_current_pid_tgid();
     struct tls_call *c = calls.lookup(&id);
     if (!c)
-        return 0;             /* the common case: this thread is not inside an SSL call */
+        return bind_pending(id, fd, is_write);   /* the common case: not inside an SSL call */
     if (c->marked && c->fd == fd)
         return 0;             /* this call's socket is known and marked already */
+    u64 key = sock_key(id >> 32, fd);
+    u8 recorded = socks.lookup(&key) ? 1 : 0;
+    if (c->has_fd && c->recorded && c->fd != fd && !recorded)
+        return 0;             /* another fd inside the call (OpenSSL reading /dev/urandom, a log): the socket stays */
     if (!c->has_fd || c->fd != fd) {
         c->fd = fd;
         c->has_fd = 1;
@@ -282,22 +347,22 @@ static __always_inline int io_enter(u32 fd) {
         ssl_fd.update(&ssl, &fd);
     }
     c->marked = 1;
-    u64 key = sock_key(id >> 32, fd);
-    if (socks.lookup(&key) && !tls_socks.lookup(&key)) {
+    c->recorded = recorded;
+    if (recorded && !tls_socks.lookup(&key)) {
         u8 one = 1;
         tls_socks.update(&key, &one);   /* the recorder's exit of this syscall sends a length only */
     }
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_read) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_write) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return io_enter(args->fd); }
-TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return io_enter(args->fd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_read) { return io_enter(args->fd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_write) { return io_enter(args->fd, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_readv) { return io_enter(args->fd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return io_enter(args->fd, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) { return io_enter(args->fd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto) { return io_enter(args->fd, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) { return io_enter(args->fd, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) { return io_enter(args->fd, 1); }
 
 /* The connection's final positions: bytes whose records the ring lost at its end are a gap too. */
 TRACEPOINT_PROBE(syscalls, sys_enter_close) {

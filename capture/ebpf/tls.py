@@ -438,7 +438,8 @@ class TlsBackend:
             return "encrypted: " + "; ".join(f.why_not for f in named) + also
         if probed:
             return (f"encrypted: the process maps {', '.join(probed)}, probed, but this connection's TLS does not "
-                    "go through it on this socket (another TLS library linked in, or memory BIOs as in asyncio)")
+                    "go through it on this socket (another TLS library linked in, or memory BIOs whose handshake write was "
+                    "not seen: a connection open before the recorder started)")
         return ("encrypted: no TLS library this tool can probe in the process (no libssl mapped, no OpenSSL API "
                 "exported; see `shadowtest record --list-tls --pid PID`)")
 

@@ -16,6 +16,10 @@ What a flow is, decided from the recorder's records of it:
   libssl moved them): stored as raw TCP, listed with the reason. A flow never changes from ciphertext
   to plaintext: plaintext that comes for it later is dropped, counted and said (the bytes before it
   were stored encrypted, and mixing the two would store plaintext no masker has seen whole).
+* **hold**: its first bytes are a TLS handshake the recorder copied (a server with memory BIOs, Node or
+  asyncio, reads the client's hello before any SSL call): held, at most _HOLD_MAX_BYTES in one
+  direction, until the socket is marked (then tls: the hello is ciphertext, counted, not stored) or an
+  answer is copied too (then encrypted: stored as it came).
 * **plain**: its first bytes are not TLS; if TLS starts later on it (STARTTLS), the plaintext goes on
   through the same sink flow, its masker and decoder.
 
@@ -63,6 +67,12 @@ _STALE_NS = 2_000_000_000   # a call still missing records after this long lost 
 # plaintext: beyond it the ring keeps them (and, if the recorder stays behind, loses them: a gap
 # each, never memory without bound).
 _READY_MAX_BYTES = 64 << 20
+# A flow whose first bytes are a TLS handshake the recorder copied (a client's hello, read by a server
+# whose TLS works on memory buffers before any SSL call: Node, asyncio) waits for its answer: the socket
+# marked by then makes it plaintext (the handshake bytes held are dropped), a copied answer makes it
+# ciphertext (stored as it came). At most this much is held per flow, in one direction.
+_HOLD_MAX_BYTES = 64 << 10
+_HANDSHAKE = 0x16
 
 
 def looks_like_tls(data: bytes) -> bool:
@@ -74,14 +84,15 @@ class _Conn:
     """A flow the recorder opened, as the joiner sees it."""
 
     __slots__ = ("key", "flow_id", "pid", "opened_ns", "mode", "reason", "cipher_bytes", "plain_bytes",
-                 "expect", "lost_bytes", "unknown_losses", "final_seen", "lost_mark", "late_dropped")
+                 "expect", "lost_bytes", "unknown_losses", "final_seen", "lost_mark", "late_dropped", "held",
+                 "held_bytes")
 
     def __init__(self, key: Hashable, flow_id: int, flow: Flow, lost_mark: int) -> None:
         self.key = key
         self.flow_id = flow_id
         self.pid = flow.pid or 0
         self.opened_ns = flow.opened_ns or 0
-        self.mode = "?"            # ? (no bytes yet) | plain | tls (plaintext from libssl) | encrypted
+        self.mode = "?"            # ? (no bytes yet) | hold | plain | tls (plaintext from the probes) | encrypted
         self.reason = ""
         self.cipher_bytes = 0
         self.plain_bytes = 0
@@ -91,6 +102,8 @@ class _Conn:
         self.final_seen = False    # the CLOSE record with the final positions came
         self.lost_mark = lost_mark  # the program's lost-record count when the flow opened
         self.late_dropped = 0      # plaintext of an encrypted flow, dropped
+        self.held: list[tuple[Direction, int, bytes]] = []   # "hold": the copied handshake bytes, undecided
+        self.held_bytes = 0
 
 
 class TlsJoiner:
@@ -163,6 +176,12 @@ class TlsJoiner:
             if c is not None and c.mode != "plain":
                 if c.mode == "?":
                     self._classify(c, data)
+                if c.mode == "hold":
+                    if not c.held or (direction == c.held[0][0] and c.held_bytes + len(data) <= _HOLD_MAX_BYTES):
+                        c.held.append((direction, ts_ns, data))
+                        c.held_bytes += len(data)
+                        return
+                    self._release(c, tls=False)    # an answer copied too: no probe moved this TLS
                 if c.mode == "tls":      # ciphertext the recorder copied before the socket was marked
                     self._ciphertext(c, len(data))
                     return
@@ -178,6 +197,8 @@ class TlsJoiner:
             c = self._conns.get(key)
             if c is None:
                 return
+            if c.mode == "hold":
+                self._release(c, tls=True)
             if c.mode in ("?", "plain"):
                 c.mode = "tls"            # plain first: STARTTLS, the plaintext goes on in the same flow
             self._ciphertext(c, nbytes)
@@ -199,12 +220,16 @@ class TlsJoiner:
     def gap(self, key: Hashable, direction: Direction, nbytes: int) -> None:
         with self._lock:
             c = self._conns.get(key)
+            if c is not None and c.mode == "hold":
+                self._release(c, tls=False)
             if c is None or c.mode != "tls":    # a hole in ciphertext is no hole in the plaintext
                 self.sink.gap(key, direction, nbytes)
 
     def discarded(self, key: Hashable, direction: Direction, nbytes: int) -> None:
         with self._lock:
             c = self._conns.get(key)
+            if c is not None and c.mode == "hold":
+                self._release(c, tls=False)
             if c is None or c.mode != "tls":
                 self.sink.discarded(key, direction, nbytes)
 
@@ -347,6 +372,8 @@ class TlsJoiner:
         if c.mode == "encrypted":
             self._late(c, len(payload))
             return
+        if c.mode == "hold":
+            self._release(c, tls=True)
         if c.mode != "tls":
             if c.mode == "plain":
                 self.counts["late_plaintext_flows"] += 1   # STARTTLS: bytes before it stay as they were
@@ -454,10 +481,29 @@ class TlsJoiner:
         if not looks_like_tls(first):
             c.mode = "plain"
             return
+        if first[0] == _HANDSHAKE and self.program is not None:
+            c.mode = "hold"    # a ClientHello read before any SSL call (memory BIOs): wait for the answer
+            return
         c.mode = "encrypted"
         c.reason = self._why_unreadable(c.pid, self.program)
 
+    def _release(self, c: _Conn, tls: bool) -> None:
+        """A held flow decided: plaintext (its socket was marked, or its plaintext came: the handshake
+        bytes held are ciphertext, counted and not stored) or encrypted (stored as they came)."""
+        held, c.held, c.held_bytes = c.held, [], 0
+        if tls:
+            c.mode = "tls"
+            for _d, _ts, data in held:
+                self._ciphertext(c, len(data))
+            return
+        c.mode = "encrypted"
+        c.reason = self._why_unreadable(c.pid, self.program)
+        for direction, ts, data in held:
+            self.sink.data(c.key, direction, ts, data)
+
     def _finish(self, c: _Conn) -> None:
+        if c.mode == "hold":
+            self._release(c, tls=False)
         if c.mode == "tls":
             self.counts["plaintext_flows"] += 1
             lost = None

@@ -6,7 +6,8 @@ own, probed on its own:
 
     OpenSSL, a library (libssl.so.*, any path, any mount namespace)        read: uprobes on SSL_read/_write
     OpenSSL inside the executable, exported (SSL_read in its dynamic table) read, as the library
-      ... Node.js (its OpenSSL feeds on memory buffers, no socket)          named: no socket to join it to
+      ... Node.js (its OpenSSL works on memory buffers: the socket is the one
+          its event loop writes the handshake to, tls.bpf.c's bind_pending)  read
     Go crypto/tls (a Go executable, capture/ebpf/goelf.py's analysis)      read: Go's own probes (tls.bpf.c);
                                                                            else named, with the binary's reason
     BoringSSL linked in statically, hidden (grpcio's cygrpc, Envoy)        named: nothing to attach to
@@ -178,11 +179,7 @@ class Inspector:
                                          info.go_version or "" if info else "", why, m.start, info))
             elif self._exports_openssl(m, where):
                 if comm == "node" or name in ("node", "nodejs"):
-                    out.files.append(TlsFile(
-                        "node", m.path, where, m.dev, m.ino, False, "",
-                        f"Node.js ({m.path}): its OpenSSL reads and writes memory buffers, not the socket, so "
-                        "its plaintext cannot be joined to a connection by these probes (needs Node-specific "
-                        "probes on its TLSWrap)"))
+                    out.files.append(TlsFile("node", m.path, where, m.dev, m.ino, True))
                 else:
                     out.files.append(TlsFile("openssl-in-binary", m.path, where, m.dev, m.ino, True))
             elif maybe_boring and self._has_boringssl(m, where):
