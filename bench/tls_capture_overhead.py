@@ -207,6 +207,10 @@ def one(kind: str, port: int, cafile: Path | None, recorded: bool, args: argpars
     calls, errors = load(port, cafile, args.rate, args.duration, args.connections)
     elapsed = time.monotonic() - t0
     w1 = cpu(service)
+    if calls == 0:
+        if rec is not None:
+            stop_recorder(rec)
+        raise SystemExit(f"{kind}: no call answered ({errors} errors): the service is gone")
     row: dict[str, Any] = {"kind": kind, "recorded": recorded, "calls": calls, "errors": errors,
                            "rate": calls / elapsed, "service_us_per_call": (w1 - w0) / max(1, calls) * 1e6}
     if rec is not None:

@@ -154,3 +154,33 @@ def test_list_tls_names_node_as_read_and_grpcio_as_not_read_with_the_reason(tmp_
     kinds = {f["kind"] for f in rows[py.pid]["files"]}
     assert kinds == {"openssl", "boringssl-static"}, rows[py.pid]
     assert any("BoringSSL linked statically into cygrpc" in f["why_not"] for f in rows[py.pid]["files"])
+
+
+def test_list_tls_names_a_jvm_as_not_read_with_the_reason(tmp_path: Path) -> None:
+    """A JVM's TLS is JSSE (Java code): named, never guessed. The "JVM" is a process that maps a shared
+    library named libjvm.so (a copy of zlib: the name is what the inspection goes by)."""
+    import ctypes.util
+
+    zlib = ctypes.util.find_library("z")
+    assert zlib is not None
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
+    src = next(line.split(" => ")[1] for line in found.splitlines() if line.strip().startswith(zlib))
+    jvm = tmp_path / "lib" / "server" / "libjvm.so"
+    jvm.parent.mkdir(parents=True)
+    shutil.copy2(src, jvm)
+    proc = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('ready', "
+                             "flush=True); sys.stdin.read()", str(jvm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        out = subprocess.run([sys.executable, "-m", "harness.cli", "record", "--list-tls", "--pid", str(proc.pid),
+                              "--json"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(10)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["processes"]
+    java = [f for f in row["files"] if f["kind"] == "java-jsse"]
+    assert len(java) == 1 and java[0]["path"] == str(jvm) and not java[0]["readable"], row
+    assert "JSSE" in java[0]["why_not"] and "plaintext side" in java[0]["why_not"]

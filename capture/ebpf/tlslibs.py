@@ -11,6 +11,7 @@ own, probed on its own:
     Go crypto/tls (a Go executable, capture/ebpf/goelf.py's analysis)      read: Go's own probes (tls.bpf.c);
                                                                            else named, with the binary's reason
     BoringSSL linked in statically, hidden (grpcio's cygrpc, Envoy)        named: nothing to attach to
+    Java's JSSE (a process mapping libjvm.so)                              named: Java code, no native function
 
 Probes attach once per file, keyed by (device, inode): a hundred nginx workers and the host's curl all
 share the system libssl and cost one attachment. Nothing here guesses: where a file cannot be read the
@@ -32,6 +33,7 @@ _LIBSSL = re.compile(r"^libssl\.so(\.\d+)*$")            # OpenSSL's, not NSS's 
 _LIBCRYPTO = re.compile(r"^libcrypto\.so(\.\d+)*$")
 _OPENSSL_VERSION = re.compile(rb"OpenSSL \d+\.\d+\.\d+[a-z]?(?:-[\w.]+)? +\d{1,2} \w{3} \d{4}")
 _MAYBE_BORING = re.compile(r"grpc|envoy|boring", re.I)    # files worth searching for BoringSSL's marks
+_LIBJVM = re.compile(r"^libjvm\.so$")                      # a JVM: its TLS is JSSE, Java code
 _BORINGSSL = re.compile(rb"BoringSSL")
 _OPENSSL_API = (b"SSL_read", b"SSL_write")
 _SCAN_CAP = 512 << 20        # never search a file bigger than this for a version or a library's marks
@@ -166,6 +168,13 @@ class Inspector:
                 version = self._version(crypto, pid) if crypto is not None else ""
                 out.files.append(TlsFile("openssl", m.path, where, m.dev, m.ino, bool(where), version,
                                          "" if where else f"{m.path}: the mapped file cannot be opened from here"))
+                continue
+            if _LIBJVM.match(name):
+                out.files.append(TlsFile(
+                    "java-jsse", m.path, attach_path(pid, m), m.dev, m.ino, False, "",
+                    f"a JVM ({m.path}): Java's TLS (JSSE) is Java code, JIT-compiled, with no native function to "
+                    "attach a probe to; record such a service on its plaintext side (a sidecar, the client), or "
+                    "terminate TLS in front of it"))
                 continue
             is_exe = (m.dev, m.ino) == (exe.st_dev, exe.st_ino)
             maybe_boring = bool(_MAYBE_BORING.search(name))

@@ -48,7 +48,7 @@ function httpsServer(certFile, keyFile) {
     });
   server.listen(0, '127.0.0.1', () => say({ port: server.address().port }));
   onStdinEnd(() => server.close(() => process.exit(0)));
-  setTimeout(() => process.exit(0), 120000).unref();
+  setTimeout(() => process.exit(0), 900000).unref();   // a safety net: stdin closing ends it
 }
 
 function httpsClient(caFile, urls) {
@@ -99,7 +99,7 @@ function grpcServer(certFile, keyFile) {
     say({ port });
   });
   onStdinEnd(() => { server.forceShutdown(); process.exit(0); });
-  setTimeout(() => process.exit(0), 120000).unref();
+  setTimeout(() => process.exit(0), 900000).unref();   // a safety net: stdin closing ends it
 }
 
 function grpcClient(caFile, port, n) {
