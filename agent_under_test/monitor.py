@@ -71,7 +71,7 @@ class PeriodRecorder:
         key = outcome if outcome in self.counts else "error"
         self.counts[key] += 1
         # Clamp into the histogram's range: a negative or absurd latency must not lose the call.
-        us = min(_HIGHEST_US, max(_LOWEST_US, int(latency_s * 1e6)))
+        us = min(_HIGHEST_US, max(_LOWEST_US, round(latency_s * 1e6)))   # round: 1.005e-3 * 1e6 is 1004.99...
         self.hist.record_value(us)
 
     def reject(self) -> None:
@@ -123,7 +123,7 @@ class DependencyRecorder:
 
     def record(self, seconds: float) -> None:
         self.count += 1
-        self.hist.record_value(min(_HIGHEST_US, max(_LOWEST_US, int(seconds * 1e6))))
+        self.hist.record_value(min(_HIGHEST_US, max(_LOWEST_US, round(seconds * 1e6))))
 
     def on_circuit(self, state: str) -> None:
         self.circuit = state

@@ -1,4 +1,5 @@
-"""What the traffic generator reports: rates, latency percentiles from intended send time, errors by code."""
+"""What the traffic generator reports: rates, latency percentiles from intended send time (nearest rank,
+wire/stats.py), errors by code."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from agent_under_test.traffic_lanes import CallResult
+from wire.stats import percentiles
 
 
 @dataclass
@@ -37,19 +37,24 @@ class TrafficReport:
         return d
 
 
-def _pct(values: np.ndarray, q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 3) if len(values) else None
+def _pcts(values: list[float], *qs: float) -> list[float | None]:
+    """Nearest-rank percentiles (wire/stats.py), in ms to 3 decimals; None for no values."""
+    if not values:
+        return [None] * len(qs)
+    got = percentiles(values, qs)
+    return [round(got[q], 3) for q in qs]
 
 
 def summarize(target: str, pattern: str, seed: int, rate: float, duration_s: float,
               results: list[CallResult], start_ns: int, end_ns: int) -> TrafficReport:
     """Aggregate per-call results into a report (latency only over calls answered OK)."""
     ok = [r for r in results if r.code == "OK"]
-    lat = np.array([(r.done_ns - r.intended_ns) / 1e6 for r in ok])
-    lag = np.array([(r.sent_ns - r.intended_ns) / 1e6 for r in results])
+    lat = [(r.done_ns - r.intended_ns) / 1e6 for r in ok]
+    lag = [(r.sent_ns - r.intended_ns) / 1e6 for r in results]
     span = max((end_ns - start_ns) / 1e9, 1e-9)
     codes = Counter(r.code or "UNANSWERED" for r in results if r.code != "OK")
     methods = Counter(r.method.rsplit("/", 1)[-1] for r in results)
+    p50, p95, p99 = _pcts(lat, 0.5, 0.95, 0.99)
+    (lag99,) = _pcts(lag, 0.99)
     return TrafficReport(target, pattern, seed, rate, duration_s, len(results), len(ok),
-                         round(len(results) / span, 1), _pct(lat, 50), _pct(lat, 95), _pct(lat, 99),
-                         _pct(lag, 99), dict(codes), dict(methods), results)
+                         round(len(results) / span, 1), p50, p95, p99, lag99, dict(codes), dict(methods), results)

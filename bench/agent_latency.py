@@ -50,6 +50,7 @@ from agent_under_test.launch import AgentProcess  # noqa: E402
 from agent_under_test.market import MarketSim  # noqa: E402
 from agent_under_test.saturation import read_schedstat  # noqa: E402
 from agent_under_test.traffic import run_traffic  # noqa: E402
+from wire.stats import percentiles  # noqa: E402
 
 
 async def _echo_main(port_file: str) -> None:
@@ -92,7 +93,6 @@ class EchoProcess:
 def batch_one(address: str, n: int) -> dict[str, float]:
     """Sequential calls: each waits for the previous answer, so every forward pass has batch 1."""
     import grpc
-    import numpy as np
 
     from agent_under_test.proto import agent_pb2_grpc
 
@@ -109,8 +109,8 @@ def batch_one(address: str, n: int) -> dict[str, float]:
             stub.Decide(m)
             lat.append((time.perf_counter() - t) * 1e3)
         elapsed = time.perf_counter() - start
-    return {"calls_s": round(n / elapsed, 1), "p50_ms": round(float(np.percentile(lat, 50)), 3),
-            "p99_ms": round(float(np.percentile(lat, 99)), 3)}
+    q = percentiles(lat, (0.5, 0.99))
+    return {"calls_s": round(n / elapsed, 1), "p50_ms": round(q[0.5], 3), "p99_ms": round(q[0.99], 3)}
 
 
 def _cpu_s(pid: int) -> float:
@@ -230,10 +230,8 @@ async def _replay(address: str, msgs: list, rate: float, seed: int) -> dict[str,
 
 
 def _summary(rows: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    return {"n": len(rows), "p50_ms": round(float(np.percentile(rows, 50)), 3),
-            "p99_ms": round(float(np.percentile(rows, 99)), 3)}
+    q = percentiles(rows, (0.5, 0.99))
+    return {"n": len(rows), "p50_ms": round(q[0.5], 3), "p99_ms": round(q[0.99], 3)}
 
 
 def cache_run(agent: AgentProcess, msgs: list, rate: float, seed: int) -> dict[str, object]:

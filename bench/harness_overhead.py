@@ -28,9 +28,9 @@ from harness.live import LiveView  # noqa: E402
 from harness.runner import Runner, RunOptions  # noqa: E402
 from harness.scenario import GeneratorTraffic  # noqa: E402
 from harness.scenario_load import load_scenario_text  # noqa: E402
-from harness.timeline import percentile  # noqa: E402
 from harness.traffic import generator_plan  # noqa: E402
 from replay.engine import ReplayOptions, ReplayRun  # noqa: E402
+from wire.stats import percentile  # noqa: E402
 
 
 def _stats(lags_us: list[float], lat_ms: list[float]) -> dict[str, float]:

@@ -48,6 +48,7 @@ from leanload import LeanClient, payloads, saturate  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
 from replay.senders.base import OK, REJECTED, SendOutcome  # noqa: E402
+from wire.stats import percentiles  # noqa: E402
 
 
 async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -> np.ndarray:
@@ -97,8 +98,9 @@ async def _drive(address: str, schedule: list[tuple[float, float]], seed: int) -
     finally:
         client.close()
     if lags:
-        print(f"    client send lag p50 {np.percentile(lags, 50) * 1000:.1f} ms, p99 "
-              f"{np.percentile(lags, 99) * 1000:.1f} ms over {len(lags)} calls", flush=True)
+        q = percentiles(lags, (0.5, 0.99))
+        print(f"    client send lag p50 {q[0.5] * 1000:.1f} ms, p99 "
+              f"{q[0.99] * 1000:.1f} ms over {len(lags)} calls", flush=True)
     return np.array(sorted(rows), dtype=float).reshape(-1, 4)
 
 
@@ -158,7 +160,7 @@ def window_p99(rows: np.ndarray, start: float, end: float, width: float = 1.0) -
     t = start
     while t < end - 1e-9:
         sel = rows[(rows[:, 0] >= t) & (rows[:, 0] < t + width) & (rows[:, 2] == 1)]
-        out.append((t, float(np.percentile(sel[:, 1], 99)) * 1000 if len(sel) else float("nan")))
+        out.append((t, percentiles(sel[:, 1].tolist(), (0.99,))[0.99] * 1000 if len(sel) else float("nan")))
         t += 1.0
     return out
 

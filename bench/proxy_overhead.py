@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from wire.stats import percentiles  # noqa: E402
+
 
 class _Echo(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -148,7 +150,7 @@ def _bulk(port: int, mib: int) -> float:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e6
+    return percentiles(xs, (q,))[q] * 1e6
 
 
 def _create(url: str, upstream_port: int) -> int:

@@ -30,6 +30,7 @@ from capture.recording import (
     MethodGroup,
     Recording,
 )
+from wire.stats import percentile
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -40,12 +41,6 @@ def sparkline(values: list[int]) -> str:
     if not top:
         return _SPARK[0] * len(values)
     return "".join(_SPARK[min(len(_SPARK) - 1, v * (len(_SPARK) - 1) // top)] for v in values)
-
-
-def _percentile(sorted_vals: list[int], q: float) -> int:
-    if not sorted_vals:
-        return 0
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
 def summarize(rec: Recording, buckets: int = 40, integrity: Integrity | None = None) -> dict[str, Any]:
@@ -297,7 +292,7 @@ def _salvaged(meta: dict[str, Any]) -> list[str]:
 
 def _sizes(vals: list[int]) -> dict[str, int]:
     vals.sort()
-    return {"count": len(vals), "p50": _percentile(vals, 0.5), "p99": _percentile(vals, 0.99),
+    return {"count": len(vals), "p50": percentile(vals, 0.5) if vals else 0, "p99": percentile(vals, 0.99) if vals else 0,
             "max": vals[-1] if vals else 0, "total": sum(vals)}
 
 

@@ -30,7 +30,8 @@ from typing import Any
 from harness.checks.base import Verdict
 from harness.errors import HarnessError
 from harness.scenario import GeneratorTraffic, MetricNames, RecordingTraffic, Traffic
-from harness.timeline import CallResult, percentile
+from harness.timeline import CallResult
+from wire.stats import percentile
 
 SCHEMA = "shadowtest.capacity"
 VERSION = 1

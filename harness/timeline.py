@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
+from wire.stats import percentile
+
 OUTCOMES = ("ok", "rejected", "error", "timeout", "not_sent")
 
 
@@ -105,12 +107,6 @@ class CpuSample:
     t: float
     target_pct: float | None     # the target process's CPU use, % of one core
     host_pct: float              # all CPUs busy, % of the machine
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in 0..1)."""
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 @dataclass

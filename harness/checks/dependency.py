@@ -28,7 +28,8 @@ from typing import Any
 from harness.checks.alerts import _SOURCE, alert_intervals
 from harness.checks.base import Param, Verdict, nothing_to_judge, register, verdict
 from harness.scenario import CheckSpec
-from harness.timeline import FaultWindow, Timeline, percentile
+from harness.timeline import FaultWindow, Timeline
+from wire.stats import percentile
 
 HITS = ("hit_local", "hit_redis", "stale")
 _EPS = 1e-6

@@ -7,7 +7,8 @@ from typing import Any
 from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
 from harness.checks.truth import leg_values, proxy_legs, sched_rates
 from harness.scenario import CheckSpec
-from harness.timeline import FaultWindow, Timeline, percentile
+from harness.timeline import FaultWindow, Timeline
+from wire.stats import percentile
 
 
 class Slo:

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.timeline import Timeline, percentile
+from harness.timeline import Timeline
+from wire.stats import percentile
 
 LEG_TOLERANCE = ("proxy upstream leg: request END_STREAM leaving the proxy -> response END_STREAM reaching "
                  "it, on loopback; it also holds loopback TCP (~0.1 ms) and the time a call waits in the "
