@@ -39,6 +39,9 @@ class RecordOptions:
     decode: str = "live"               # live | at-stop | later: decode calls while recording, at stop, or by --finish
     tls: str = "auto"                  # auto | on | off: TLS plaintext from uprobes on the system libssl (eBPF)
     tls_ring_pages: int = 8192         # the TLS program's ring buffer in pages (32 MiB; see capture/ebpf/tls.py)
+    sample_pct: float = 100.0          # --sample: share of connections kept, whole (capture/sample.py)
+    sample_seed: int = 0
+    max_file_mb: float | None = None   # --max-file-mb: stop writing (and recording) at this file size
 
 
 class Backend(Protocol):

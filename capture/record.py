@@ -31,6 +31,7 @@ from capture.deferred import calls_pending, finish_command
 from capture.errors import CaptureError
 from capture.recording import RecordingWriter
 from capture.redact import DEFAULT_RULES, Redactor, parse_rule
+from capture.sample import Sampler
 from capture.sink import FlowSink, SinkStats
 
 TOOL_VERSION = "shadowtest-capture 0.1.0"
@@ -62,13 +63,15 @@ class Recorder:
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._started_ns = 0
+        self.capped = threading.Event()    # --max-file-mb reached: nothing more is written; stop
 
     def _meta(self) -> dict[str, object]:
         opts = asdict(self.options)
         return {"host": socket.gethostname(), "kernel": platform.release(), "tool_version": TOOL_VERSION,
                 "started_wall_ns": self.clock.wall_ns(), "started_mono_ns": self.clock.now_ns(),
                 "clock": "CLOCK_MONOTONIC", "backend": self.options.backend,
-                "filters": {k: opts[k] for k in ("port", "pid", "cgroup", "side", "max_bytes")},
+                "filters": {k: opts[k] for k in ("port", "pid", "cgroup", "side", "max_bytes", "sample_pct",
+                                                 "sample_seed", "max_file_mb")},
                 "redaction_rules": self.redactor.specs, "recorder_pid": os.getpid(), "decode": self.options.decode}
 
     def start(self) -> Recorder:
@@ -77,10 +80,16 @@ class Recorder:
             preflight()        # missing privileges fail here, before a file is created or replaced
         writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
         try:
-            self.sink = FlowSink(writer, self.redactor, self.options.decode)
+            sampler = Sampler(self.options.sample_pct, self.options.sample_seed) \
+                if self.options.sample_pct < 100.0 else None
+            cap = int(self.options.max_file_mb * (1 << 20)) if self.options.max_file_mb else None
+            self.sink = FlowSink(writer, self.redactor, self.options.decode, sampler=sampler, max_file_bytes=cap)
         except BaseException:
             writer.close()
+            writer.remove()
             raise
+        self.sink.on_sampled_out = getattr(self.backend, "forget", None)
+        self.sink.on_cap = self.capped.set
         try:
             self.backend.start(self.sink)
         except BaseException:

@@ -34,7 +34,7 @@ counted: meta `not_captured_bytes` and `not_captured_by_flow` ([flow, direction,
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field
 
 from capture.decode import FlowDecoder
@@ -42,6 +42,7 @@ from capture.decode.streammask import FlowMasker
 from capture.errors import CaptureError
 from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
 from capture.redact import BodyRegexRule, Redactor
+from capture.sample import Sampler
 
 
 @dataclass
@@ -60,6 +61,10 @@ class SinkStats:
     discarded_reads: int = 0
     not_captured_bytes: int = 0      # moved by sendfile/splice: length and time known, bytes not readable
     not_captured_syscalls: int = 0
+    sampled_out_flows: int = 0       # --sample: connections not kept (whole)
+    capped: bool = False             # --max-file-mb reached: nothing written after it
+    bytes_after_cap: int = 0
+    flows_after_cap: int = 0
     methods: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -81,10 +86,19 @@ class _FlowState:
         self.stored: dict[Direction, int] = {"c2s": 0, "s2c": 0}
 
 
-class FlowSink:
-    """Collect flows from a backend into `writer`, decoding and redacting as bytes arrive."""
+_CAP_CHECK_BYTES = 256 << 10   # with --max-file-mb: the file's size is looked at after this much payload
 
-    def __init__(self, writer: RecordingWriter, redactor: Redactor | None = None, decode: str = "live") -> None:
+
+class FlowSink:
+    """Collect flows from a backend into `writer`, decoding and redacting as bytes arrive.
+
+    `sampler` (--sample): a flow it does not keep is never opened; `on_sampled_out(key)` then tells the
+    backend to stop copying its bytes. `max_file_bytes` (--max-file-mb): once the file (and its WAL)
+    reaches it, every open flow is finished (its calls stored as far as they came), nothing more is
+    written, meta `capped` says so, and `on_cap()` is called (the recorder stops)."""
+
+    def __init__(self, writer: RecordingWriter, redactor: Redactor | None = None, decode: str = "live",
+                 sampler: Sampler | None = None, max_file_bytes: int | None = None) -> None:
         if decode not in DECODE_MODES:
             raise CaptureError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.writer = writer
@@ -102,6 +116,12 @@ class FlowSink:
         self._discarded: dict[tuple[int, str], list[int]] = {}   # (flow, direction) -> [bytes, reads]
         self._discarded_unsaved = False
         self._not_captured: dict[tuple[int, str, str], list[int]] = {}   # (flow, dir, how) -> [bytes, syscalls]
+        self.sampler = sampler
+        self.on_sampled_out: Callable[[Hashable], None] | None = None
+        self.max_file_bytes = max_file_bytes
+        self.on_cap: Callable[[], None] | None = None
+        self._since_size_check = 0
+        self._cap_meta: dict[str, object] = {}
         if not self._live:
             writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
 
@@ -110,6 +130,14 @@ class FlowSink:
         with self._lock:
             if key in self._flows:
                 self._close_locked(key, flow.opened_ns)
+            if self.stats.capped:
+                self.stats.flows_after_cap += 1
+                return 0
+            if self.sampler is not None and not self.sampler.decide(flow):
+                self.stats.sampled_out_flows += 1
+                if self.on_sampled_out is not None:
+                    self.on_sampled_out(key)
+                return 0
             flow_id = self.writer.add_flow(flow)
             self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live)
             self.stats.flows += 1
@@ -124,6 +152,8 @@ class FlowSink:
         with self._lock:
             st = self._flows.get(key)
             if st is None or not data:
+                if self.stats.capped:
+                    self.stats.bytes_after_cap += len(data)
                 return
             self.stats.bytes += len(data)
             calls = st.decoder.feed(direction, ts_ns, data)   # first: it detects the protocol
@@ -132,6 +162,37 @@ class FlowSink:
                 self.stats.chunks += 1
                 st.stored[d] += 1
             self._store_calls(st, calls)
+            if self.max_file_bytes is not None:
+                self._since_size_check += len(data)
+                if self._since_size_check >= _CAP_CHECK_BYTES:
+                    self._check_size_locked()
+
+    def _file_bytes(self) -> int:
+        total = 0
+        for p in (self.writer.path, self.writer.path.with_name(self.writer.path.name + "-wal")):
+            try:
+                total += p.stat().st_size
+            except OSError:
+                pass
+        return total
+
+    def _check_size_locked(self) -> None:
+        """--max-file-mb: commit, look at the file's size, and stop writing at the cap."""
+        self._since_size_check = 0
+        if self.max_file_bytes is None or self.stats.capped:
+            return
+        self.writer.flush()
+        size = self._file_bytes()
+        if size < self.max_file_bytes:
+            return
+        self.stats.capped = True
+        for key in list(self._flows):       # their calls are stored as far as they came
+            self._close_locked(key, None)
+        self._cap_meta = {"max_file_bytes": self.max_file_bytes, "file_bytes_at_cap": size}
+        self.writer.set_meta({"capped": self._cap_meta})
+        self.writer.flush()
+        if self.on_cap is not None:
+            self.on_cap()
 
     def _masked(self, st: _FlowState, direction: Direction, ts_ns: int,
                 data: bytes) -> list[tuple[Direction, int, bytes]]:
@@ -275,6 +336,8 @@ class FlowSink:
             if self._discarded_unsaved:
                 self.writer.set_meta(self._discarded_meta())
             self.writer.flush()
+            if self.max_file_bytes is not None:
+                self._check_size_locked()
 
     def close(self, ts_ns: int | None = None, meta: dict[str, object] | None = None) -> SinkStats:
         """Finish every open flow (its calls are stored incomplete) and write the counters to meta."""
@@ -289,6 +352,11 @@ class FlowSink:
                                   "truncated_events": self.stats.truncated_events,
                                   "unknown_method_calls": self.stats.unknown_method_calls,
                                   "truncated_messages": self.stats.truncated_messages,
-                                  "redaction_rules": self.redactor.specs} | self._discarded_meta() | (meta or {}))
+                                  "redaction_rules": self.redactor.specs} | self._discarded_meta()
+                                 | ({"sampling": self.sampler.meta()} if self.sampler is not None else {})
+                                 | ({"capped": self._cap_meta | {"bytes_after_cap": self.stats.bytes_after_cap,
+                                                                 "flows_after_cap": self.stats.flows_after_cap}}
+                                    if self.stats.capped else {})
+                                 | (meta or {}))
             self.writer.flush()
         return self.stats

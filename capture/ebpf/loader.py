@@ -30,7 +30,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -240,6 +240,7 @@ class EbpfBackend:
         self.map_names = shared_names(next(_instances))
         # accepts with no address (see the module docstring)
         self._instances: dict[tuple[int, int], int] = {}      # key -> opened_ns of its peer_unknown flow
+        self._opening: tuple[tuple[int, ...], SockInfo] | None = None   # the flow _start is opening
         self._held: dict[tuple[int, int], _Held] = {}         # key -> flow waiting for its CLOSE
         self._orphans: dict[tuple[int, int, int], _Held] = {}  # held flows whose fd was reused first
         self._listeners_seen: dict[tuple[int, int], bool] = {}  # (tgid, fd) -> ours, learnt from /proc
@@ -302,6 +303,32 @@ class EbpfBackend:
     def _socks(self) -> Any:
         """The program's map of traced sockets, (tgid << 32 | fd) -> SockInfo."""
         return self._table(self.map_names["socks"].encode())
+
+    def forget(self, key: Hashable) -> None:
+        """Stop recording a connection (the sink does not keep it: --sample): its socket leaves the
+        program's map, so the kernel copies none of its bytes from now on, and no CLOSE comes for it."""
+        opening = self._opening
+        if not (isinstance(key, tuple) and len(key) == 2 and opening is not None and opening[0] == key):
+            return            # not the flow being opened: the sink ignores its bytes, the kernel copies them
+        si = opening[1]
+        if not (si.is_server and (si.rport or si.opened_ns)):
+            return            # a client's connect: nothing in the map tells this connection from the fd's next one
+        # The kernel may be on the fd's next connection already: only this connection's entry is deleted,
+        # told by its peer (an accept with an address) or its accept time (one without).
+        k = ctypes.c_uint64((key[0] << 32) | key[1])
+        socks = self._socks()
+        try:
+            now = socks[k]
+            if (now.rport, bytes(now.raddr), now.opened_ns, now.lport) != (si.rport, bytes(si.raddr), si.opened_ns,
+                                                                         si.lport):
+                return        # another connection on that fd by now (rd/wr, its stream positions, move: not compared)
+            del socks[k]
+        except KeyError:
+            return            # closed already
+        try:
+            del self._table(self.map_names["tls_socks"].encode())[k]   # the TLS program may have marked it
+        except KeyError:
+            pass
 
     def _sync_tgids(self) -> None:
         if not self.tgid_map:
@@ -515,8 +542,12 @@ class EbpfBackend:
         """Open the flow an OPEN event announced (seen from its first byte: not joined midstream)."""
         assert self.sink is not None
         self._new_socket(key)
-        self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
-                                      opened_ns=h.ts_ns, joined_midstream=False))
+        self._opening = (key, h.si)        # forget() tells this connection's map entry from a later one's
+        try:
+            self.sink.open_flow(key, Flow(src=client, dst=server, pid=h.tgid, comm=h.comm.decode(errors="replace"),
+                                          opened_ns=h.ts_ns, joined_midstream=False))
+        finally:
+            self._opening = None
 
     def _new_socket(self, key: tuple[int, ...]) -> None:
         """A new socket on `key`: its stream positions start at 0. A flow still open on that key lost its

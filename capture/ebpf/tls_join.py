@@ -92,7 +92,8 @@ class _Conn:
         self.flow_id = flow_id
         self.pid = flow.pid or 0
         self.opened_ns = flow.opened_ns or 0
-        self.mode = "?"            # ? (no bytes yet) | hold | plain | tls (plaintext from the probes) | encrypted
+        # ? (no bytes yet) | hold | plain | tls (plaintext from the probes) | encrypted | dropped (not recorded)
+        self.mode = "?"
         self.reason = ""
         self.cipher_bytes = 0
         self.plain_bytes = 0
@@ -159,6 +160,8 @@ class TlsJoiner:
                 self._finish(gone)
             flow_id = self.sink.open_flow(key, flow)
             c = self._conns[key] = _Conn(key, flow_id, flow, self._lost)
+            if not flow_id:
+                c.mode = "dropped"      # not recorded (--sample, --max-file-mb): its plaintext too
             if fdkey is not None:
                 self._by_fd[fdkey] = key
                 self._adopt(fdkey, c)
@@ -173,6 +176,8 @@ class TlsJoiner:
             c = self._conns.get(key)
             if self._ready and self._ready[0][0] <= self._watermark:
                 self._advance(ts_ns, drain=False)
+            if c is not None and c.mode == "dropped":
+                return
             if c is not None and c.mode != "plain":
                 if c.mode == "?":
                     self._classify(c, data)
@@ -195,7 +200,7 @@ class TlsJoiner:
             if ts_ns > self._watermark:
                 self._watermark = ts_ns
             c = self._conns.get(key)
-            if c is None:
+            if c is None or c.mode == "dropped":
                 return
             if c.mode == "hold":
                 self._release(c, tls=True)
@@ -369,6 +374,8 @@ class TlsJoiner:
         if c is None:
             self._orphan(fdkey, ts, is_write, payload, span, pos, truncated)
             return
+        if c.mode == "dropped":
+            return
         if c.mode == "encrypted":
             self._late(c, len(payload))
             return
@@ -502,6 +509,8 @@ class TlsJoiner:
             self.sink.data(c.key, direction, ts, data)
 
     def _finish(self, c: _Conn) -> None:
+        if c.mode == "dropped":
+            return
         if c.mode == "hold":
             self._release(c, tls=False)
         if c.mode == "tls":

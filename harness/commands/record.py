@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
@@ -64,12 +64,19 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--list-tls", is_flag=True,
               help="list, per process the recording would target (--pid, --cgroup, --port; else all), the TLS "
                    "library it runs, whether its plaintext will be read and why not, then exit")
+@click.option("--sample", "sample_pct", type=click.FloatRange(0, 100, min_open=True), default=100.0,
+              metavar="PCT", help="keep this share of connections, whole, chosen by a hash of the 4-tuple and "
+                                  "--sample-seed (the same seed keeps the same connections on every host)")
+@click.option("--sample-seed", type=int, default=0, show_default=True, help="seed of --sample's hash")
+@click.option("--max-file-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
+              help="stop at this file size: what came before is complete, the summary says the cap was hit")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
             decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, list_tls: bool,
+            sample_pct: float, sample_seed: int, max_file_mb: float | None,
             output: str | None, force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
@@ -90,12 +97,14 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 50051 --print-bpf
       shadowtest record --port 8443 --tls off -o https.rec   (TLS flows as ciphertext only)
       shadowtest record --port 8443 --list-tls               (what each process's TLS is, read or why not)
+      shadowtest record --port 50051 --sample 10 --max-file-mb 500 -o prod.rec   (10 % of connections, <= 500 MB)
     """
     from capture.backends import RecordOptions
 
     opts = RecordOptions(output=output or "", backend=backend, port=port, pid=pid, cgroup=cgroup, side=side,
                          max_bytes=max_bytes, interface=interface, listen_port=listen_port, redact=list(redact),
-                         default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls)
+                         default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls,
+                         sample_pct=sample_pct, sample_seed=sample_seed, max_file_mb=max_file_mb)
     if finish:
         from capture.record import finish_recording
 
@@ -134,6 +143,13 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         click.echo(f"recorded {calls} on {result['flows']} flows, {result['bytes']:,} bytes, "
                    f"lost {result['lost_events']}, truncated {result['truncated_events']} -> {output}")
         _print_tls(result)
+        if dropped := int(cast(int, result.get("sampled_out_flows") or 0)):
+            kept = int(cast(int, result["flows"]))
+            click.echo(f"sampled: kept {kept} of {kept + dropped} connections ({sample_pct:g} %, seed {sample_seed})")
+        if result.get("capped"):
+            click.echo(f"stopped at the file size cap (--max-file-mb {max_file_mb:g}): everything before it is "
+                       f"complete; {result['bytes_after_cap']:,} bytes and {result['flows_after_cap']} new "
+                       "connections after it were not recorded")
         if "finish" in result:   # --decode later: the user must know the file is not replayable yet
             click.echo(f"to decode its calls, run `{result['finish']}` on any machine (no root or bcc needed)")
         _print_methods(result, output, as_json)
@@ -194,7 +210,7 @@ def _wait(rec: Recorder, stop: threading.Event, duration: float | None, quiet: b
     period = 0.2 if tty and not quiet else 1.0
     while not stop.wait(period if duration is None else max(0.01, min(period, duration - (time.monotonic() - t0)))):
         elapsed = time.monotonic() - t0
-        if duration is not None and elapsed >= duration:
+        if (duration is not None and elapsed >= duration) or rec.capped.is_set():
             break
         if quiet:
             continue

@@ -120,6 +120,23 @@ def _error_report(exc: Exception, kwargs: dict[str, Any]) -> dict[str, Any]:
             "file": str(kwargs.get("file")), "target": kwargs.get("target")}
 
 
+def _sampling_factor(file: Path) -> float:
+    """100 / the share of connections a sampled recording kept (--scale-to-full); a usage error otherwise."""
+    from capture.recording import Recording, RecordingError
+
+    try:
+        with Recording(file) as rec:
+            sampling = rec.meta.get("sampling")
+    except RecordingError as exc:
+        raise click.BadParameter(str(exc), param_hint="FILE") from exc
+    pct = sampling.get("pct") if isinstance(sampling, dict) else None
+    if not isinstance(pct, (int, float)) or not 0 < pct <= 100:
+        raise click.UsageError(f"--scale-to-full: {file} was not recorded with --sample (its meta has no sampling)")
+    factor = 100.0 / float(pct)
+    click.echo(f"scaling to full load: x{factor:.3g} connections ({pct:g} % of connections were recorded)", err=True)
+    return factor
+
+
 @click.command("replay")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", required=True, metavar="HOST:PORT", help="where to send (loopback unless allowed)")
@@ -137,6 +154,9 @@ def _error_report(exc: Exception, kwargs: dict[str, Any]) -> dict[str, Any]:
                    "without FLOW, that ref on every flow (repeatable)")
 @click.option("--rate", type=float, default=1.0, show_default=True, help="flow multiplier (2 doubles, 0.5 thins)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed for rate scaling")
+@click.option("--scale-to-full", is_flag=True,
+              help="a sampled recording (record --sample PCT): multiply --rate by 100 / PCT, so the replay "
+                   "sends full load with new connections shaped like the recorded ones")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
 @click.option("--max-in-flight", type=int, default=256, show_default=True,
               help="per connection; beyond it calls are not sent (counted)")
@@ -178,7 +198,7 @@ def _error_report(exc: Exception, kwargs: dict[str, Any]) -> dict[str, Any]:
 def command(file: Path, target: str, speed: float, loop: int, workers: int, shard_by: str,
             window: tuple[float, float] | None,
             methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
-            timeout_s: float,
+            scale_to_full: bool, timeout_s: float,
             max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
             allow: tuple[str, ...], dry_run: bool, json_out: Path | None, max_error_pct: float | None,
             max_rejected_pct: float | None, max_not_sent_pct: float | None, max_p99_ms: float | None,
@@ -235,6 +255,8 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
         mapped = tuple((flow, ref, m) for (flow, ref), m in parse_method_map(method_map).items())
     except MethodMapError as exc:
         raise click.BadParameter(str(exc), param_hint="--method-map") from exc
+    if scale_to_full:
+        rate *= _sampling_factor(file)
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
                             loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by,
                             shadow=build_shadow(set_queries, set_fields))
