@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast
 
 from capture import privileges
 from capture.backends import RecordOptions
-from capture.ebpf import procnet
+from capture.ebpf import detach, procnet
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.streams import Streams
 from capture.errors import CaptureError, PrivilegeError
@@ -660,5 +660,5 @@ class EbpfBackend:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        bpf.cleanup()
+        detach.cleanup(bpf)
         self.bpf = None

@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from capture import privileges
 from capture.backends import RecordOptions
+from capture.ebpf import detach
 from capture.ebpf.goelf import GoTlsInfo
 from capture.ebpf.loader import SockInfo, rename_maps
 from capture.ebpf.ringbuf import RingReader
@@ -342,7 +343,7 @@ class TlsProgram:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._ring.close()
-        self.bpf.cleanup()
+        detach.cleanup(self.bpf)
 
 
 _PROBE_PROGRAM = r"""
