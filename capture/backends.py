@@ -42,6 +42,12 @@ class RecordOptions:
     sample_pct: float = 100.0          # --sample: share of connections kept, whole (capture/sample.py)
     sample_seed: int = 0
     max_file_mb: float | None = None   # --max-file-mb: stop writing (and recording) at this file size
+    rotate_mb: float | None = None     # --rotate-mb / --rotate-s: output is a directory of numbered files
+    rotate_s: float | None = None      #   (capture/rotate.py)
+    ring_s: float | None = None        # --ring: flight recorder, output is a directory of dumps (capture/ring.py)
+    ring_mb: float | None = None       # --ring-mb: and the ring's files hold at most this much
+    trigger_listen: str | None = None  # --trigger-listen HOST:PORT: Alertmanager webhook -> a dump
+    trigger_min_interval_s: float = 10.0
 
 
 class Backend(Protocol):

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import socket
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from capture import backends
 from capture.backends import RecordOptions
@@ -31,6 +33,8 @@ from capture.deferred import calls_pending, finish_command
 from capture.errors import CaptureError
 from capture.recording import RecordingWriter
 from capture.redact import DEFAULT_RULES, Redactor, parse_rule
+from capture.ring import SLICES, TriggerRefused, TriggerServer, dump_name, ring_dir
+from capture.rotate import Rotator
 from capture.sample import Sampler
 from capture.sink import FlowSink, SinkStats
 
@@ -64,6 +68,11 @@ class Recorder:
         self._ticker: threading.Thread | None = None
         self._started_ns = 0
         self.capped = threading.Event()    # --max-file-mb reached: nothing more is written; stop
+        self._dump_lock = threading.Lock()  # --ring: dumps (capture/ring.py)
+        self._last_dump = -1e18
+        self._dumps_running: list[threading.Thread] = []
+        self.dumps: list[dict[str, object]] = []
+        self.trigger: TriggerServer | None = None
 
     def _meta(self) -> dict[str, object]:
         opts = asdict(self.options)
@@ -71,22 +80,41 @@ class Recorder:
                 "started_wall_ns": self.clock.wall_ns(), "started_mono_ns": self.clock.now_ns(),
                 "clock": "CLOCK_MONOTONIC", "backend": self.options.backend,
                 "filters": {k: opts[k] for k in ("port", "pid", "cgroup", "side", "max_bytes", "sample_pct",
-                                                 "sample_seed", "max_file_mb")},
+                                                 "sample_seed", "max_file_mb", "rotate_mb", "rotate_s")},
                 "redaction_rules": self.redactor.specs, "recorder_pid": os.getpid(), "decode": self.options.decode}
 
     def start(self) -> Recorder:
         preflight = getattr(self.backend, "preflight", None)
         if preflight is not None:
             preflight()        # missing privileges fail here, before a file is created or replaced
-        writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
+        if self.options.trigger_listen and not self.options.ring_s:
+            raise CaptureError("--trigger-listen needs --ring (a trigger dumps the ring)")
+        rotator = None
+        if self.options.ring_s:
+            rotator = self._ring_rotator()
+            writer = RecordingWriter(rotator.first, meta=self._meta() | rotator.meta())
+        elif self.options.rotate_mb or self.options.rotate_s:
+            if self.options.decode != "live":
+                raise CaptureError("--rotate-mb/--rotate-s need --decode live (each file holds its own calls)")
+            if self.options.max_file_mb:
+                raise CaptureError("give --max-file-mb or --rotate-mb/--rotate-s, not both (--rotate-mb bounds each file)")
+            rotator = Rotator(self.options.output, int(self.options.rotate_mb * (1 << 20)) if self.options.rotate_mb
+                              else None, self.options.rotate_s, overwrite=self.options.overwrite)
+            writer = RecordingWriter(rotator.first, meta=self._meta() | rotator.meta())
+        else:
+            writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
         try:
             sampler = Sampler(self.options.sample_pct, self.options.sample_seed) \
                 if self.options.sample_pct < 100.0 else None
             cap = int(self.options.max_file_mb * (1 << 20)) if self.options.max_file_mb else None
             self.sink = FlowSink(writer, self.redactor, self.options.decode, sampler=sampler, max_file_bytes=cap)
+            self.sink.rotator = rotator
+            if self.options.trigger_listen:
+                self.trigger = TriggerServer(self.options.trigger_listen, self.dump)
         except BaseException:
             writer.close()
             writer.remove()
+            self.sink = None
             raise
         self.sink.on_sampled_out = getattr(self.backend, "forget", None)
         self.sink.on_cap = self.capped.set
@@ -96,12 +124,70 @@ class Recorder:
             writer.close()
             writer.remove()    # a recording that never started is no recording: leave no file behind
             self.sink = None   # nothing started: stop() has nothing to stop (it would write to a closed file)
+            if self.trigger is not None:
+                self.trigger.close()
             raise
         self._started_ns = self.clock.now_ns()   # after the (slow) eBPF load: capture starts now
         writer.set_meta({"backend_settings": self.backend.describe()})
         self._ticker = threading.Thread(target=self._tick, name="recorder-flush", daemon=True)
         self._ticker.start()
         return self
+
+    def _ring_rotator(self) -> Rotator:
+        """--ring: OUTPUT is a directory of dumps; the ring itself is OUTPUT/.ring, a rotated set of
+        window/10-second files of which only the window is kept (capture/ring.py)."""
+        o = self.options
+        if o.decode != "live":
+            raise CaptureError("--ring needs --decode live (a dump must hold whole calls)")
+        if o.max_file_mb or o.rotate_mb or o.rotate_s:
+            raise CaptureError("--ring keeps its own files: it goes with neither --max-file-mb nor --rotate-*")
+        out = Path(o.output)
+        if out.exists() and not out.is_dir():
+            raise CaptureError(f"{out} exists and is not a directory (--ring writes its dumps into one)")
+        out.mkdir(mode=0o700, parents=False, exist_ok=True)
+        assert o.ring_s is not None
+        return Rotator(ring_dir(out), None, max(1.0, o.ring_s / SLICES), overwrite=True, keep_s=o.ring_s,
+                       keep_bytes=int(o.ring_mb * (1 << 20)) if o.ring_mb else None)
+
+    def dump(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """--ring: write the last window to OUTPUT/<time>-<name>.rec, in a thread of its own (a webhook
+        must not wait for it). Raises TriggerRefused within trigger_min_interval_s of the last dump."""
+        sink = self.sink
+        if sink is None or sink.rotator is None or not self.options.ring_s:
+            raise CaptureError("a dump needs a flight recorder (--ring)")
+        with self._dump_lock:
+            now = time.monotonic()
+            if now - self._last_dump < self.options.trigger_min_interval_s:
+                raise TriggerRefused(f"the last dump was {now - self._last_dump:.1f} s ago (at most one per "
+                                     f"{self.options.trigger_min_interval_s:g} s)")
+            self._last_dump = now
+        received = self.clock.wall_ns()
+        thread = threading.Thread(target=self._dump, args=(name, labels or {}, received), name="ring-dump", daemon=True)
+        thread.start()
+        self._dumps_running.append(thread)
+
+    def _dump(self, name: str, labels: dict[str, str], received_wall_ns: int) -> None:
+        from capture.merge import merge_recordings
+
+        sink = self.sink
+        assert sink is not None and sink.rotator is not None
+        with sink._lock:
+            sink._rotate_locked()         # the file being written is closed: its calls are in
+        rotator = sink.rotator
+        files = rotator.window()
+        out = Path(self.options.output) / dump_name(name, received_wall_ns / 1e9)
+        try:
+            if not files:
+                raise CaptureError("the ring holds no file yet")
+            trigger = {"name": name, "labels": labels, "received_wall_ns": received_wall_ns,
+                       "window_s": self.options.ring_s, "files": len(files)}
+            merge_recordings([str(f) for f in files], str(out), allow_disjoint=True, meta={"trigger": trigger},
+                             single_ok=True)
+            self.dumps.append({"file": str(out), "name": name, "files": len(files)})
+        except CaptureError as exc:
+            self.dumps.append({"file": None, "name": name, "error": str(exc)})
+        finally:
+            rotator.unpin()
 
     def _tick(self) -> None:
         while not self._stop.wait(0.25):
@@ -118,6 +204,10 @@ class Recorder:
         if self.result is not None or self.sink is None:
             return self.result or {}
         cpu0 = time.process_time()   # what stopping costs (the at-stop decode runs here)
+        if self.trigger is not None:
+            self.trigger.close()
+        for t in self._dumps_running:
+            t.join(120)               # a dump under way is finished before the ring goes
         self._stop.set()
         if self._ticker:
             self._ticker.join(timeout=2)   # no commit may race the final close below
@@ -128,9 +218,17 @@ class Recorder:
             stats = self.sink.close(meta={"stopped_wall_ns": self.clock.wall_ns(),
                                           "capture_duration_s": duration})
             self.sink.writer.close()
+            if self.options.ring_s:     # the ring is working data: the dumps are what it leaves
+                shutil.rmtree(ring_dir(self.options.output), ignore_errors=True)
         self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output,
                                          "decode": self.options.decode,
                                          "stop_cpu_s": round(time.process_time() - cpu0, 4)}
+        if self.options.ring_s:
+            self.result["dumps"] = list(self.dumps)
+            if self.trigger is not None:
+                self.result["triggers"] = dict(self.trigger.counts)
+        elif self.sink.rotator is not None:
+            self.result["files"] = self.sink.rotator.index
         if self.options.decode == "later":   # tell the caller the calls are still to be decoded, and how
             self.result |= {"calls_decoded": False, "finish": finish_command(self.options.output)}
         return self.result

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from capture.decode import FlowDecoder
 from capture.decode.streammask import FlowMasker
 from capture.errors import CaptureError
 from capture.recording import Call, Chunk, Direction, Flow, RecordingWriter
 from capture.redact import BodyRegexRule, Redactor
+from capture.rotate import Rotator
 from capture.sample import Sampler
 
 
@@ -76,8 +77,9 @@ _SETTLED = frozenset(("grpc", "http1", "tcp"))   # protocols a flow keeps once w
 
 
 class _FlowState:
-    def __init__(self, flow_id: int, joined: bool, calls: bool = True) -> None:
+    def __init__(self, flow_id: int, joined: bool, calls: bool = True, flow: Flow | None = None) -> None:
         self.flow_id = flow_id
+        self.flow = flow             # as opened: a rotation opens it again in the next file
         self.joined = joined
         self.decoder = FlowDecoder(flow_id, joined, calls)
         self.masker: FlowMasker | None = None    # credentials masked on the reassembled stream
@@ -116,6 +118,7 @@ class FlowSink:
         self._discarded: dict[tuple[int, str], list[int]] = {}   # (flow, direction) -> [bytes, reads]
         self._discarded_unsaved = False
         self._not_captured: dict[tuple[int, str, str], list[int]] = {}   # (flow, dir, how) -> [bytes, syscalls]
+        self.rotator: Rotator | None = None   # --rotate-mb / --rotate-s (capture/rotate.py)
         self.sampler = sampler
         self.on_sampled_out: Callable[[Hashable], None] | None = None
         self.max_file_bytes = max_file_bytes
@@ -139,7 +142,8 @@ class FlowSink:
                     self.on_sampled_out(key)
                 return 0
             flow_id = self.writer.add_flow(flow)
-            self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live)
+            self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live,
+                                          flow if self.rotator is not None else None)
             self.stats.flows += 1
             self.stats.joined_flows += int(flow.joined_midstream)
             return flow_id
@@ -162,7 +166,7 @@ class FlowSink:
                 self.stats.chunks += 1
                 st.stored[d] += 1
             self._store_calls(st, calls)
-            if self.max_file_bytes is not None:
+            if self.max_file_bytes is not None or self.rotator is not None:
                 self._since_size_check += len(data)
                 if self._since_size_check >= _CAP_CHECK_BYTES:
                     self._check_size_locked()
@@ -176,14 +180,44 @@ class FlowSink:
                 pass
         return total
 
+    def _rotate_locked(self) -> None:
+        """Go on in the rotation set's next file: every open flow is opened there again (meta `continues`
+        says which flow of the previous file it is), its decoder goes on where it was, so a call is
+        stored whole in the file where it completes, and none is split or lost at the boundary."""
+        assert self.rotator is not None
+        old = self.writer
+        new = self.rotator.next_writer(old)
+        continues: dict[str, int] = {}
+        for st in self._flows.values():
+            if st.flow is None:
+                continue
+            # alone, this file sees the connection from its middle (joined); merged, it is one flow again
+            new_id = new.add_flow(replace(st.flow, joined_midstream=True,
+                                          protocol=st.decoder.protocol or st.flow.protocol))
+            continues[str(new_id)] = st.flow_id
+            st.flow_id = new_id
+            st.stored = {"c2s": 0, "s2c": 0}
+            st.protocol_written = None
+        new.set_meta({"continues": continues})
+        if not self._live:
+            self._gaps = []
+            new.set_meta({"undecoded_gaps": []})
+        old.set_meta({"lost_events": self.stats.lost_events, "truncated_events": self.stats.truncated_events,
+                      "rotated": True} | self._discarded_meta())
+        old.close()
+        self.writer = new
+
     def _check_size_locked(self) -> None:
         """--max-file-mb: commit, look at the file's size, and stop writing at the cap."""
         self._since_size_check = 0
-        if self.max_file_bytes is None or self.stats.capped:
+        if self.stats.capped:
             return
         self.writer.flush()
         size = self._file_bytes()
-        if size < self.max_file_bytes:
+        if self.rotator is not None and self.rotator.due(size):
+            self._rotate_locked()
+            return
+        if self.max_file_bytes is None or size < self.max_file_bytes:
             return
         self.stats.capped = True
         for key in list(self._flows):       # their calls are stored as far as they came
@@ -211,6 +245,7 @@ class FlowSink:
             st.protocol_written = proto
         for call in calls:
             self.redactor.call(call)
+            call.flow_id = st.flow_id     # the decoder's id is the flow's first file's (rotation)
             self.writer.add_call(call)
             self.stats.calls += 1
             self.stats.unknown_method_calls += int(call.method_unknown)
@@ -336,7 +371,7 @@ class FlowSink:
             if self._discarded_unsaved:
                 self.writer.set_meta(self._discarded_meta())
             self.writer.flush()
-            if self.max_file_bytes is not None:
+            if self.max_file_bytes is not None or self.rotator is not None:
                 self._check_size_locked()
 
     def close(self, ts_ns: int | None = None, meta: dict[str, object] | None = None) -> SinkStats:

@@ -156,3 +156,149 @@ def _meta(path: Path) -> dict[str, Any]:
             return dict(r.meta)
     except Exception:  # noqa: BLE001 - being created
         return {}
+
+
+@pytest.mark.root
+@pytest.mark.ebpf
+@pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
+def test_rotation_splits_no_call_and_the_set_reads_and_replays_as_one(tmp_path: Path) -> None:
+    """Four keep-alive connections stay open across every boundary: each call is stored whole in one
+    file, the set holds every call the clients made exactly once, and `inspect`/`replay` of the
+    directory see one recording with four flows."""
+    import threading
+
+    out = tmp_path / "set"
+    per_conn, conns = 150, 4
+    bodies = {(k, i): (f"{k}-{i}:".encode() + os.urandom(1024).hex().encode()) for k in range(conns)
+              for i in range(per_conn)}
+    with running_nginx(tmp_path, _conf(tmp_path)) as port:
+        rec = Recorder(RecordOptions(output=str(out), port=port, rotate_mb=0.5)).start()
+        errors: list[BaseException] = []
+
+        def client(k: int) -> None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                for i in range(per_conn):
+                    conn.request("POST", f"/k{k}/{i}", body=bodies[(k, i)])
+                    assert conn.getresponse().read() == b"ok"
+                    time.sleep(0.005)
+                conn.close()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        try:
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(conns)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            time.sleep(0.5)
+        finally:
+            stats = rec.stop()
+        assert not errors, errors
+        files = sorted(out.glob("*.rec"))
+        assert len(files) >= 3 and stats["files"] == len(files), (files, stats)
+        seen: list[tuple[str, bytes]] = []
+        for f in files:
+            with Recording(f) as r:
+                assert r.meta["rotation"]["index"] == int(f.stem)
+                seen += [(c.method or "", b"".join(m.data for m in c.requests)) for c in r.calls()
+                         if c.status == 200]
+        expected = sorted((f"POST /k{k}/{i}", bodies[(k, i)]) for k in range(conns) for i in range(per_conn))
+        assert sorted(seen) == expected                               # every call once, whole, none split
+
+        inspect = subprocess.run([sys.executable, "-m", "harness.cli", "inspect", str(out), "--json"],
+                                 capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert inspect.returncode == 0, inspect.stderr
+        report = json.loads(inspect.stdout)
+        assert (report["calls"], report["flows"], report["set_files"]) == (conns * per_conn, conns, len(files))
+        replayed = tmp_path / "replay.json"
+        run = subprocess.run([sys.executable, "-m", "harness.cli", "replay", str(out), "--target", f"127.0.0.1:{port}",
+                              "--speed", "4", "--json", str(replayed)], capture_output=True, text=True, timeout=300,
+                             cwd=REPO)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert json.loads(replayed.read_text())["ok"] == conns * per_conn
+
+
+ALERT = {"version": "4", "status": "firing", "receiver": "shadowtest", "groupLabels": {"alertname": "P99High"},
+         "commonLabels": {"alertname": "P99High", "severity": "page"},
+         "alerts": [{"status": "firing", "labels": {"alertname": "P99High", "severity": "page", "service": "agent"},
+                     "annotations": {"summary": "P99 over 20 ms"}, "startsAt": "2026-12-05T10:00:00Z"}]}
+
+
+def _post(url: str, body: bytes) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.mark.root
+@pytest.mark.ebpf
+@pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
+def test_flight_recorder_dumps_the_last_window_on_an_alertmanager_webhook(tmp_path: Path) -> None:
+    """A 4 s ring while calls run for 12 s; an Alertmanager webhook at ~8 s writes a recording of the
+    calls of the last 4 s before it, less at most one 1 s slice, named after the alert; a malformed payload and a second trigger
+    at once are refused; the ring's files are gone at the end."""
+    import socket
+    import threading
+
+    out = tmp_path / "incidents"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        hook_port = s.getsockname()[1]
+    with running_nginx(tmp_path, _conf(tmp_path)) as port:
+        rec = Recorder(RecordOptions(output=str(out), port=port, ring_s=4.0,
+                                     trigger_listen=f"127.0.0.1:{hook_port}")).start()
+        sent: list[tuple[int, float]] = []       # (call number, when sent: monotonic)
+        stop = threading.Event()
+
+        def load() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            i = 0
+            while not stop.is_set() and i < 400:    # bounded: 12 s at 20 calls/s is 240
+                sent.append((i, time.monotonic()))
+                conn.request("GET", f"/n/{i}")
+                assert conn.getresponse().read() == b"ok"
+                i += 1
+                time.sleep(0.05)
+            conn.close()
+
+        t = threading.Thread(target=load)
+        try:
+            t0 = time.monotonic()
+            t.start()
+            time.sleep(8.0)
+            url = f"http://127.0.0.1:{hook_port}/"
+            assert _post(url, b'{"alerts": "nope"}') == 400
+            trigger_at = time.monotonic()
+            assert _post(url, json.dumps(ALERT).encode()) == 202
+            assert _post(url, json.dumps(ALERT).encode()) == 429      # one dump per 10 s at most
+            time.sleep(4.0)
+            stop.set()
+            t.join(30)
+        finally:
+            stop.set()
+            result = rec.stop()
+    assert time.monotonic() - t0 < 60
+    (dump,) = cast(list[dict[str, Any]], result["dumps"])
+    assert dump["name"] == "P99High" and dump["file"], dump
+    assert result["triggers"] == {"accepted": 1, "malformed": 1, "rate_limited": 1}
+    path = Path(cast(str, dump["file"]))
+    assert path.parent == out and path.name.endswith("-P99High.rec") and (path.stat().st_mode & 0o777) == 0o600
+    assert not (out / ".ring").exists()                                 # the ring's files: gone
+    with Recording(path) as r:
+        numbers = sorted(int((c.method or "").rsplit("/", 1)[1]) for c in r.calls())
+        trigger = cast(dict[str, Any], r.meta["trigger"])
+    assert trigger["name"] == "P99High" and trigger["labels"]["service"] == "agent" and trigger["window_s"] == 4.0
+    when = dict(sent)
+    assert numbers == list(range(numbers[0], numbers[-1] + 1))          # no call missing inside the window
+    assert all(trigger_at - 4.3 <= when[n] <= trigger_at + 0.3 for n in numbers), \
+        [(n, round(when[n] - trigger_at, 2)) for n in (numbers[0], numbers[-1])]
+    # the window less at most one slice (1 s, rotated on the 0.25 s tick): the last 2.4 s are all in
+    assert {n for n, at in sent if trigger_at - 2.4 <= at <= trigger_at - 0.3} <= set(numbers)

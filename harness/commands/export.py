@@ -9,7 +9,7 @@ import click
 
 
 @click.command("export")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="pcapng file to write")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True)
@@ -31,8 +31,9 @@ def command(file: str, output: str, force: bool, as_json: bool, salvage: bool) -
     """
     from capture.integrity import loss_text
     from capture.pcap_export import export_file
+    from capture.rotate import as_one
 
-    counts = export_file(file, output, overwrite=force, salvage=salvage)
+    counts = export_file(as_one(file, salvage), output, overwrite=force, salvage=salvage)   # a set: as one
     if as_json:
         click.echo(json.dumps(counts, indent=2))
     else:

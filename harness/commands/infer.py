@@ -15,7 +15,7 @@ _FIX = ("to name the rest: pass the service's descriptors (--descriptors FILE.pr
 
 
 @click.command("infer")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--descriptors", "specs", multiple=True, metavar="SRC",
               help="FILE.protoset, reflection=HOST:PORT or module names; repeatable, tried in order")
 @click.option("--method-map", "mapping", multiple=True, metavar="[FLOW:]REF=METHOD",
@@ -53,7 +53,12 @@ def command(file: Path, specs: tuple[str, ...], mapping: tuple[str, ...], allow:
     if not specs and not mapping:
         raise click.UsageError("nothing to infer from: pass --descriptors SRC and/or --method-map [FLOW:]REF=METHOD")
     from capture.integrity import calls_lost, loss_text, open_for
+    from capture.rotate import set_files
 
+    if set_files(file) is not None:
+        raise click.UsageError(f"{file} is a rotated set: infer stores the method map in the file it reads; run it "
+                               "on each file of the set (their flows are numbered apart), or merge them first "
+                               "(shadowtest merge DIR/*.rec -o one.rec)")
     manual = _parse_map(mapping)
     sources, notes = _load_sources(specs, allow, timeout_s)
     rec, found = open_for(file, "infer", salvage=salvage)

@@ -12,7 +12,7 @@ from harness.console import is_terminal, make_console
 
 
 @click.command("inspect")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
 @click.option("--calls", "show_calls", type=int, default=0, help="also list the first N calls")
 @click.option("--strict", is_flag=True,
@@ -42,9 +42,11 @@ def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
       shadowtest inspect prod.rec --calls 5
     """
     from capture.integrity import check
+    from capture.rotate import as_one, set_files
     from capture.salvage import open_salvaged
     from capture.summary import summarize
 
+    shown, file = file, as_one(file)   # a rotated set (a directory or a glob): read as one recording
     integrity = check(file)      # cut, WAL, pages, row checksums: what reading alone would not see
     with open_salvaged(file, wal_damaged=integrity.wal_damaged) as rec:
         report = summarize(rec, integrity=integrity)
@@ -53,6 +55,9 @@ def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
         damaged = bool(rec.problems) or blocking > 0
         report["problems"] = list(dict.fromkeys(report["problems"] + rec.problems))
         report["complete"] = report["complete"] and not report["problems"]
+    if shown != file:
+        report["file"] = shown
+        report["set_files"] = len(set_files(shown) or [])
     if calls:
         report["first_calls"] = calls
     if as_json:

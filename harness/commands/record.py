@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -70,13 +71,27 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--sample-seed", type=int, default=0, show_default=True, help="seed of --sample's hash")
 @click.option("--max-file-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
               help="stop at this file size: what came before is complete, the summary says the cap was hit")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="recording file to create")
+@click.option("--rotate-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
+              help="OUTPUT becomes a directory of numbered files, the next one started at this size (tcpdump -C); "
+                   "inspect, replay, export and infer read the directory as one recording")
+@click.option("--rotate-s", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
+              help="... or at this age (tcpdump -G)")
+@click.option("--ring", "ring", default=None, metavar="WINDOW",
+              help="flight recorder: keep only the last WINDOW (90s, 10m, 1h) and write it to OUTPUT/<time>-<name>.rec "
+                   "on SIGUSR1 or an Alertmanager webhook (--trigger-listen); OUTPUT is a directory")
+@click.option("--ring-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
+              help="and the ring's files hold at most this much")
+@click.option("--trigger-listen", default=None, metavar="HOST:PORT",
+              help="with --ring: accept Alertmanager webhooks here (loopback unless you name another address)")
+@click.option("-o", "--output", type=click.Path(), default=None,
+              help="recording file to create (a directory with --rotate-mb/--rotate-s)")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
             backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
             decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, list_tls: bool,
-            sample_pct: float, sample_seed: int, max_file_mb: float | None,
+            sample_pct: float, sample_seed: int, max_file_mb: float | None, rotate_mb: float | None,
+            rotate_s: float | None, ring: str | None, ring_mb: float | None, trigger_listen: str | None,
             output: str | None, force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
@@ -98,13 +113,17 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
       shadowtest record --port 8443 --tls off -o https.rec   (TLS flows as ciphertext only)
       shadowtest record --port 8443 --list-tls               (what each process's TLS is, read or why not)
       shadowtest record --port 50051 --sample 10 --max-file-mb 500 -o prod.rec   (10 % of connections, <= 500 MB)
+      shadowtest record --port 50051 --rotate-mb 100 -o prod/    (prod/000001.rec, 000002.rec, ...: one recording)
+      shadowtest record --port 50051 --ring 10m --trigger-listen 127.0.0.1:9099 -o incidents/   (flight recorder)
     """
     from capture.backends import RecordOptions
 
     opts = RecordOptions(output=output or "", backend=backend, port=port, pid=pid, cgroup=cgroup, side=side,
                          max_bytes=max_bytes, interface=interface, listen_port=listen_port, redact=list(redact),
                          default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls,
-                         sample_pct=sample_pct, sample_seed=sample_seed, max_file_mb=max_file_mb)
+                         sample_pct=sample_pct, sample_seed=sample_seed, max_file_mb=max_file_mb,
+                         rotate_mb=rotate_mb, rotate_s=rotate_s,
+                         ring_s=_ring_window(ring) if ring else None, ring_mb=ring_mb, trigger_listen=trigger_listen)
     if finish:
         from capture.record import finish_recording
 
@@ -133,8 +152,10 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
     if not output:
         raise click.UsageError("-o/--output FILE is required (or --print-bpf)")
     _check_descriptors(descriptors)
+    if os.path.isdir(output) and not (rotate_mb or rotate_s or ring):
+        raise click.UsageError(f"{output} is a directory: a rotated recording needs --rotate-mb or --rotate-s")
     result = _run(opts, duration, as_json)
-    if "finish" not in result:
+    if "finish" not in result and not (rotate_mb or rotate_s or ring):
         result |= _name_methods(output, descriptors, reflection=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -150,6 +171,10 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
             click.echo(f"stopped at the file size cap (--max-file-mb {max_file_mb:g}): everything before it is "
                        f"complete; {result['bytes_after_cap']:,} bytes and {result['flows_after_cap']} new "
                        "connections after it were not recorded")
+        for d in cast(list[dict[str, object]], result.get("dumps") or []):
+            click.echo(f"dump for {d['name']}: {d['file'] or 'not written: ' + str(d.get('error'))}")
+        if result.get("files"):
+            click.echo(f"rotated: {result['files']} files in {output} (read the directory as one recording)")
         if "finish" in result:   # --decode later: the user must know the file is not replayable yet
             click.echo(f"to decode its calls, run `{result['finish']}` on any machine (no root or bcc needed)")
         _print_methods(result, output, as_json)
@@ -161,6 +186,8 @@ def _run(opts: RecordOptions, duration: float | None, quiet: bool) -> dict[str, 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     rec = Recorder(opts)
+    if opts.ring_s:
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: _dump_now(rec, quiet))
     try:
         rec.start()
         tls = _tls_status(rec)
@@ -177,6 +204,27 @@ def _run(opts: RecordOptions, duration: float | None, quiet: bool) -> dict[str, 
     if tls := _tls_status(rec):
         result["tls"] = tls
     return result
+
+
+def _ring_window(text: str) -> float:
+    from capture.errors import CaptureError
+    from capture.ring import parse_window
+
+    try:
+        return parse_window(text)
+    except CaptureError as exc:
+        raise click.BadParameter(str(exc), param_hint="--ring") from exc
+
+
+def _dump_now(rec: Recorder, quiet: bool) -> None:
+    """SIGUSR1 with --ring: dump the last window (in the recorder's own thread: never in the handler)."""
+    from capture.errors import CaptureError
+
+    try:
+        rec.dump("sigusr1")
+    except CaptureError as exc:
+        if not quiet:
+            click.echo(f"dump refused: {exc}", err=True)
 
 
 def _tls_status(rec: Recorder) -> dict[str, object]:

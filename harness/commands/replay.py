@@ -138,7 +138,7 @@ def _sampling_factor(file: Path) -> float:
 
 
 @click.command("replay")
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(path_type=Path))
 @click.option("--target", required=True, metavar="HOST:PORT", help="where to send (loopback unless allowed)")
 @click.option("--speed", type=float, default=1.0, show_default=True, help="time multiplier, 0.1-100")
 @click.option("--loop", type=int, default=1, show_default=True, help="play the recording N times")
@@ -255,6 +255,9 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
         mapped = tuple((flow, ref, m) for (flow, ref), m in parse_method_map(method_map).items())
     except MethodMapError as exc:
         raise click.BadParameter(str(exc), param_hint="--method-map") from exc
+    from capture.rotate import as_one
+
+    file = Path(as_one(file, salvage))   # a rotated set (a directory or a glob): one recording
     if scale_to_full:
         rate *= _sampling_factor(file)
     sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
