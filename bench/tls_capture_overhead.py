@@ -3,7 +3,7 @@
     nginx (Debian's, one worker) --+-- port A: HTTP/1.1                  <-- keep-alive clients at --rate
                                    +-- port B: HTTP/1.1 over TLS (libssl) <-- the same clients over ssl
     node (tls_peer.js https-server: OpenSSL inside node, memory BIOs)     <-- the same clients over ssl
-    Go (https_server.go: crypto/tls, its own probes)                      <-- the same clients over ssl
+    Go (https_roundtrip.go serve: crypto/tls, probes)                    <-- the same clients over ssl
     for each pair, each service: baseline, recorded (`shadowtest record --port P` in its own process,
     started and up before the load)
 
@@ -108,12 +108,12 @@ def start_peer(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], int]:
 
 
 def build_go(d: Path) -> Path:
-    src = REPO / "tests" / "interop" / "go" / "https_server.go"
+    src = REPO / "tests" / "interop" / "go" / "https_roundtrip.go"
     env = {**os.environ, "GOCACHE": str(d / "gocache"), "GOPATH": str(d / "gopath"), "GO111MODULE": "off",
            "GOFLAGS": "", "CGO_ENABLED": "0"}
-    subprocess.run(["go", "build", "-o", str(d / "https_server"), str(src)], check=True, env=env, cwd=d,
+    subprocess.run(["go", "build", "-o", str(d / "https_roundtrip"), str(src)], check=True, env=env, cwd=d,
                    capture_output=True, timeout=600)
-    return d / "https_server"
+    return d / "https_roundtrip"
 
 
 def worker(nginx: subprocess.Popen[bytes]) -> psutil.Process:

@@ -25,6 +25,7 @@ from capture.record import Recorder
 from capture.recording import Recording
 from capture.sample import Sampler
 from tests.nginx import NGINX, PREAMBLE, TEMP_PATHS, running_nginx
+from tests.polling import recording_meta
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTIONS = 400
@@ -119,7 +120,7 @@ def test_max_file_mb_stops_at_the_cap_with_everything_before_it_complete(tmp_pat
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 90
-            while not out.exists() or "backend_settings" not in _meta(out):
+            while not out.exists() or "backend_settings" not in recording_meta(out):
                 assert rec.poll() is None and time.monotonic() < deadline, rec.stderr.read() if rec.stderr else ""
                 time.sleep(0.1)
             sent = 0
@@ -149,13 +150,6 @@ def test_max_file_mb_stops_at_the_cap_with_everything_before_it_complete(tmp_pat
     assert len(complete) >= len(calls) - 1, [(c.method, c.status) for c in calls]   # at most the one cut at the cap
     assert all(b"".join(m.data for m in c.requests) == body for c in complete)
 
-
-def _meta(path: Path) -> dict[str, Any]:
-    try:
-        with Recording(path) as r:
-            return dict(r.meta)
-    except Exception:  # noqa: BLE001 - being created
-        return {}
 
 
 @pytest.mark.root

@@ -1,7 +1,7 @@
 """Go crypto/tls read by the recorder: uprobes on a Go binary's tls.(*Conn) Read/Write (their return
 instructions) and handshake, the socket found through the conn's field offsets (capture/ebpf/goelf.py).
 
-The peer is tests/interop/go/https_server.go, built here with the Debian Go toolchain: a stdlib
+The peer is tests/interop/go/https_roundtrip.go (its serve and get modes), built here with the Debian Go toolchain: a stdlib
 net/http service over TLS (HTTP/1.1 and, through ALPN, HTTP/2) that prints every call it answered, and
 a stdlib client. Ground truth is the service's own log and curl's view of the answers; the recording
 must hold the same calls in plaintext, credentials masked, no flow left as ciphertext.
@@ -33,13 +33,13 @@ pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl (apt-get install curl)"),
               pytest.mark.skipif(find_libssl() is None, reason="no system libssl.so.3")]
 
-SERVER_SRC = GO_SRC / "https_server.go"
+SERVER_SRC = GO_SRC / "https_roundtrip.go"   # its serve and get modes
 TOKEN = "go-tls-secret-5c1e9a7d3b"
 BIG = 40_000     # one Write of the service, many Reads of a client
 
 
 class GoService:
-    """https_server serve DIR: its port, its certificate, the calls it logged."""
+    """https_roundtrip serve DIR: its port, its certificate, the calls it logged."""
 
     def __init__(self, binary: Path, d: Path, port: int = 0) -> None:
         self.cert = d / "cert.pem"
@@ -79,8 +79,8 @@ class GoService:
 def service(request: pytest.FixtureRequest, build: Any, tmp_path: Path) -> Any:
     """The service built as a plain executable and as a position-independent one (loaded at a random
     address: the probes' fd path must add the process's load bias to the itab it checks)."""
-    binary = build("https_server", SERVER_SRC) if request.param == "exe" else \
-        build("https_server_pie", SERVER_SRC, "-buildmode=pie")
+    binary = build("https", SERVER_SRC) if request.param == "exe" else \
+        build("https_pie", SERVER_SRC, "-buildmode=pie")
     (tmp_path / "svc").mkdir()
     svc = GoService(binary, tmp_path / "svc")
     yield svc
@@ -150,7 +150,7 @@ def test_a_go_service_started_while_recording_is_read_from_its_first_connection(
         build: Any, tmp_path: Path) -> None:
     """A non-PIE Go binary once probed is read in every process that runs it, before the recorder has
     looked at the new process (it does so every second): a restarted service's first call is plaintext."""
-    binary = build("https_server", SERVER_SRC)
+    binary = build("https", SERVER_SRC)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = GoService(binary, tmp_path / "a")
@@ -182,7 +182,7 @@ def test_a_go_client_is_recorded_in_plaintext(build: Any, tmp_path: Path) -> Non
     """Client side: the Go client's requests to nginx, read from the Go binary (not nginx's libssl)."""
     if shutil.which("nginx") is None:
         pytest.skip("needs nginx (apt-get install nginx)")
-    binary = build("https_server", SERVER_SRC)
+    binary = build("https", SERVER_SRC)
     (tmp_path / "nginx").mkdir()
     n = Nginx(tmp_path / "nginx")
     out = tmp_path / "client.rec"
@@ -250,7 +250,7 @@ def test_a_grpc_go_server_called_by_grpcio_is_recorded_in_plaintext(build: Any, 
 
 
 def test_a_stripped_go_service_is_recorded_as_ciphertext_with_the_reason(build: Any, tmp_path: Path) -> None:
-    binary = build("https_server_stripped", SERVER_SRC, "-ldflags=-s -w")
+    binary = build("https_stripped", SERVER_SRC, "-ldflags=-s -w")
     (tmp_path / "svc").mkdir()
     svc = GoService(binary, tmp_path / "svc")
     out = tmp_path / "stripped.rec"

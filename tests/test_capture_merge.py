@@ -25,6 +25,7 @@ import pytest
 from capture.errors import RecordingError
 from capture.merge import merge_recordings
 from capture.recording import Call, Chunk, Flow, Message, Recording, RecordingWriter
+from tests.polling import recording_meta
 
 REPO = Path(__file__).resolve().parents[1]
 S = 1_000_000_000
@@ -181,7 +182,7 @@ def test_three_hosts_recorded_apart_merge_into_one_replayed_by_two_locust_worker
             recorders.append((r, out))
         deadline = time.monotonic() + 120
         for r, out in recorders:
-            while "backend_settings" not in _meta(out):
+            while "backend_settings" not in recording_meta(out):
                 assert r.poll() is None and time.monotonic() < deadline, r.stderr.read() if r.stderr else ""
                 time.sleep(0.2)
         start = time.time() + 1.0
@@ -239,11 +240,3 @@ def _listening_port(pid: int) -> int:
             return int(ports[0])
         time.sleep(0.05)
     raise AssertionError("the local server does not listen")
-
-
-def _meta(path: Path) -> dict[str, Any]:
-    try:
-        with Recording(path) as r:
-            return dict(r.meta)
-    except Exception:  # noqa: BLE001 - being created
-        return {}

@@ -148,6 +148,15 @@ def render_program(options: RecordOptions, cgroup_id: int = 0, names: dict[str, 
     return head + rename_maps(BPF_SOURCE.read_text(), names or {})
 
 
+def _file_key(path: str) -> tuple[int, int]:
+    """(device, inode) of the file probes would attach to: each file is probed once."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
+    return st.st_dev, st.st_ino
+
+
 class TlsProgram:
     """tls.bpf.c loaded, and attached (`attach`) to each file holding OpenSSL's API. Raises
     PrivilegeError when it cannot be loaded, or attached to the first file `libssl`."""
@@ -189,11 +198,7 @@ class TlsProgram:
         """Attach the probes to the file at `path` (once per device and inode: False when it already
         was). A function the file lacks (SSL_read_ex before OpenSSL 1.1.1) is left out; a file without
         SSL_read and SSL_write raises PrivilegeError."""
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
-        key = (st.st_dev, st.st_ino)
+        key = _file_key(path)
         if key in self.attached:
             return False
         done: list[str] = []
@@ -218,11 +223,7 @@ class TlsProgram:
         entries, each of their return instructions, the handshake's entry. Once per device and inode
         (False when it already was). A non-PIE binary's entries are configured here for every process
         that runs it; a PIE binary's per process (`add_go_process`)."""
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
-        key = (st.st_dev, st.st_ino)
+        key = _file_key(path)
         if key in self.attached:
             return False
         assert info.write_vaddr is not None and info.read_vaddr is not None
