@@ -128,9 +128,11 @@ def cpu(p: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
-def load(port: int, cafile: Path | None, rate: float, duration: float, conns: int) -> tuple[int, int]:
-    """Open loop: `conns` keep-alive connections, each sending GETs on its own schedule (rate/conns
-    per second) for `duration` seconds. Returns (calls answered 200, errors)."""
+def load(port: int, cafile: Path | None, rate: float, duration: float, conns: int,
+         new_connections: bool = False) -> tuple[int, int]:
+    """Open loop: `conns` keep-alive connections (or, with `new_connections`, a connection per call),
+    each sending GETs on its own schedule (rate/conns per second) for `duration` seconds. Returns (calls
+    answered 200, errors)."""
     ok = [0] * conns
     errors = [0] * conns
     auth = {"Authorization": "Bearer bench-token-0123456789"}
@@ -156,6 +158,8 @@ def load(port: int, cafile: Path | None, rate: float, duration: float, conns: in
                 ok[i] += resp.status == 200
             except (OSError, http.client.HTTPException):
                 errors[i] += 1
+                conn.close()
+            if new_connections:
                 conn.close()
             n += 1
         conn.close()

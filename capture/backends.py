@@ -48,6 +48,7 @@ class RecordOptions:
     ring_mb: float | None = None       # --ring-mb: and the ring's files hold at most this much
     trigger_listen: str | None = None  # --trigger-listen HOST:PORT: Alertmanager webhook -> a dump
     trigger_min_interval_s: float = 10.0
+    max_cpu_pct: float | None = None   # --max-cpu-pct: above it, new connections are shed (whole) until below
 
 
 class Backend(Protocol):

@@ -39,6 +39,7 @@ from capture.sample import Sampler
 from capture.sink import FlowSink, SinkStats
 
 TOOL_VERSION = "shadowtest-capture 0.1.0"
+CPU_WINDOW_S = 1.0      # --max-cpu-pct: the recorder's CPU is judged over this long
 
 
 def build_redactor(default: bool, specs: list[str]) -> Redactor:
@@ -73,6 +74,10 @@ class Recorder:
         self._dumps_running: list[threading.Thread] = []
         self.dumps: list[dict[str, object]] = []
         self.trigger: TriggerServer | None = None
+        self._shed_s = 0.0                 # --max-cpu-pct (see _budget)
+        self._shed_since = 0.0
+        self._shed_periods = 0
+        self._cpu_peak = 0.0
 
     def _meta(self) -> dict[str, object]:
         opts = asdict(self.options)
@@ -190,9 +195,28 @@ class Recorder:
             rotator.unpin()
 
     def _tick(self) -> None:
+        cpu0, wall0 = time.process_time(), time.monotonic()
         while not self._stop.wait(0.25):
             assert self.sink is not None
             self.sink.tick()
+            if self.options.max_cpu_pct and time.monotonic() - wall0 >= CPU_WINDOW_S:
+                cpu1, wall1 = time.process_time(), time.monotonic()
+                self._budget((cpu1 - cpu0) / (wall1 - wall0) * 100.0)
+                cpu0, wall0 = cpu1, wall1
+
+    def _budget(self, pct: float) -> None:
+        """--max-cpu-pct: over the budget (this process's CPU, all its threads, over the last second), new
+        connections are shed, whole, until it falls below 80 % of the budget; said in meta and the summary."""
+        sink, limit = self.sink, self.options.max_cpu_pct
+        assert sink is not None and limit is not None
+        if pct > limit and not sink.shedding:
+            sink.shedding = True
+            self._shed_periods += 1
+            self._shed_since = time.monotonic()
+        elif pct < 0.8 * limit and sink.shedding:
+            sink.shedding = False
+            self._shed_s += time.monotonic() - self._shed_since
+        self._cpu_peak = max(self._cpu_peak, pct)
 
     @property
     def stats(self) -> SinkStats:
@@ -215,14 +239,23 @@ class Recorder:
             self.backend.stop()
         finally:
             duration = (self.clock.now_ns() - self._started_ns) / 1e9
+            budget: dict[str, object] = {}
+            if self.sink.shedding:      # shedding until the end
+                self._shed_s += time.monotonic() - self._shed_since
+            if self.options.max_cpu_pct:
+                budget["cpu_budget"] = {"max_cpu_pct": self.options.max_cpu_pct, "shed_flows": self.sink.stats.shed_flows,
+                                        "shedding_s": round(self._shed_s, 2), "times_over": self._shed_periods,
+                                        "peak_cpu_pct": round(self._cpu_peak, 1)}
             stats = self.sink.close(meta={"stopped_wall_ns": self.clock.wall_ns(),
-                                          "capture_duration_s": duration})
+                                          "capture_duration_s": duration, **budget})
             self.sink.writer.close()
             if self.options.ring_s:     # the ring is working data: the dumps are what it leaves
                 shutil.rmtree(ring_dir(self.options.output), ignore_errors=True)
         self.result = stats.as_dict() | {"duration_s": duration, "output": self.options.output,
                                          "decode": self.options.decode,
                                          "stop_cpu_s": round(time.process_time() - cpu0, 4)}
+        if budget:
+            self.result |= budget
         if self.options.ring_s:
             self.result["dumps"] = list(self.dumps)
             if self.trigger is not None:

@@ -134,10 +134,8 @@ def set_files(path: str | os.PathLike[str]) -> list[str] | None:
             raise RecordingError(f"{text}: a directory with no recording set in it (000001.rec, ...)")
         return files
     if any(ch in text for ch in "*?[") and not os.path.exists(text):
-        files = sorted(glob.glob(text))
-        if not files:
-            raise RecordingError(f"{text}: no file matches")
-        return files
+        # a glob only when it names files: a missing file whose name has a bracket is reported as missing
+        return sorted(glob.glob(text)) or None
     return None
 
 

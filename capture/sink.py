@@ -63,6 +63,7 @@ class SinkStats:
     not_captured_bytes: int = 0      # moved by sendfile/splice: length and time known, bytes not readable
     not_captured_syscalls: int = 0
     sampled_out_flows: int = 0       # --sample: connections not kept (whole)
+    shed_flows: int = 0              # --max-cpu-pct: connections not recorded while over the CPU budget
     capped: bool = False             # --max-file-mb reached: nothing written after it
     bytes_after_cap: int = 0
     flows_after_cap: int = 0
@@ -119,6 +120,7 @@ class FlowSink:
         self._discarded_unsaved = False
         self._not_captured: dict[tuple[int, str, str], list[int]] = {}   # (flow, dir, how) -> [bytes, syscalls]
         self.rotator: Rotator | None = None   # --rotate-mb / --rotate-s (capture/rotate.py)
+        self.shedding = False                 # --max-cpu-pct: the recorder is over its CPU budget
         self.sampler = sampler
         self.on_sampled_out: Callable[[Hashable], None] | None = None
         self.max_file_bytes = max_file_bytes
@@ -135,6 +137,11 @@ class FlowSink:
                 self._close_locked(key, flow.opened_ns)
             if self.stats.capped:
                 self.stats.flows_after_cap += 1
+                return 0
+            if self.shedding:               # over the CPU budget: whole connections are not recorded
+                self.stats.shed_flows += 1
+                if self.on_sampled_out is not None:
+                    self.on_sampled_out(key)
                 return 0
             if self.sampler is not None and not self.sampler.decide(flow):
                 self.stats.sampled_out_flows += 1

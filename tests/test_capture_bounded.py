@@ -296,3 +296,32 @@ def test_flight_recorder_dumps_the_last_window_on_an_alertmanager_webhook(tmp_pa
         [(n, round(when[n] - trigger_at, 2)) for n in (numbers[0], numbers[-1])]
     # the window less at most one slice (1 s, rotated on the 0.25 s tick): the last 2.4 s are all in
     assert {n for n, at in sent if trigger_at - 2.4 <= at <= trigger_at - 0.3} <= set(numbers)
+
+
+@pytest.mark.root
+@pytest.mark.ebpf
+@pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
+def test_a_cpu_budget_sheds_whole_connections_and_says_so(tmp_path: Path) -> None:
+    """A budget far below what the recorder needs (1 % of a core): it sheds, and every connection is
+    either recorded whole or counted as shed; none is half recorded."""
+    out = tmp_path / "budget.rec"
+    with running_nginx(tmp_path, _conf(tmp_path)) as port:
+        rec = Recorder(RecordOptions(output=str(out), port=port, max_cpu_pct=1.0)).start()
+        try:
+            made = 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 6.0 and made < 3000:     # bounded
+                _get_on_new_connection(port, f"/b/{made}")
+                made += 1
+            time.sleep(0.5)
+        finally:
+            result = rec.stop()
+    budget = cast(dict[str, Any], result["cpu_budget"])
+    assert budget["shed_flows"] > 0 and budget["times_over"] >= 1 and budget["shedding_s"] > 0, budget
+    assert budget["peak_cpu_pct"] > 1.0
+    with Recording(out) as r:
+        flows = list(r.flows())
+        calls = list(r.calls())
+        assert cast(dict[str, Any], r.meta["cpu_budget"])["shed_flows"] == budget["shed_flows"]
+    assert len(flows) + budget["shed_flows"] == made, (len(flows), budget, made)
+    assert len(calls) == len(flows) and all(c.status == 200 for c in calls)    # each kept one whole

@@ -71,6 +71,9 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--sample-seed", type=int, default=0, show_default=True, help="seed of --sample's hash")
 @click.option("--max-file-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
               help="stop at this file size: what came before is complete, the summary says the cap was hit")
+@click.option("--max-cpu-pct", type=click.FloatRange(0, min_open=True), default=None, metavar="PCT",
+              help="CPU budget (% of one core, this process, over each second): above it new connections are "
+                   "not recorded, whole, until it is back under 80 %% of it; counted and said")
 @click.option("--rotate-mb", type=click.FloatRange(0, min_open=True), default=None, metavar="MB",
               help="OUTPUT becomes a directory of numbered files, the next one started at this size (tcpdump -C); "
                    "inspect, replay, export and infer read the directory as one recording")
@@ -92,7 +95,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
             decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, list_tls: bool,
             sample_pct: float, sample_seed: int, max_file_mb: float | None, rotate_mb: float | None,
             rotate_s: float | None, ring: str | None, ring_mb: float | None, trigger_listen: str | None,
-            output: str | None, force: bool, as_json: bool) -> None:
+            max_cpu_pct: float | None, output: str | None, force: bool, as_json: bool) -> None:
     """Record TCP traffic of a service into one recording file (SQLite, mode 0600).
 
     Stops cleanly on Ctrl-C / SIGTERM or after --duration, then prints flows, calls, bytes and loss.
@@ -123,7 +126,8 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
                          default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls,
                          sample_pct=sample_pct, sample_seed=sample_seed, max_file_mb=max_file_mb,
                          rotate_mb=rotate_mb, rotate_s=rotate_s,
-                         ring_s=_ring_window(ring) if ring else None, ring_mb=ring_mb, trigger_listen=trigger_listen)
+                         ring_s=_ring_window(ring) if ring else None, ring_mb=ring_mb, trigger_listen=trigger_listen,
+                         max_cpu_pct=max_cpu_pct)
     if finish:
         from capture.record import finish_recording
 
@@ -171,6 +175,9 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
             click.echo(f"stopped at the file size cap (--max-file-mb {max_file_mb:g}): everything before it is "
                        f"complete; {result['bytes_after_cap']:,} bytes and {result['flows_after_cap']} new "
                        "connections after it were not recorded")
+        if budget := cast(dict[str, object], result.get("cpu_budget") or {}):
+            click.echo(f"CPU budget {max_cpu_pct:g} %: {budget['shed_flows']} connections not recorded while over it "
+                       f"({budget['shedding_s']} s in all, peak {budget['peak_cpu_pct']} %)")
         for d in cast(list[dict[str, object]], result.get("dumps") or []):
             click.echo(f"dump for {d['name']}: {d['file'] or 'not written: ' + str(d.get('error'))}")
         if result.get("files"):
