@@ -173,7 +173,7 @@ class FlowSink:
                 self.stats.chunks += 1
                 st.stored[d] += 1
             self._store_calls(st, calls)
-            if self.max_file_bytes is not None or self.rotator is not None:
+            if self.max_file_bytes is not None or (self.rotator is not None and self.rotator.rotate_bytes):
                 self._since_size_check += len(data)
                 if self._since_size_check >= _CAP_CHECK_BYTES:
                     self._check_size_locked()
@@ -219,7 +219,8 @@ class FlowSink:
         self._since_size_check = 0
         if self.stats.capped:
             return
-        self.writer.flush()
+        if self.max_file_bytes is not None:
+            self.writer.flush()       # a hard cap: what is queued counts too (rotation: what the timer committed)
         size = self._file_bytes()
         if self.rotator is not None and self.rotator.due(size):
             self._rotate_locked()
