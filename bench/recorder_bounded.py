@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
-from tls_capture_overhead import cpu, load, start_nginx  # noqa: E402
+from tls_capture_overhead import cpu, load, start_nginx, stop_nginx  # noqa: E402
 
 from tests.polling import recording_meta  # noqa: E402
 
@@ -88,8 +88,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            nginx.send_signal(signal.SIGQUIT)
-            nginx.wait(10)
+            stop_nginx(nginx)
     base = statistics.median(r["cpu_pct_per_1k"] for r in rows if r["mode"] == "plain")
     print(f"\nrate {args.rate:.0f} calls/s, {args.connections} connections"
           f"{' (one per call)' if args.new_connections else ' (keep-alive)'}, {args.duration:.0f} s, {args.pairs} pairs")

@@ -116,6 +116,16 @@ def build_go(d: Path) -> Path:
     return d / "https_roundtrip"
 
 
+def stop_nginx(nginx: subprocess.Popen[bytes]) -> None:
+    """Graceful (SIGQUIT), then killed if it has not gone in 10 s."""
+    nginx.send_signal(signal.SIGQUIT)
+    try:
+        nginx.wait(10)
+    except subprocess.TimeoutExpired:
+        nginx.kill()
+        nginx.wait(5)
+
+
 def worker(nginx: subprocess.Popen[bytes]) -> psutil.Process:
     kids = psutil.Process(nginx.pid).children()
     if len(kids) != 1:
@@ -280,12 +290,7 @@ def main() -> None:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                nginx.kill()
-                nginx.wait(5)
+            stop_nginx(nginx)
 
     def med(kind: str, recorded: bool, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["kind"] == kind and r["recorded"] == recorded)

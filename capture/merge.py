@@ -41,6 +41,7 @@ class _Source:
     host: str
     offset_ns: int           # wall - monotonic, as the recorder read them at its start
     span: tuple[int, int] | None   # first, last stamp (its own clock)
+    place: tuple[str, int] | None  # (set id, index) of a file of a rotated set (capture/rotate.py)
 
 
 def _shift(v: int | None, by: int) -> int | None:
@@ -61,7 +62,10 @@ def _source(path: str, salvage: bool) -> _Source:
                              f"`shadowtest record --finish -o {path}` first")
     spans = [s for s in (rec.chunk_time_range_ns(), rec.time_range_ns()) if s is not None]
     span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
-    return _Source(path, rec, found, str(meta.get("host") or "?"), wall - mono, span)
+    rot = meta.get("rotation")
+    place = (rot["set"], rot["index"]) if isinstance(rot, dict) and isinstance(rot.get("set"), str) \
+        and isinstance(rot.get("index"), int) else None
+    return _Source(path, rec, found, str(meta.get("host") or "?"), wall - mono, span, place)
 
 
 def merge_recordings(paths: list[str], dst: str, *, overwrite: bool = False, allow_disjoint: bool = False,
@@ -114,14 +118,13 @@ def _write(sources: list[_Source], ref: _Source, shifts: dict[str, int], dst: st
     problems: list[str] = []
     with atomic_output(dst, overwrite=overwrite) as tmp:
         with RecordingWriter(tmp, meta=meta) as out:
-            files = {_set_place(s): s.path for s in sources if _set_place(s) is not None}
+            files = {s.place: s.path for s in sources if s.place is not None}
             merged_ids: dict[str, dict[int, int]] = {}          # file -> its flow id -> merged flow id
             stored: dict[tuple[int, str], int] = {}               # (merged flow, direction) -> chunks so far
-            for s in sorted(sources, key=lambda s: (shifts[s.path], _set_place(s) or ("", 0))):
+            for s in sorted(sources, key=lambda s: (shifts[s.path], s.place or ("", 0))):
                 by = shifts[s.path]
                 ids = merged_ids[s.path] = {}
-                place = _set_place(s)
-                before = files.get((place[0], place[1] - 1)) if place is not None else None
+                before = files.get((s.place[0], s.place[1] - 1)) if s.place is not None else None
                 continues = s.rec.meta.get("continues") or {} if before is not None else {}
                 new_ids: list[int] = []
                 for f in s.rec.flows():
@@ -135,7 +138,7 @@ def _write(sources: list[_Source], ref: _Source, shifts: dict[str, int], dst: st
                     ids[f.id] = out.add_flow(replace(f, opened_ns=_shift(f.opened_ns, by),
                                                      closed_ns=_shift(f.closed_ns, by)))
                     new_ids.append(ids[f.id])
-                base = {k: v for k, v in stored.items()}           # chunks of continued flows in earlier files
+                base = dict(stored)                                  # chunks of continued flows in earlier files
                 for c in s.rec.chunks():
                     fid = ids.get(c.flow_id, c.flow_id)
                     out.add_chunk(Chunk(fid, c.direction, c.ts_ns + by, c.data))
@@ -166,10 +169,3 @@ def _shifted(call: Call, ids: dict[int, int], by: int) -> Call:
                    end_ts_ns=_shift(call.end_ts_ns, by), requests=[m for m in msgs if m.direction == "c2s"],
                    responses=[m for m in msgs if m.direction == "s2c"], id=None)
 
-
-def _set_place(s: _Source) -> tuple[str, int] | None:
-    """(set id, index) of a file of a rotated set (capture/rotate.py), else None."""
-    rot = s.rec.meta.get("rotation")
-    if isinstance(rot, dict) and isinstance(rot.get("set"), str) and isinstance(rot.get("index"), int):
-        return rot["set"], rot["index"]
-    return None

@@ -94,17 +94,8 @@ class Recorder:
             preflight()        # missing privileges fail here, before a file is created or replaced
         if self.options.trigger_listen and not self.options.ring_s:
             raise CaptureError("--trigger-listen needs --ring (a trigger dumps the ring)")
-        rotator = None
-        if self.options.ring_s:
-            rotator = self._ring_rotator()
-            writer = RecordingWriter(rotator.first, meta=self._meta() | rotator.meta())
-        elif self.options.rotate_mb or self.options.rotate_s:
-            if self.options.decode != "live":
-                raise CaptureError("--rotate-mb/--rotate-s need --decode live (each file holds its own calls)")
-            if self.options.max_file_mb:
-                raise CaptureError("give --max-file-mb or --rotate-mb/--rotate-s, not both (--rotate-mb bounds each file)")
-            rotator = Rotator(self.options.output, int(self.options.rotate_mb * (1 << 20)) if self.options.rotate_mb
-                              else None, self.options.rotate_s, overwrite=self.options.overwrite)
+        rotator = self._ring_rotator() if self.options.ring_s else self._rotator()
+        if rotator is not None:
             writer = RecordingWriter(rotator.first, meta=self._meta() | rotator.meta())
         else:
             writer = RecordingWriter(self.options.output, meta=self._meta(), overwrite=self.options.overwrite)
@@ -137,6 +128,18 @@ class Recorder:
         self._ticker = threading.Thread(target=self._tick, name="recorder-flush", daemon=True)
         self._ticker.start()
         return self
+
+    def _rotator(self) -> Rotator | None:
+        """--rotate-mb/--rotate-s: OUTPUT is a directory of numbered files (capture/rotate.py); else None."""
+        o = self.options
+        if not (o.rotate_mb or o.rotate_s):
+            return None
+        if o.decode != "live":
+            raise CaptureError("--rotate-mb/--rotate-s need --decode live (each file holds its own calls)")
+        if o.max_file_mb:
+            raise CaptureError("give --max-file-mb or --rotate-mb/--rotate-s, not both (--rotate-mb bounds each file)")
+        return Rotator(o.output, int(o.rotate_mb * (1 << 20)) if o.rotate_mb else None, o.rotate_s,
+                       overwrite=o.overwrite)
 
     def _ring_rotator(self) -> Rotator:
         """--ring: OUTPUT is a directory of dumps; the ring itself is OUTPUT/.ring, a rotated set of

@@ -138,15 +138,15 @@ class FlowSink:
             if self.stats.capped:
                 self.stats.flows_after_cap += 1
                 return 0
-            if self.shedding:               # over the CPU budget: whole connections are not recorded
-                self.stats.shed_flows += 1
+            # over the CPU budget (--max-cpu-pct) or not sampled (--sample): the whole connection is left out
+            shed = self.shedding
+            if shed or (self.sampler is not None and not self.sampler.decide(flow)):
+                if shed:
+                    self.stats.shed_flows += 1
+                else:
+                    self.stats.sampled_out_flows += 1
                 if self.on_sampled_out is not None:
-                    self.on_sampled_out(key)
-                return 0
-            if self.sampler is not None and not self.sampler.decide(flow):
-                self.stats.sampled_out_flows += 1
-                if self.on_sampled_out is not None:
-                    self.on_sampled_out(key)
+                    self.on_sampled_out(key)    # the backend stops copying its bytes
                 return 0
             flow_id = self.writer.add_flow(flow)
             self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live,
@@ -205,17 +205,15 @@ class FlowSink:
             st.flow_id = new_id
             st.stored = {"c2s": 0, "s2c": 0}
             st.protocol_written = None
-        new.set_meta({"continues": continues})
-        if not self._live:
-            self._gaps = []
-            new.set_meta({"undecoded_gaps": []})
+        new.set_meta({"continues": continues})   # rotation is live decoding only: no undecoded gaps to carry
         old.set_meta({"lost_events": self.stats.lost_events, "truncated_events": self.stats.truncated_events,
                       "rotated": True} | self._discarded_meta())
         old.close()
         self.writer = new
 
     def _check_size_locked(self) -> None:
-        """--max-file-mb: commit, look at the file's size, and stop writing at the cap."""
+        """Look at the file's size: the next file of a rotated set when due (--rotate-mb/-s), else, at the
+        --max-file-mb cap (what is queued committed first), stop writing."""
         self._since_size_check = 0
         if self.stats.capped:
             return
