@@ -23,6 +23,7 @@ from capture import privileges
 from capture.ebpf.tls import find_libssl
 from capture.recording import Recording
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _curl, _wait_started
+from tests.test_capture_tls_anywhere import in_own_mount_ns
 
 REPO = Path(__file__).resolve().parents[1]
 SETPRIV = shutil.which("setpriv")
@@ -68,10 +69,9 @@ def _as_nobody(caps: tuple[str, ...], argv: list[str]) -> list[str]:
             f"--ambient-caps={spec}", *argv]
 
 
-@pytest.mark.parametrize("_", [pytest.param(0, marks=root_only)])
-def test_an_unprivileged_user_with_the_named_capabilities_records_https(_: int, nginx: Nginx,
-                                                                       nobody_dir: Path) -> None:
-    out = nobody_dir / "https.rec"
+def _record_as_nobody(nginx: Nginx, out: Path) -> dict[str, object]:
+    """`record --tls on` of nginx's port as nobody with exactly the recorder's capabilities, around three
+    curl calls; its JSON summary."""
     argv = [sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "on",
             "--duration", "60", "--json", "-o", str(out)]
     rec = subprocess.Popen(_as_nobody(privileges.RECORDER + privileges.TLS, argv), cwd=REPO,
@@ -85,7 +85,14 @@ def test_an_unprivileged_user_with_the_named_capabilities_records_https(_: int, 
         rec.send_signal(signal.SIGINT)
         stdout, stderr = rec.communicate(timeout=60)
     assert rec.returncode == 0, stderr[-2000:]
-    result = json.loads(stdout)
+    return dict(json.loads(stdout))
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=root_only)])
+def test_an_unprivileged_user_with_the_named_capabilities_records_https(_: int, nginx: Nginx,
+                                                                       nobody_dir: Path) -> None:
+    out = nobody_dir / "https.rec"
+    result = _record_as_nobody(nginx, out)
     assert result["calls"] == 3 and result["tls"]["capture"] == "on", result
     st = out.stat()
     assert st.st_uid == pwd.getpwnam("nobody").pw_uid and stat.S_IMODE(st.st_mode) == 0o600
@@ -93,6 +100,28 @@ def test_an_unprivileged_user_with_the_named_capabilities_records_https(_: int, 
         got = sorted((c.method, c.status) for c in r.calls())
     assert got == sorted(nginx.log_lines()), got
     assert TOKEN_CURL.encode() not in out.read_bytes()
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=root_only)])
+def test_with_the_named_capabilities_a_containers_own_libssl_is_read(_: int, tmp_path: Path,
+                                                                     nobody_dir: Path) -> None:
+    """A library in another mount namespace is probed as /proc/PID/root/usr/lib/x86_64-linux-gnu/libssl.so.3.
+    Without CAP_SYS_ADMIN bcc adds the uprobe through tracefs under an event name made from that path,
+    which the kernel refused as too long: every call of a container's TLS service was lost to a recorder
+    with least privilege (a DaemonSet's) while root recorded it."""
+    copy = tmp_path / "container-libssl.so.3"
+    shutil.copy2(str(find_libssl()), copy)
+    n = Nginx(tmp_path, in_own_mount_ns(copy))
+    try:
+        result = _record_as_nobody(n, nobody_dir / "container.rec")
+        logged = n.log_lines()
+    finally:
+        n.stop()
+    tls = result["tls"]
+    assert isinstance(tls, dict)
+    (lib,) = [lib for lib in tls["libraries"] if lib["inode"] == copy.stat().st_ino]
+    assert lib["attached"] is True and lib["why_not"] == "", lib
+    assert result["calls"] == 3 and len(logged) == 3, (result["calls"], logged)
 
 
 @pytest.mark.parametrize("_", [pytest.param(0, marks=root_only)])

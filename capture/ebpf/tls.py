@@ -172,6 +172,7 @@ class TlsProgram:
             raise PrivilegeError(f"bcc is not importable ({exc})") from exc
         self.libssl = libssl
         self.attached: dict[tuple[int, int], str] = {}   # (device, inode) -> the path it was attached by
+        self._held: dict[tuple[int, int], int] = {}      # (device, inode) -> the descriptor bcc names it by
         # records drained from the ring, in ring order; consumed only under _ring_lock (libbpf's
         # consumer is not thread-safe), by the drain thread and by the joiner when it must be current
         self._raw: list[bytes] = []
@@ -191,6 +192,8 @@ class TlsProgram:
             self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
             self.bpf.cleanup()
+            for key in list(self._held):
+                self._release(key)
             raise PrivilegeError(str(exc)) from exc
         self._positions = self.bpf[b"positions"]
 
@@ -201,16 +204,18 @@ class TlsProgram:
         key = _file_key(path)
         if key in self.attached:
             return False
+        short = self._short_path(path, key)
         done: list[str] = []
         for sym, enter, ret in PROBES:
             try:
-                self.bpf.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=enter.encode())
+                self.bpf.attach_uprobe(name=short, sym=sym.encode(), fn_name=enter.encode())
                 if ret:
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=ret.encode())
+                    self.bpf.attach_uretprobe(name=short, sym=sym.encode(), fn_name=ret.encode())
             except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
                 if sym in ("SSL_read", "SSL_write"):
                     for name in done:   # bcc detaches by the same (path, symbol) it attached
-                        self._detach(path, name)
+                        self._detach(short, name)
+                    self._release(key)
                     raise PrivilegeError(f"cannot attach uprobes to {path} "
                                          f"({str(exc).splitlines()[0][:160]})") from exc
                 continue
@@ -231,16 +236,18 @@ class TlsProgram:
         if info.handshake_vaddr is not None:
             entries.append((info.handshake_vaddr, "go_handshake_enter"))
         probes = entries + [(a, "go_rw_return") for a in info.read_ret_vaddrs + info.write_ret_vaddrs]
+        short = self._short_path(path, key)
         done: list[int] = []
         for addr, fn in probes:
             try:
-                self.bpf.attach_uprobe(name=path.encode(), addr=addr, fn_name=fn.encode())
+                self.bpf.attach_uprobe(name=short, addr=addr, fn_name=fn.encode())
             except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
                 for a in done:
                     try:
-                        self.bpf.detach_uprobe(name=path.encode(), addr=a)
+                        self.bpf.detach_uprobe(name=short, addr=a)
                     except Exception:  # noqa: BLE001, S110 - detached already
                         pass
+                self._release(key)
                 raise PrivilegeError(f"cannot attach uprobes to {path} at {addr:#x} "
                                      f"({str(exc).splitlines()[0][:160]})") from exc
             done.append(addr)
@@ -265,10 +272,28 @@ class TlsProgram:
         leaf.fd, leaf.sysfd = o.tcpconn_conn_fd, o.netfd_pfd + o.fd_sysfd
         return leaf
 
-    def _detach(self, path: str, sym: str) -> None:
+    def _short_path(self, path: str, key: tuple[int, int]) -> bytes:
+        """The name bcc is given for the file at `path`: /proc/self/fd/N of a descriptor held open until
+        cleanup. Without CAP_SYS_ADMIN bcc adds uprobes through tracefs' uprobe_events, under an event
+        name made from the path and limited to 64 bytes by the kernel: a library inside a container,
+        /proc/PID/root/usr/lib/x86_64-linux-gnu/libssl.so.3, is already too long ("Event name is too
+        long", EINVAL). The descriptor names the same inode, in a name that is always short."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PrivilegeError(f"cannot attach uprobes to {path} ({exc.strerror})") from exc
+        self._held[key] = fd
+        return f"/proc/self/fd/{fd}".encode()
+
+    def _release(self, key: tuple[int, int]) -> None:
+        fd = self._held.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _detach(self, short: bytes, sym: str) -> None:
         for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
             try:
-                how(name=path.encode(), sym=sym.encode())
+                how(name=short, sym=sym.encode())
             except Exception:  # noqa: BLE001, S110 - not attached that way (SSL_free has no return probe)
                 pass
 
@@ -345,6 +370,8 @@ class TlsProgram:
             self._thread.join(timeout=5)
         self._ring.close()
         detach.cleanup(self.bpf)
+        for key in list(self._held):
+            self._release(key)
 
 
 _PROBE_PROGRAM = r"""
