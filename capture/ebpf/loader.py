@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast
 
 from capture import privileges
 from capture.backends import RecordOptions
-from capture.ebpf import detach, procnet
+from capture.ebpf import cgroups, detach, procnet
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.streams import Streams
 from capture.errors import CaptureError, PrivilegeError
@@ -116,25 +116,28 @@ def _no_marks(ts_ns: int) -> None:
 
 
 def cgroup_filter(path: str | None) -> tuple[int, bool, set[int]]:
-    """(cgroup v2 id, use-tgid-map, tgids) for `--cgroup PATH`.
+    """(cgroup v2 id, use-tgid-map, tgids) for `--cgroup PATH`, the cgroup and every cgroup under it.
 
-    cgroup v2: filter on bpf_get_current_cgroup_id() == inode of the directory. cgroup v1 has no
-    such id, so its member processes (cgroup.procs) go into a map, refreshed every second."""
+    cgroup v2: the kernel tests bpf_current_task_under_cgroup() against the directory (the `cgroup_under`
+    array, set in _load). cgroup v1 has no such test, so the member processes of the directory and of its
+    children (capture/ebpf/cgroups.py) go into a map, refreshed every second."""
     if not path:
         return 0, False, set()
     p = Path(path)
     if not p.is_dir():
         raise CaptureError(f"--cgroup {path}: no such cgroup directory")
-    if (p / "cgroup.controllers").exists():
+    if cgroups.is_v2(p):
         return p.stat().st_ino, False, set()
-    return 0, True, _cgroup_procs(p)
+    return 0, True, cgroups.members(p)
 
 
-def _cgroup_procs(p: Path) -> set[int]:
+def set_cgroup(bpf: Any, path: str) -> None:
+    """Point a loaded program's `cgroup_under` array at the cgroup v2 directory `path`."""
     try:
-        return {int(x) for x in (p / "cgroup.procs").read_text().split()}
-    except OSError as exc:
-        raise CaptureError(f"cannot read {p}/cgroup.procs: {exc.strerror}") from exc
+        bpf[b"cgroup_under"][0] = path
+    except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+        bpf.cleanup()
+        raise CaptureError(f"--cgroup {path}: cannot use it as a cgroup v2 filter ({exc})") from exc
 
 
 def chunk_size(max_bytes: int) -> int:
@@ -268,11 +271,13 @@ class EbpfBackend:
         try:
             text = render_program(self.options, self.cgroup_id, self.tgid_map, self.map_names)
             bpf: _Bcc = BPF(text=text.encode())
-            return bpf
         except Exception as exc:  # noqa: BLE001 - compile/attach errors are plain Exception
             raise PrivilegeError(f"cannot load the eBPF program ({str(exc).splitlines()[0][:160]}): needs kernel "
                                  "headers (apt-get install linux-headers-amd64) and tracefs; "
                                  "`shadowtest doctor` says which is missing") from exc
+        if self.cgroup_id:
+            set_cgroup(bpf, str(self.options.cgroup))
+        return bpf
 
     def start(self, sink: FlowSink) -> None:
         self.sink = sink
@@ -334,7 +339,7 @@ class EbpfBackend:
         if not self.tgid_map:
             return
         table = self._table(b"tgids")
-        current = _cgroup_procs(Path(self.options.cgroup or "")) if self.options.cgroup else set()
+        current = cgroups.members(Path(self.options.cgroup or "")) if self.options.cgroup else set()
         for tgid in current - self.tgids:
             table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
         for tgid in self.tgids - current:

@@ -59,7 +59,7 @@
  * closing task, with both ends in the tracepoint; that socket's CLOSE is sent at close's exit.
  *
  * Placeholders substituted by the loader in one place (capture/ebpf/loader.py):
- *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, cgroup v2 id),
+ *   FILTER_PORT (0 = any), FILTER_PID (0 = any), FILTER_CGROUP (0 = any, else the cgroup v2 id: `cgroup_under` holds it),
  *   FILTER_TGID_MAP (1 = only tgids in the `tgids` map, for cgroup v1), SIDE_SERVER (1|0),
  *   MAX_BYTES, CHUNK (a power of two, 4-64 KiB), MAX_IOV, BIG_IOVS, RINGBUF_PAGES, SCRATCH_CPUS,
  *   WAKE_BYTES.
@@ -167,6 +167,8 @@ BPF_HASH(active, u64, struct active_io, 16384);
 BPF_HASH(accepting, u64, struct accept_args, 16384);
 BPF_TABLE("lru_hash", u64, struct pending_conn, pending, 16384);
 BPF_HASH(tgids, u32, u8, 4096);
+/* --cgroup on cgroup v2: the directory (set from user space); a task in it or in a cgroup under it */
+BPF_CGROUP_ARRAY(cgroup_under, 1);
 BPF_TABLE("lru_hash", u64, struct listener, listeners, 16384);   /* (tgid, listening fd) */
 BPF_HASH(listening, u64, u32, 1024);          /* thread inside listen() -> its fd */
 BPF_HASH(closing, u64, struct closing_sock, 1024);
@@ -191,7 +193,7 @@ static __always_inline int is_armed(void) {
 static __always_inline int wanted_task(u32 tgid) {
     if (FILTER_PID && tgid != FILTER_PID)
         return 0;
-    if (FILTER_CGROUP && bpf_get_current_cgroup_id() != FILTER_CGROUP)
+    if (FILTER_CGROUP && cgroup_under.check_current_task(0) != 1)   /* the cgroup or one under it */
         return 0;
     if (FILTER_TGID_MAP && !tgids.lookup(&tgid))
         return 0;

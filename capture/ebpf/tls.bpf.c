@@ -120,10 +120,13 @@ static __always_inline void count(int which) {
         __sync_fetch_and_add(v, 1);
 }
 
+/* --cgroup on cgroup v2: the directory (set from user space); a task in it or in a cgroup under it */
+BPF_CGROUP_ARRAY(cgroup_under, 1);
+
 static __always_inline int wanted_task(u32 tgid) {
     if (FILTER_PID && tgid != FILTER_PID)
         return 0;
-    if (FILTER_CGROUP && bpf_get_current_cgroup_id() != FILTER_CGROUP)
+    if (FILTER_CGROUP && cgroup_under.check_current_task(0) != 1)   /* the cgroup or one under it */
         return 0;
     return 1;
 }

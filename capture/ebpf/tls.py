@@ -44,7 +44,7 @@ from capture import privileges
 from capture.backends import RecordOptions
 from capture.ebpf import detach
 from capture.ebpf.goelf import GoTlsInfo
-from capture.ebpf.loader import SockInfo, rename_maps
+from capture.ebpf.loader import SockInfo, rename_maps, set_cgroup
 from capture.ebpf.ringbuf import RingReader
 from capture.ebpf.tls_join import TlsJoiner
 from capture.ebpf.tlslibs import Inspector, ProcessTls, TlsFile, target_pids
@@ -186,6 +186,8 @@ class TlsProgram:
             self.bpf: Any = BPF(text=render_program(options, cgroup_id, names).encode())
         except Exception as exc:  # noqa: BLE001 - compile errors are plain Exception
             raise PrivilegeError(f"cannot load the TLS program ({str(exc).splitlines()[0][:160]})") from exc
+        if cgroup_id:
+            set_cgroup(self.bpf, str(options.cgroup))
         try:
             self.attach(libssl)
             self.bpf[b"tls_events"].open_ring_buffer(self._on_event)

@@ -285,17 +285,6 @@ def all_pids() -> list[int]:
     return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 
 
-def cgroup_pids(cgroup_path: str) -> list[int]:
-    """The processes of a cgroup v2 directory, and of the cgroups under it."""
-    pids: set[int] = set()
-    for procs in Path(cgroup_path).rglob("cgroup.procs"):
-        try:
-            pids.update(int(x) for x in procs.read_text().split())
-        except (OSError, ValueError):
-            continue
-    return sorted(pids)
-
-
 def port_pids(port: int) -> list[int]:
     """Processes holding a TCP socket on `port` (listening, or a connection either end of which is it)."""
     from capture.ebpf import procnet
@@ -311,7 +300,9 @@ def target_pids(pid: int | None, cgroup: str | None, port: int = 0) -> list[int]
     if pid:
         return [pid]
     if cgroup:
-        return cgroup_pids(cgroup)
+        from capture.ebpf.cgroups import members
+
+        return sorted(members(Path(cgroup)))
     return port_pids(port) if port else all_pids()
 
 
