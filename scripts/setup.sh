@@ -22,6 +22,9 @@ curl               the HTTPS client of the TLS capture tests (tests/test_capture
 redis-server       the agent's Redis cache tier and its outage tests (tests/test_agent_cache.py; its service is not left running)
 golang-go          the Go crypto/tls tests, which build Go peers (tests/test_capture_goelf.py, test_capture_go_tls.py)
 golang-google-grpc-dev  the grpc-go TLS server the Go capture test records (tests/test_capture_go_tls.py)
+podman             the recorder's image built and run in tests/test_deploy_image.py (deploy/recorder/)
+runc               the container runtime for that test where crun refuses the host's cgroups (v1 and v2 mounted)
+debootstrap        the Debian root filesystem that image is built from (no image registry is needed)
 "
 NODE_DIR=tests/interop/node
 say() { printf '[setup] %s\n' "$*"; }
