@@ -210,8 +210,10 @@ def test_entry_point_help_lists_the_shadow_options() -> None:
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
     for opt in ("--shadow-recording", "--shadow-recording-on-workers", "--shadow-speed", "--shadow-sender",
-                "--shadow-allow-target", "--shadow-json", "--master", "--expect-workers"):
+                "--shadow-allow-target", "--shadow-json", "--master", "--expect-workers", "--print-locustfile"):
         assert opt in proc.stdout
+    # ours, not Locust's usage line: this command's name, its own option and examples first
+    assert proc.stdout.startswith("Usage: shadowtest locust") and "Usage: locust" not in proc.stdout
     path = subprocess.run([sys.executable, "-m", "harness.cli", "locust", "--print-locustfile"], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S).stdout.strip()
     import replay

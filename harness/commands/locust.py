@@ -40,7 +40,24 @@ def command(print_locustfile: bool, locust_args: tuple[str, ...]) -> None:
         return
     if importlib.util.find_spec("locust") is None:
         raise click.ClickException("Locust is not installed: pip install 'shadowtest[locust]'")
+    if "-h" in locust_args or "--help" in locust_args:
+        _help(click.get_current_context())
+        return
     argv = [sys.executable, "-m", _MODULE, *locust_args]   # replay.locust_user.launch
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
+
+
+def _help(ctx: click.Context) -> None:
+    """This command's own help (its usage, --print-locustfile, the examples), then Locust's options as
+    Locust prints them with the replay user's (--shadow-*), under this command's name."""
+    import subprocess
+
+    click.echo(ctx.get_help().replace("[OPTIONS] [LOCUST_ARGS]...", "[--print-locustfile] [LOCUST OPTIONS]..."))
+    done = subprocess.run([sys.executable, "-m", _MODULE, "--help"], capture_output=True, text=True, timeout=120)
+    text = done.stdout or done.stderr
+    if text.startswith("Usage: locust"):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+    click.echo("\nLocust's options, passed through (the replay user's are the --shadow-* ones):")
+    click.echo(text.rstrip())
