@@ -29,12 +29,11 @@ from typing import Any
 
 from harness.checks.base import Verdict
 from harness.errors import HarnessError
+from harness.outputs import stamped
 from harness.scenario import GeneratorTraffic, MetricNames, RecordingTraffic, Traffic
 from harness.timeline import CallResult
 from wire.stats import percentile
 
-SCHEMA = "shadowtest.capacity"
-VERSION = 1
 MAX_STEPS = 100
 MAX_STEP_CALLS = 500_000          # one step's results are held until it is judged: bounded
 DEFAULT_SLOS = ("p99<20ms", "errors<0.5%")
@@ -602,7 +601,7 @@ class CapacityReport:
         def at(i: int | None, **more: Any) -> dict[str, Any] | None:
             return None if i is None else {"index": i, "rate": steps[i].rate, **more}
 
-        return {"schema": SCHEMA, "version": VERSION, "target": self.target, "traffic": self.traffic,
+        return stamped("capacity", {"target": self.target, "traffic": self.traffic,
                 "slos": [asdict(s) for s in self.slos], "step_s": self.step_s, "confirm": self.confirm,
                 "rates": self.rates, "steps": [s.as_dict() for s in steps],
                 "warmup": None if self.warmup is None else self.warmup.as_dict(),
@@ -613,7 +612,7 @@ class CapacityReport:
                 "limiter": at(knee.limiter, rejected=steps[knee.limiter].rejected)
                 if knee.limiter is not None else None,
                 "verdicts": [v.as_dict() for v in self.verdicts], "passed": self.passed,
-                "interrupted": self.interrupted, "notes": self.notes}
+                "interrupted": self.interrupted, "notes": self.notes})
 
 
 def measurement_notes(report: CapacityReport) -> list[str]:

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from harness.console import is_terminal
 from harness.live import LiveView
+from harness.outputs import stamped
 from harness.report import RunResult, write_reports
 from harness.report.table import print_verdicts
 from harness.runner import Interrupted, Runner, RunOptions
@@ -55,7 +56,7 @@ def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scal
         print("interrupted before the run started; everything started was stopped", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps(result.as_dict() | {"reports": paths}, indent=2, default=str))
+        print(json.dumps(stamped("results", result.as_dict() | {"reports": paths}), indent=2, default=str))
     else:
         print_verdicts(result, out, rich=is_terminal(out))
         for kind, p in paths.items():

@@ -414,7 +414,9 @@ class _Master:
         for p in s["problems"]:
             _say(f"problem: {p}")
         if self.opts.shadow_json:
-            Path(self.opts.shadow_json).write_text(json.dumps(s, indent=2) + "\n")
+            from harness.outputs import stamped
+
+            Path(self.opts.shadow_json).write_text(json.dumps(stamped("locust", s), indent=2) + "\n")
         if s["failures"]:
             _say("FAILED: " + "; ".join(s["failures"]))
             environment.process_exit_code = 1

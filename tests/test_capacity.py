@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import harness
 from capture.recording import Call, Flow, Message, RecordingWriter
 from harness.capacity import (
     CapacityError,
@@ -267,7 +268,7 @@ def test_reports_go_through_the_chaos_writers_one_row_per_step(tmp_path: Path) -
     assert "| step1@100/s | 0.0-1.0s | 200 | 200 | 200 | 0 | 0 | 5.0 | 5.0 |" in md
     assert "| step2@200/s | 1.0-2.0s | 200 | 200 | 200 | 0 | 0 | 35.0 | 35.0 |" in md
     data = report.as_dict()
-    assert (data["schema"], data["version"]) == ("shadowtest.capacity", 1)
+    assert (data["schema"], data["shadowtest_version"]) == ("shadowtest.capacity/v1", harness.__version__)
     assert data["knee"] == {"index": 0, "rate": 100, "goodput": 200.0, "p99_ms": 5.0}
     assert data["broke"]["breaches"] == ["p99 35 ms >= 20 ms (p99<20ms)"] and data["limiter"] is None
     plot_capacity(report, tmp_path / "knee.png")

@@ -77,7 +77,7 @@ def test_validate_warns_with_file_and_line_when_the_recording_ends_before_the_sc
         f"warn {path}:5: traffic runs out at 15.0s of the scenario's 24s: 5s a pass x loop 3 lasts 15s, the "
         "phases use 24s of it; no calls after 15.0s in phase fault; none at all in recovery (checks bound to a "
         "phase without calls are skipped); use 'loop: until_end' (or 'loop: 5')"), out.output
-    data = json.loads(CliRunner().invoke(chaos, ["validate", "--json", str(path)]).output)
+    data = json.loads(CliRunner().invoke(chaos, ["validate", "--json", str(path)]).output)["scenarios"]
     assert data[0]["traffic_s"] == 15.0 and len(data[0]["warnings"]) == 1
     # until_end (or enough passes) lasts the run: no warning.
     for loop in ("until_end", "5"):

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.group("chaos")
 def command() -> None:
@@ -52,7 +54,7 @@ def validate(scenarios: tuple[str, ...], as_json: bool) -> None:
         except ScenarioError as exc:
             results.append({"file": path, "ok": False, "error": str(exc), "line": exc.line})
     if as_json:
-        click.echo(json.dumps(results, indent=2))
+        click.echo(json.dumps(stamped("validate", {"scenarios": results}), indent=2))
     else:
         for r in results:
             if r["ok"]:

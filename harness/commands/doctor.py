@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.console import make_console
+from harness.outputs import stamped
 
 
 @click.command("doctor")
@@ -35,7 +36,7 @@ def command(as_json: bool, pid: int | None) -> None:
 
         report["process"] = Inspector().process(pid).as_dict()
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(stamped("doctor", report), indent=2))
     else:
         table = Table(title="shadowtest doctor")
         for col in ("check", "status", "detail", "fix"):

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.command("export")
 @click.argument("file", type=click.Path())
@@ -35,7 +37,7 @@ def command(file: str, output: str, force: bool, as_json: bool, salvage: bool) -
 
     counts = export_file(as_one(file, salvage), output, overwrite=force, salvage=salvage)   # a set: as one
     if as_json:
-        click.echo(json.dumps(counts, indent=2))
+        click.echo(json.dumps(stamped("export", counts), indent=2))
     else:
         gaps = f", {counts['gaps_marked']} gap(s) marked" if counts.get("gaps_marked") else ""
         lost = f" (salvaged: {loss_text(counts['calls_lost'])})" if counts["problems"] else ""

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from harness.console import is_terminal, make_console
+from harness.outputs import stamped
 
 
 def _print(lines: list[str], title: str) -> None:
@@ -53,9 +54,9 @@ def list_(state_dir: str | None, as_json: bool) -> None:
     leftovers = check_leftovers(d)
     live = _live_entries(d, {(str(x.file), x.entry_id) for x in leftovers})
     if as_json:
-        click.echo(json.dumps({"state_dir": d, "live": live,
-                               "leftovers": [{"run_pid": x.holder_pid, "id": x.entry_id, **x.entry}
-                                             for x in leftovers]}, indent=2))
+        click.echo(json.dumps(stamped("faults", {"state_dir": d, "live": live,
+                                                 "leftovers": [{"run_pid": x.holder_pid, "id": x.entry_id, **x.entry}
+                                                               for x in leftovers]}), indent=2))
     else:
         _print([f"{e['id']}: {e['kind']} (run PID {e['run_pid']})" for e in live] or ["none"],
                f"live faults in {d}")
@@ -99,9 +100,9 @@ def clear(state_dir: str | None, as_json: bool) -> None:
     d = state_dir or str(default_dir())
     result = clear_leftovers(d)
     if as_json:
-        click.echo(json.dumps({"state_dir": d, "cleared": [x.describe() for x in result.cleared],
-                               "failed": [{"fault": x.describe(), "error": err} for x, err in result.failed]},
-                              indent=2))
+        click.echo(json.dumps(stamped("faults", {"state_dir": d, "cleared": [x.describe() for x in result.cleared],
+                                                 "failed": [{"fault": x.describe(), "error": err}
+                                                            for x, err in result.failed]}), indent=2))
     else:
         _print([x.describe() for x in result.cleared] or ["nothing to clear"], f"cleared ({d})")
         if result.failed:

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.command("import")
 @click.argument("capture_file", type=click.Path(dir_okay=False))
@@ -41,7 +43,7 @@ def command(capture_file: str, output: str, port: int | None, redact: tuple[str,
                               redactor=build_redactor(default_redaction, list(redact)))
     result = imported.as_dict()
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(stamped("import", result), indent=2))
     else:
         click.echo(f"imported {result['packets']} packets: {result['flows']} flows, {result['calls']} calls, "
                    f"{result['retransmitted']} retransmitted, {result['out_of_order']} out of order, "

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from harness.outputs import stamped
+
 _FIX = ("to name the rest: pass the service's descriptors (--descriptors FILE.protoset, made with protoc "
         "--include_imports --descriptor_set_out, or reflection=HOST:PORT), or name a group by hand with "
         "--method-map FLOW:REF=/package.Service/Method")
@@ -118,8 +120,9 @@ def _load_sources(specs: tuple[str, ...], allow: tuple[str, ...], timeout_s: flo
 
 def _emit(file: Path, states: list[Any], notes: list[str], unknown: list[Any], as_json: bool, dry_run: bool) -> None:
     if as_json:
-        click.echo(json.dumps({"file": str(file), "dry_run": dry_run, "groups": [s.as_json() for s in states],
-                               "unknown_groups": len(unknown), "notes": notes}, indent=2))
+        doc = {"file": str(file), "dry_run": dry_run, "groups": [s.as_json() for s in states],
+               "unknown_groups": len(unknown), "notes": notes}
+        click.echo(json.dumps(stamped("infer", doc), indent=2))
         return
     for note in notes:
         click.echo(f"note: {note}", err=True)

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from harness.console import is_terminal, make_console
+from harness.outputs import stamped
 
 
 @click.command("inspect")
@@ -61,7 +62,7 @@ def command(file: str, as_json: bool, show_calls: int, strict: bool) -> None:
     if calls:
         report["first_calls"] = calls
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(stamped("inspect", report), indent=2))
     elif is_terminal(sys.stdout):
         _rich(report)
     else:

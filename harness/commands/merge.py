@@ -6,6 +6,8 @@ import json
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.command("merge")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
@@ -34,7 +36,7 @@ def command(files: tuple[str, ...], output: str, allow_disjoint: bool, salvage: 
 
     result = merge_recordings(list(files), output, overwrite=force, allow_disjoint=allow_disjoint, salvage=salvage)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(stamped("merge", result), indent=2))
         return
     click.echo(f"merged {result['calls']} calls on {result['flows']} flows from {len(files)} recordings -> {output}")
     for src in result["from"]:

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.group("proxy")
 def command() -> None:
@@ -61,7 +63,7 @@ def serve(host: str, port: int, seed: int, config: str | None, as_json: bool) ->
             await collection.populate(body)
         bound = server.sockets[0].getsockname()
         url = f"http://{bound[0]}:{bound[1]}"
-        click.echo(json.dumps({"listening": url, "seed": seed}) if as_json else f"listening {url} (seed {seed})")
+        click.echo(json.dumps(stamped("proxy", {"listening": url, "seed": seed})) if as_json else f"listening {url} (seed {seed})")
         sys.stdout.flush()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from harness.outputs import stamped
+
 if TYPE_CHECKING:   # capture loads when a command runs, keeping `shadowtest --help` fast
     from capture.backends import RecordOptions
     from capture.record import Recorder
@@ -136,7 +138,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
         done = finish_recording(output)
         # The recorded server may be on another host now: only the descriptors given, no reflection.
         done |= _name_methods(output, descriptors, reflection=False)
-        click.echo(json.dumps(done, indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")
+        click.echo(json.dumps(stamped("record-finish", done), indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")
         _print_methods(done, output, as_json)
         return
     if list_tls:
@@ -162,7 +164,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
     if "finish" not in result and not (rotate_mb or rotate_s or ring):
         result |= _name_methods(output, descriptors, reflection=True)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(stamped("record", result), indent=2))
     else:
         calls = "calls not decoded yet" if "finish" in result else f"{result['calls']} calls"
         click.echo(f"recorded {calls} on {result['flows']} flows, {result['bytes']:,} bytes, "
@@ -404,7 +406,7 @@ def _list_tls(port: int, pid: int | None, cgroup: str | None, as_json: bool) -> 
              f"the processes with a TCP socket on port {port}" if port else "every process")
     rows = [p.as_dict() for p in tlslibs.inspect_all(pids) if p.files or p.error or pid]
     if as_json:
-        click.echo(json.dumps({"scope": scope, "processes": rows}, indent=2))
+        click.echo(json.dumps(stamped("list-tls", {"scope": scope, "processes": rows}), indent=2))
         return
     if not rows:
         click.echo(f"no TLS library in {scope}" + ("" if pids else " (none found)"))

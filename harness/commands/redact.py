@@ -6,6 +6,8 @@ import json
 
 import click
 
+from harness.outputs import stamped
+
 
 @click.command("redact")
 @click.argument("file", type=click.Path(dir_okay=False))
@@ -50,7 +52,7 @@ def command(file: str, output: str | None, in_place: bool, rules: tuple[str, ...
     counts = redact_in_place(file, redactor) if in_place else redact_recording(file, output or "", redactor,
                                                                                overwrite=force, salvage=salvage)
     if as_json:
-        click.echo(json.dumps(counts | {"rules": redactor.specs}, indent=2))
+        click.echo(json.dumps(stamped("redact", counts | {"rules": redactor.specs}), indent=2))
     else:
         lost = f" (salvaged: {loss_text(counts['calls_lost'])})" if counts["problems"] else ""
         click.echo(f"redacted {counts['calls_changed']} of {counts['calls']} calls, {counts['chunks']} chunks "

@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from harness.outputs import stamped
+
 SENDERS = ("auto", "h2", "grpc", "http1", "tcp")  # replay/senders: the registered ones, and auto
 _PCT = click.FloatRange(0, 100)
 _FILE = click.Path(dir_okay=False)
@@ -445,7 +447,7 @@ def _emit(report: Any, json_out: Path | None) -> None:
 
 
 def _write_json(data: dict[str, Any], json_out: Path) -> None:
-    text = json.dumps(data, indent=2)
+    text = json.dumps(stamped("replay", data), indent=2)
     if str(json_out) == "-":
         click.echo(text)
     else:

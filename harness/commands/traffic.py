@@ -11,6 +11,7 @@ import click
 
 from agent_under_test.cli import traffic_command as _plain
 from harness.commands.replay import build_tls, tls_options
+from harness.outputs import stamped
 
 
 def _traffic(tls: bool, ca: str | None, cert: str | None, key: str | None, insecure: bool, server_name: str | None,
@@ -26,7 +27,7 @@ def _traffic(tls: bool, ca: str | None, cert: str | None, key: str | None, insec
     report = run_traffic(kw["target"], kw["rate"], kw["duration_s"], kw["pattern"], kw["seed"], kw["stream_share"],
                          symbols=kw["symbols"], streams=kw["streams"], log_sent=kw["log_sent"],
                          connect_timeout_s=kw["connect_timeout"], extra={"tls": config})
-    doc = json.dumps(report.to_dict(), indent=2)
+    doc = json.dumps(stamped("traffic", report.to_dict()), indent=2)
     if kw["json_out"] == "-":
         click.echo(doc)
     else:

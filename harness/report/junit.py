@@ -6,6 +6,9 @@ import json
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
+from harness import __version__
+from harness.outputs import schema
+
 if TYPE_CHECKING:
     from harness.report.write import RunResult
 
@@ -19,7 +22,7 @@ def junit_xml(result: RunResult) -> str:
                        failures=str(failures), skipped=str(0 if strict else result.skipped), errors="1" if result.interrupted else "0",
                        time=f"{result.timeline.duration_s:.3f}")
     props = ET.SubElement(suite, "properties")
-    for key, value in (("seed", result.scenario.seed), ("source", result.scenario.source or ""),
+    for key, value in (("schema", schema("results")), ("shadowtest_version", __version__), ("seed", result.scenario.seed), ("source", result.scenario.source or ""),
                        ("partial", result.timeline.partial), ("strict", strict)):
         ET.SubElement(props, "property", name=key, value=str(value))
     for f in result.timeline.faults:   # every fault window, as the Markdown table shows it

@@ -17,6 +17,7 @@ from typing import Any
 
 from harness.checks import Verdict
 from harness.errors import ReportError
+from harness.outputs import stamped
 from harness.scenario import Scenario
 from harness.timeline import Timeline
 
@@ -104,7 +105,7 @@ def write_reports(result: RunResult, report_dir: str | os.PathLike[str], junit: 
             written["png"] = str(paths["png"])
         except ImportError as exc:
             result.notes.append(f"timeline.png skipped: {exc} (pip install 'shadowtest[plots]')")
-    _write(paths["json"], json.dumps(result.as_dict(), indent=2, default=_jsonable))
+    _write(paths["json"], json.dumps(stamped("results", result.as_dict()), indent=2, default=_jsonable))
     written["json"] = str(paths["json"])
     _write(paths["junit"], junit_xml(result))
     written["junit"] = str(paths["junit"])

@@ -1,0 +1,66 @@
+"""Every JSON document a command prints or writes carries `schema` and `shadowtest_version`
+(harness/outputs.py), and none is written without them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from click.testing import CliRunner
+
+import harness
+from harness.cli import cli
+from harness.outputs import VERSIONS, schema, stamped
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "scenarios" / "http-faults.rec"
+
+
+def _json(args: list[str]) -> dict[str, object]:
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code in (0, 1), out.output
+    doc = json.loads(out.output)
+    assert isinstance(doc, dict), doc
+    return doc
+
+
+def test_the_commands_json_says_what_it_is_and_which_version_wrote_it(tmp_path: Path) -> None:
+    rec = tmp_path / "small.rec"
+    shutil.copy2(SMALL, rec)
+    docs = {
+        "inspect": _json(["inspect", str(rec), "--json"]),
+        "validate": _json(["chaos", "validate", "--json", str(ROOT / "scenarios" / "baseline.yaml")]),
+        "redact": _json(["redact", str(rec), "--defaults", "-o", str(tmp_path / "r.rec"), "--json"]),
+        "export": _json(["export", str(rec), "-o", str(tmp_path / "x.pcapng"), "--json"]),
+    }
+    for kind, doc in docs.items():
+        assert (doc["schema"], doc["shadowtest_version"]) == (f"shadowtest.{kind}/v1", harness.__version__), doc
+        assert list(doc)[:2] == ["schema", "shadowtest_version"]
+    assert docs["inspect"]["calls"] and docs["validate"]["scenarios"]
+
+
+def test_stamped_replaces_a_documents_own_fields_and_names_only_known_outputs() -> None:
+    doc = stamped("replay", {"schema": "old", "sent": 3})
+    assert doc == {"schema": "shadowtest.replay/v1", "shadowtest_version": harness.__version__, "sent": 3}
+    assert schema("results") == "shadowtest.results/v1"
+    try:
+        schema("nonsense")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("an unknown output kind must not get a schema")
+
+
+def test_no_json_output_is_written_without_its_stamp() -> None:
+    """Each json.dumps of a whole output in the commands and reports goes through stamped() (capacity's
+    as_dict stamps itself)."""
+    unstamped = []
+    for path in [*(ROOT / "harness" / "commands").glob("*.py"), ROOT / "harness" / "session.py",
+                 ROOT / "harness" / "report" / "write.py", ROOT / "replay" / "locust_user.py"]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"(echo|print|_write|write_text)\(.*json\.dumps\((?!stamped\()", line):
+                unstamped.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not unstamped, unstamped
+    assert set(VERSIONS) >= {"results", "replay", "record", "inspect", "doctor", "capacity", "locust"}
