@@ -36,16 +36,73 @@ def _root() -> Check:
                  "run as root (sudo) for eBPF capture, cgroup quotas and raw-socket pcap capture")
 
 
-def _python_core() -> Check:
-    missing = []
-    for mod in ("grpc", "google.protobuf", "numpy", "scapy", "h2", "hdrh", "yaml", "rich", "prometheus_client"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            missing.append(mod)
-    return Check("python packages", not missing, "all core packages import" if not missing else
-                 f"missing: {', '.join(missing)}", "pip install shadowtest (or `make test` to set up .venv)",
-                 core=True)
+_EXTRAS = {"agent": "the reference agent (agent serve, demo, chaos run of the bundled scenarios, traffic)",
+           "locust": "Locust's distributed mode (replay --workers, shadowtest locust)",
+           "plots": "the PNG timelines of chaos run and capacity"}
+
+
+def requirements(requires: list[str] | None = None) -> dict[str, list[str]]:
+    """{"": core distributions, "agent": [...], ...}: what this shadowtest declares, from its installed
+    metadata (else the checkout's pyproject.toml); the dev extra (tests) is left out."""
+    import re
+
+    if requires is None:
+        requires = _declared()
+    out: dict[str, list[str]] = {"": []}
+    for req in requires:
+        name = re.split(r"[\s<>=!~;\[(]", req.strip(), maxsplit=1)[0]
+        extra = re.search(r"extra\s*==\s*[\"']([^\"']+)[\"']", req)
+        group = extra.group(1) if extra else ""
+        if group in ("dev", "all") or name == "shadowtest":
+            continue
+        out.setdefault(group, []).append(name)
+    return out
+
+
+def _declared() -> list[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.requires("shadowtest") or []
+    except metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        import tomllib
+
+        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+        return list(project["dependencies"]) + [f'{r}; extra == "{extra}"'
+                                                for extra, reqs in project["optional-dependencies"].items()
+                                                for r in reqs]
+
+
+def _installed(dist: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def python_checks(declared: dict[str, list[str]] | None = None,
+                  installed: Callable[[str], bool] = _installed) -> list[Check]:
+    """The core install (a missing package there is a broken install) and each extra (optional: what it
+    unlocks and the one command that adds it)."""
+    declared = requirements() if declared is None else declared
+    missing = [d for d in declared.get("", []) if not installed(d)]
+    checks = [Check("python packages (core)", not missing,
+                    f"all {len(declared.get('', []))} core packages installed" if not missing
+                    else f"missing: {', '.join(missing)}",
+                    "" if not missing else "the install is incomplete: pip install --force-reinstall shadowtest",
+                    core=True)]
+    for extra, dists in declared.items():
+        if not extra:
+            continue
+        lacking = [d for d in dists if not installed(d)]
+        what = _EXTRAS.get(extra, f"the {extra} extra")
+        checks.append(Check(f"extra [{extra}]", not lacking,
+                            f"installed: {what}" if not lacking else f"not installed ({', '.join(lacking)}): {what}",
+                            "" if not lacking else f"optional: pip install 'shadowtest[{extra}]'"))
+    return checks
 
 
 def _loopback() -> Check:
@@ -146,7 +203,7 @@ def _cuda() -> Check:
 
 
 PROBES: list[Callable[[], Check]] = [
-    _root, _python_core, _loopback, _bcc, _kernel_headers, _tracepoint, tls_capture_check,
+    _root, _loopback, _bcc, _kernel_headers, _tracepoint, tls_capture_check,
     _tool("stress-ng", "CPU contention falls back to built-in workers", "apt-get install stress-ng"),
     _tool("toxiproxy-server", "the embedded Toxiproxy-compatible proxy is used",
           "optional: install Shopify's toxiproxy-server to drive the real one"),
@@ -157,7 +214,8 @@ PROBES: list[Callable[[], Check]] = [
 
 
 def run_checks() -> list[Check]:
-    return [probe() for probe in PROBES]
+    checks = [probe() for probe in PROBES]
+    return checks[:1] + python_checks() + checks[1:]
 
 
 def capture_backends(checks: list[Check]) -> dict[str, str]:
