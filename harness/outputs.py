@@ -13,9 +13,19 @@ from typing import Any
 
 from harness import __version__
 
+# Exit codes (k6's convention): a run that ran and judged, but failed a check or threshold, exits 99; a run
+# that could not run or be judged (an error, an interruption, lost accounting) exits 1; a usage error 2.
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_THRESHOLDS = 0, 1, 2, 99
+
 VERSIONS = {"results": 1, "replay": 1, "record": 1, "record-finish": 1, "list-tls": 1, "inspect": 1, "import": 1,
             "export": 1, "merge": 1, "redact": 1, "infer": 1, "doctor": 1, "faults": 1, "traffic": 1,
             "capacity": 1, "validate": 1, "proxy": 1, "locust": 1}
+
+
+def verdict_exit(passed: bool, broken: bool) -> int:
+    """0 when it passed; 1 when the run itself broke (interrupted, accounting lost); else 99: it ran and
+    a check or threshold failed."""
+    return EXIT_OK if passed else EXIT_ERROR if broken else EXIT_THRESHOLDS
 
 
 def schema(kind: str) -> str:

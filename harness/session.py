@@ -10,7 +10,7 @@ from typing import TextIO
 
 from harness.console import is_terminal
 from harness.live import LiveView
-from harness.outputs import stamped
+from harness.outputs import stamped, verdict_exit
 from harness.report import RunResult, write_reports
 from harness.report.table import print_verdicts
 from harness.runner import Interrupted, Runner, RunOptions
@@ -61,4 +61,4 @@ def run_and_report(path: str, *, report_dir: str | None, junit: str | None, scal
         print_verdicts(result, out, rich=is_terminal(out))
         for kind, p in paths.items():
             print(f"report {kind}: {p}", file=out)
-    return 0 if result.passed else 1
+    return verdict_exit(result.passed, result.interrupted is not None)

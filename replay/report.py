@@ -58,6 +58,12 @@ class ReplayReport:
     def error_count(self) -> int:
         return sum(self.errors.values())
 
+    @property
+    def broken(self) -> bool:
+        """The run cannot be trusted as a measurement: its accounting does not add up, or calls were lost
+        to a damaged recording without a limit saying how many may be (exit 1, not a threshold's 99)."""
+        return not self.invariant_ok or any(f.startswith(DAMAGE_PREFIX) for f in self.failures)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -367,7 +367,7 @@ def test_replay_without_reflection_sends_nothing_blind(tmp_path: Path) -> None:
         _joined_recording(rec, ("127.0.0.1", server.port))
         res = CliRunner().invoke(cli, ["replay", str(rec), "--target", server.address, "--json", str(tmp_path / "o.json")])
         assert not server.received
-    assert res.exit_code == 1, res.output          # nothing succeeded, and the run says why
+    assert res.exit_code == 99, res.output          # nothing succeeded, and the run says why
     data = json.loads((tmp_path / "o.json").read_text())
     assert (data["scheduled"], data["not_sent"], data["not_sent_reasons"]) == (5, 5, {"unknown_method": 5})
     assert data["failures"] == ["no call succeeded: 0 ok of 5 scheduled; not sent: unknown_method 5"]

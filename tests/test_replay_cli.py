@@ -118,13 +118,13 @@ def test_calls_with_an_unknown_method_are_never_sent_blind(tmp_path: Path) -> No
         res = CliRunner().invoke(cli, ["replay", str(tmp_path / "j.rec"), "--target", server.address, "--json", "-"])
         plain = CliRunner().invoke(cli, ["replay", str(tmp_path / "j.rec"), "--target", server.address])
         assert server.received == []
-    assert res.exit_code == 1, res.output     # nothing succeeded: the run fails, and says why
+    assert res.exit_code == 99, res.output     # nothing succeeded: the run fails, and says why
     data = json.loads(res.stdout)
     assert (data["scheduled"], data["sent"], data["ok"], data["not_sent"]) == (6, 0, 0, 6)
     assert data["not_sent_reasons"] == {"unknown_method": 6} and data["invariant_ok"]
     assert any("--method-map FLOW:REF=METHOD" in p for p in data["problems"])
     assert data["failures"] == ["no call succeeded: 0 ok of 6 scheduled; not sent: unknown_method 6"]
-    assert plain.exit_code == 1
+    assert plain.exit_code == 99
     assert "not sent: unknown_method 6" in plain.output and "invariant: ok" in plain.output
     assert "verdict: FAILED: no call succeeded: 0 ok of 6 scheduled; not sent: unknown_method 6" in plain.output
 

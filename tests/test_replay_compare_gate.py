@@ -55,7 +55,7 @@ def test_an_http1_recording_compares_without_flags_and_sends_no_http2_preface(or
 def test_one_changed_field_fails_the_run_and_says_which_calls_and_where(orders: Path) -> None:
     with JsonTarget(change=_cheaper_every_third) as target:
         res, report = _replay(orders, target.address)
-    assert res.exit_code == 1 and report["passed"] is False, res.output
+    assert res.exit_code == 99 and report["passed"] is False, res.output
     mism = report["mismatches"]
     assert (mism["total"], mism["compared"]) == (4, CALLS)
     assert [(c["index"], c["flow"], c["method"], c["diffs"]) for c in mism["calls"]] == [
@@ -73,7 +73,7 @@ def test_max_mismatch_pct_allows_a_share_exactly(orders: Path) -> None:
         at_limit, report = _replay(orders, target.address, "--max-mismatch-pct", "33.3333")   # 4 of 12
         assert at_limit.exit_code == 0 and report["passed"], at_limit.output
         below, report = _replay(orders, target.address, "--max-mismatch-pct", "33.33")
-    assert below.exit_code == 1 and "max_mismatch_pct failed: 33.3333 % > 33.33 %" in " ".join(report["failures"])
+    assert below.exit_code == 99 and "max_mismatch_pct failed: 33.3333 % > 33.33 %" in " ".join(report["failures"])
 
 
 def test_ignore_field_applies_to_json_paths(orders: Path) -> None:
@@ -81,7 +81,7 @@ def test_ignore_field_applies_to_json_paths(orders: Path) -> None:
         res, report = _replay(orders, target.address, "--ignore-field", "price", "--ignore-field", "items.sku")
         assert res.exit_code == 0 and report["mismatches"]["total"] == 0, res.output
         res, report = _replay(orders, target.address, "--ignore-field", "price")
-    assert res.exit_code == 1
+    assert res.exit_code == 99
     assert report["mismatches"]["calls"][0]["diffs"] == ['$.items[0].sku: "sku-0" != "other"']
 
 
@@ -95,7 +95,7 @@ def test_a_body_that_is_not_json_is_compared_byte_wise(tmp_path: Path) -> None:
                         responses=[Message("s2c", 0, ts + 1000, b'{"id": 5, but not JSON}')]))
     with JsonTarget() as target:
         res, report = _replay(path, target.address)
-    assert res.exit_code == 1
+    assert res.exit_code == 99
     (diff,) = report["mismatches"]["calls"][0]["diffs"]
     assert diff.startswith("body: differs at byte 10 (recorded 23 bytes, replayed "), diff
 
@@ -105,7 +105,7 @@ def test_a_grpc_server_changing_a_field_fails_by_protobuf_field(tmp_path: Path) 
     n = write_unary_recording(tmp_path / "g.rec", [i * 2 * MS for i in range(10)])
     with EchoServer(reflection=True) as server:
         res, report = _replay(tmp_path / "g.rec", server.address)
-        assert res.exit_code == 1 and report["mismatches"]["total"] == n, res.output
+        assert res.exit_code == 99 and report["mismatches"]["total"] == n, res.output
         assert report["mismatches"]["by_method"][DECIDE]["fields"] == {"server_latency_ns": n}
         assert report["mismatches"]["calls"][0]["diffs"] == ["server_latency_ns"]
         assert "server_latency_ns" in " ".join(report["failures"])
@@ -157,6 +157,6 @@ def test_plain_http2_calls_are_compared_as_bodies_without_asking_for_reflection(
 def test_workers_merge_the_mismatched_calls_in_plan_order(orders: Path) -> None:
     with JsonTarget(change=_cheaper_every_third) as target:
         res, report = _replay(orders, target.address, "--workers", "2")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 99, res.output
     assert [c["index"] for c in report["mismatches"]["calls"]] == [0, 3, 6, 9]
     assert report["mismatches"]["total"] == 4 and report["mismatches"]["compared"] == CALLS

@@ -69,7 +69,7 @@ def test_each_count_threshold_passes_at_its_value_and_fails_past_it(mixed: Path,
     [mine] = [t for t in ok["thresholds"] if t["name"] == name]
     assert (mine["actual"], mine["limit"], mine["passed"]) == (actual, float(f"{actual:g}"), True)
     assert ok["passed"] and ok["failures"] == []
-    assert bad_res.exit_code == 1, bad_res.output
+    assert bad_res.exit_code == 99, bad_res.output
     [mine] = [t for t in bad["thresholds"] if t["name"] == name]
     assert (mine["actual"], mine["limit"], mine["passed"]) == (actual, float(under), False)
     assert not bad["passed"] and len(bad["failures"]) == 1
@@ -100,7 +100,7 @@ def test_latency_and_lag_thresholds_fail_with_their_numbers(tmp_path: Path) -> N
     assert passed.exit_code == 0, passed.output
     assert [(t["name"], t["passed"]) for t in ok["thresholds"]] == \
         [("max_p99_ms", True), ("max_lag_p99_us", True), ("min_ok", True)]
-    assert failed.exit_code == 1, failed.output
+    assert failed.exit_code == 99, failed.output
     p99, lag = bad["latency_ms"]["p99"], bad["lag_us"]["p99"]
     assert p99 >= 30 and lag > 1   # the server sleeps 30 ms per call; 100 calls due at once
     assert [(t["name"], t["actual"], t["passed"]) for t in bad["thresholds"]] == \
@@ -120,7 +120,7 @@ def test_timeouts_count_as_errors(tmp_path: Path) -> None:
     write_unary_recording(rec, [i * MS for i in range(5)])
     with EchoServer(delay_s=1.0) as server:
         res, data = _replay(rec, server.address, "--timeout", "0.1", "--max-error-pct", "99.9")
-    assert res.exit_code == 1
+    assert res.exit_code == 99
     assert data["timeouts"] == 5 and data["ok"] == 0
     assert data["failures"][0] == "threshold max_error_pct failed: 100 % > 99.9 % (0 errors + 5 timeouts of 5 sent)"
     assert data["failures"][1] == "no call succeeded: 0 ok of 5 scheduled; 5 timeouts"
@@ -132,7 +132,7 @@ def test_a_closed_port_fails_with_the_reason(tmp_path: Path, sender: str) -> Non
     write_unary_recording(rec, [i * MS for i in range(20)])
     res = CliRunner().invoke(cli, ["replay", str(rec), "--target", CLOSED, "--sender", sender,
                                    "--json", str(tmp_path / "out.json"), "--max-error-pct", "5"])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 99, res.output
     first = "20 calls UNAVAILABLE: first: connection refused by 127.0.0.1:1"
     assert f"error: {first}" in res.stdout
     assert "threshold: FAILED max_error_pct: 100 % (limit <= 5 %): 20 errors + 0 timeouts of 20 sent" in res.stdout
@@ -151,7 +151,7 @@ def test_no_flag_fails_when_nothing_succeeded_also_with_workers(tmp_path: Path) 
     rec = tmp_path / "r.rec"
     write_unary_recording(rec, [i * MS for i in range(12)], flows=4)
     res, data = _replay(rec, CLOSED, "--workers", "2")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 99, res.output
     assert data["failures"] == ["no call succeeded: 0 ok of 12 scheduled; 12 calls UNAVAILABLE: first: "
                                 "connection refused by 127.0.0.1:1"]
     assert "replay FAILED: no call succeeded" in res.stderr

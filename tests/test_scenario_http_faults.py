@@ -124,7 +124,7 @@ def test_an_inert_latency_toxic_on_an_http_service_fails_fault_effective(tmp_pat
     address, _ = web
     code, output, reports = _run(tmp_path, INERT.replace("ADDRESS", address), "inert")
     verdict = json.loads((reports / "results.json").read_text())["verdicts"][0]
-    assert code == 1 and verdict["status"] == "fail", verdict
+    assert code == 99 and verdict["status"] == "fail", verdict
     assert re.search(r"toxicity draw \(0\) spared all \d+ connections \(\d+ chunks passed untouched\); client saw "
                      r"proxy_added -?\d+\.\d -> -?\d+\.\d ms", verdict["summary"]), verdict["summary"]
 
@@ -259,7 +259,7 @@ def test_answers_are_compared_with_the_recorded_ones_field_by_field(tmp_path: Pa
     assert re.match(r"\d+ of \d+ responses match the recording$", same["summary"]), same["summary"]
     code, output, reports = _run(tmp_path, MATCH.replace("ADDRESS", changed_web), "changed")
     changed = json.loads((reports / "results.json").read_text())["verdicts"][0]
-    assert code == 1 and changed["status"] == "fail", changed
+    assert code == 99 and changed["status"] == "fail", changed
     ev = changed["evidence"]
     assert ev["fields"] == {"state": ev["mismatched"]} and 0 < ev["mismatched"] < ev["compared"], ev
     assert 'differ from the recording' in changed["summary"]

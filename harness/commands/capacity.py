@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from harness.commands.replay import build_tls, tls_options
+from harness.outputs import verdict_exit
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _RATE = click.FloatRange(min=0, min_open=True)
@@ -102,7 +103,7 @@ def command(recording: Path | None, agent: bool, tier: str, limiter: str, target
 
     Traffic: RECORDING time-warped to each step's rate, or the built-in generator (--pattern). Target:
     --agent (the bundled agent, started and stopped here) or --target HOST:PORT (loopback, or allowed with
-    --allow-target). Exit 0, or 1 when an --expect failed or the run was interrupted (Ctrl-C stops the
+    --allow-target). Exit 0; 99 when an --expect failed; 1 when the run was interrupted (Ctrl-C stops the
     steps and the agent and still prints the steps measured); 2 on a usage error.
 
     \b
@@ -141,7 +142,7 @@ def command(recording: Path | None, agent: bool, tier: str, limiter: str, target
         _header(report, runner)
         _play(report, runner, warmup_s)
     _finish(report, _scenario(agent, tier, limiter, target, pid, source, seed), json_out, png_out, junit_out, md_out)
-    sys.exit(0 if report.passed else 1)
+    sys.exit(verdict_exit(report.passed, report.interrupted is not None))
 
 
 def _ramp(start: float | None, step: float | None, top: float | None, ramp_steps: Any) -> list[float]:

@@ -96,8 +96,8 @@ def run(scenario: str, report_dir: str | None, junit: str | None, scale: float, 
     """Run one scenario: start the target, replay traffic through the fault proxy, apply faults per
     phase, follow /metrics and /events, check every expectation, write the reports.
 
-    Exit 0 when every check passes, 1 when one fails or the run was interrupted (Ctrl-C and SIGTERM
-    end cleanly: faults removed, partial report written). A check with nothing to judge is skipped and
+    Exit 0 when every check passes, 99 when one fails (or none judged anything), 1 when the run could not
+    run or was interrupted (Ctrl-C and SIGTERM end cleanly: faults removed, partial report written). A check with nothing to judge is skipped and
     fails nothing, unless --strict: then any skipped check fails the run, and the summary line says so.
 
     \b

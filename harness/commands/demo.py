@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from harness.outputs import verdict_exit
+
 
 @click.command("demo")
 @click.option("--report-dir", type=click.Path(file_okay=False), default="demo-out",
@@ -23,7 +25,7 @@ def command(report_dir: str, record_s: float, rate: float, seed: int, backends: 
     Starts the agent, records production-like traffic with eBPF (or says which fallback it used and
     why), replays the recording at 2x through the fault proxy while network jitter and CPU
     contention hit a fresh agent, checks the alert, the limiter, degradation, recovery and
-    accounting, and prints the verdicts and where the reports are. Exit 0 when every check passes.
+    accounting, and prints the verdicts and where the reports are. Exit 0 when every check passes, 99 when one fails, 1 when a step could not run.
 
     \b
     Examples:
@@ -39,4 +41,4 @@ def command(report_dir: str, record_s: float, rate: float, seed: int, backends: 
     print_verdicts(result, sys.stdout, rich=is_terminal(sys.stdout))
     for kind, path in paths.items():
         click.echo(f"report {kind}: {path}")
-    sys.exit(0 if result.passed else 1)
+    sys.exit(verdict_exit(result.passed, result.interrupted is not None))

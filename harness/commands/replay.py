@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from harness.outputs import stamped
+from harness.outputs import stamped, verdict_exit
 
 SENDERS = ("auto", "h2", "grpc", "http1", "tcp")  # replay/senders: the registered ones, and auto
 _PCT = click.FloatRange(0, 100)
@@ -211,9 +211,10 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
             drop_headers: tuple[str, ...], no_marker: bool, keep_trace_context: bool) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
-    Exit 0 when the run passed, 1 when it failed, 2 on a usage error. A run fails when a scheduled
-    call is not accounted for (ok + rejected + errors + timeouts + not sent), when a threshold
-    given by a --max-* option (or --min-ok) is exceeded, and, by default, when no call succeeded.
+    Exit 0 when the run passed; 99 when it ran and a threshold failed: one given by a --max-* option
+    (or --min-ok) exceeded, and, by default, no call succeeded; 1 when the run broke: a scheduled call
+    not accounted for (ok + rejected + errors + timeouts + not sent), or calls lost to a damaged
+    recording; 2 on a usage error.
     The summary (and --json's `thresholds`, `failures`) says which threshold failed with its
     numbers, and why the first call of each error kind failed.
 
@@ -291,7 +292,7 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
     if str(json_out) == "-":  # stdout is the JSON: say why the run failed on stderr, one line each
         for failure in report.failures:
             click.echo(f"replay FAILED: {failure}", err=True)
-    sys.exit(0 if report.passed else 1)
+    sys.exit(verdict_exit(bool(report.passed), report.broken))
 
 
 _REFLECTION_TIMEOUT_S = 2.0
