@@ -34,15 +34,20 @@ from tls_capture_overhead import cpu, load, start_nginx, stop_nginx  # noqa: E40
 from tests.polling import recording_meta  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = {"plain": [], "sample 50": ["--sample", "50"], "rotate-mb 2": ["--rotate-mb", "2"],
-         "ring 20s": ["--ring", "20s"]}
+DEFAULT_MODES = "plain,sample 50,rotate-mb 2,ring 20s"
+
+
+def mode_args(mode: str) -> list[str]:
+    """"plain" -> [], "rotate-mb 2" -> ["--rotate-mb", "2"], "sample 50" -> ["--sample", "50"]."""
+    return [] if mode == "plain" else [f"--{mode.split()[0]}", *mode.split()[1:]]
 
 
 def run(mode: str, port: int, args: argparse.Namespace, d: Path) -> dict[str, Any]:
     out = d / f"{mode.replace(' ', '_')}-{time.monotonic_ns()}"    # a directory for rotate and ring
-    first = {"rotate-mb 2": out / "000001.rec", "ring 20s": out / ".ring" / "000001.rec"}.get(mode, out)
+    first = {"rotate-mb": out / "000001.rec", "rotate-s": out / "000001.rec",
+             "ring": out / ".ring" / "000001.rec"}.get(mode.split()[0], out)
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--json", "-o",
-                             str(out), *MODES[mode]], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                             str(out), *mode_args(mode)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while "backend_settings" not in recording_meta(first):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -74,7 +79,12 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--new-connections", action="store_true",
                     help="a connection per call (sampling then drops whole connections as they come)")
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help=f"comma-separated, plain first (default {DEFAULT_MODES!r}; e.g. 'plain,rotate-mb 8')")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or modes[0] != "plain":
+        raise SystemExit("--modes starts with plain (the ratios are to it)")
     if os.geteuid() != 0 or not shutil.which("nginx"):
         raise SystemExit("needs root and nginx")
     rows = []
@@ -83,7 +93,7 @@ def main() -> None:
         nginx, plain, _tls = start_nginx(d)
         try:
             for _ in range(args.pairs):
-                for mode in MODES:
+                for mode in modes:
                     row = run(mode, plain, args, d)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -92,7 +102,7 @@ def main() -> None:
     base = statistics.median(r["cpu_pct_per_1k"] for r in rows if r["mode"] == "plain")
     print(f"\nrate {args.rate:.0f} calls/s, {args.connections} connections"
           f"{' (one per call)' if args.new_connections else ' (keep-alive)'}, {args.duration:.0f} s, {args.pairs} pairs")
-    for mode in MODES:
+    for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         med = statistics.median(r["cpu_pct_per_1k"] for r in mine)
         print(f"{mode:12} recorder CPU {med:5.1f} % of a core per 1,000 calls/s ({med / base:.2f}x plain)   "

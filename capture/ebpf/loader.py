@@ -339,7 +339,10 @@ class EbpfBackend:
         if not self.tgid_map:
             return
         table = self._table(b"tgids")
-        current = cgroups.members(Path(self.options.cgroup or "")) if self.options.cgroup else set()
+        try:
+            current = cgroups.members(Path(self.options.cgroup or "")) if self.options.cgroup else set()
+        except CaptureError:      # the cgroup went away (its pod deleted): none of its processes is left
+            current = set()
         for tgid in current - self.tgids:
             table[ctypes.c_uint32(tgid)] = ctypes.c_uint8(1)
         for tgid in self.tgids - current:
