@@ -136,7 +136,9 @@ def test_decision_comes_back_and_passes_risk_rules(serve) -> None:
 
 def test_stream_keeps_order_by_sequence_id(serve) -> None:
     guard = RecordingGuard()
-    agent = serve(guard, batch_window_ms=20)
+    # fixed window: the adaptive one waits only while calls arrive faster than a pass, which on a loaded
+    # host they may not (tests/test_agent_batcher.py judges it in virtual time); here: batches form at all
+    agent = serve(guard, batch_window_ms=20, batch_window="fixed")
     msgs = snapshots(60, seed=1)
     answers = list(agent.stub.DecideStream(iter(msgs), timeout=30))
     assert [a.sequence_id for a in answers] == [m.sequence_id for m in msgs]
@@ -147,7 +149,7 @@ def test_stream_keeps_order_by_sequence_id(serve) -> None:
 
 def test_concurrent_load_forms_batches(serve) -> None:
     guard = RecordingGuard()
-    agent = serve(guard, batch_window_ms=20, max_batch=8)
+    agent = serve(guard, batch_window_ms=20, max_batch=8, batch_window="fixed")   # as above
     msgs = snapshots(64, seed=2)
     futures = [agent.stub.Decide.future(m, timeout=30) for m in msgs]
     sizes = [f.result().batch_size for f in futures]
