@@ -59,10 +59,20 @@ class ReplayReport:
         return sum(self.errors.values())
 
     @property
+    def never_reached(self) -> bool:
+        """Every call sent failed before the target answered (refused, unreachable, a TLS handshake that
+        failed): the service itself was never measured."""
+        if not self.sent or self.ok or self.rejected or self.timeouts or not self.errors:
+            return False
+        return all(code in _LOCAL_CODES or self.error_reasons.get(code, "").startswith(_UNREACHED)
+                   for code in self.errors)
+
+    @property
     def broken(self) -> bool:
-        """The run cannot be trusted as a measurement: its accounting does not add up, or calls were lost
-        to a damaged recording without a limit saying how many may be (exit 1, not a threshold's 99)."""
-        return not self.invariant_ok or any(f.startswith(DAMAGE_PREFIX) for f in self.failures)
+        """The run is not a measurement of the service: its accounting does not add up, calls were lost to
+        a damaged recording without a limit saying how many may be, or no call reached the target (exit 1,
+        not a threshold's 99)."""
+        return not self.invariant_ok or self.never_reached or any(f.startswith(DAMAGE_PREFIX) for f in self.failures)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +141,8 @@ def _invariant_failure(rep: ReplayReport) -> str:
 # the h2 sender's and grpcio's connect failures, and the http1/tcp senders' str(OSError).
 _CONNECT_PREFIXES = ("cannot connect:", "failed to connect to all addresses")
 _OS_ERROR_CODES = frozenset({"CONNECTION", "CONNECTION_REFUSED", "CONNECTION_RESET"})
+_LOCAL_CODES = _OS_ERROR_CODES | {"TLS"}
+_UNREACHED = ("connection refused by ", "cannot connect to ", *_CONNECT_PREFIXES)   # error_reason's words
 _ERRNO = re.compile(r"\[Errno (\d+)\]")
 
 

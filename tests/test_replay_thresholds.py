@@ -132,7 +132,7 @@ def test_a_closed_port_fails_with_the_reason(tmp_path: Path, sender: str) -> Non
     write_unary_recording(rec, [i * MS for i in range(20)])
     res = CliRunner().invoke(cli, ["replay", str(rec), "--target", CLOSED, "--sender", sender,
                                    "--json", str(tmp_path / "out.json"), "--max-error-pct", "5"])
-    assert res.exit_code == 99, res.output
+    assert res.exit_code == 1, res.output      # the service was never reached: not a measurement of it (99)
     first = "20 calls UNAVAILABLE: first: connection refused by 127.0.0.1:1"
     assert f"error: {first}" in res.stdout
     assert "threshold: FAILED max_error_pct: 100 % (limit <= 5 %): 20 errors + 0 timeouts of 20 sent" in res.stdout
@@ -151,7 +151,7 @@ def test_no_flag_fails_when_nothing_succeeded_also_with_workers(tmp_path: Path) 
     rec = tmp_path / "r.rec"
     write_unary_recording(rec, [i * MS for i in range(12)], flows=4)
     res, data = _replay(rec, CLOSED, "--workers", "2")
-    assert res.exit_code == 99, res.output
+    assert res.exit_code == 1, res.output
     assert data["failures"] == ["no call succeeded: 0 ok of 12 scheduled; 12 calls UNAVAILABLE: first: "
                                 "connection refused by 127.0.0.1:1"]
     assert "replay FAILED: no call succeeded" in res.stderr
