@@ -146,8 +146,8 @@ def save_weights_command(path: str, seed: int) -> None:
 @click.option("--symbols", type=click.IntRange(1, 1000), default=4, show_default=True)
 @click.option("--streams", type=click.IntRange(1, 64), default=4, show_default=True, help="stream lanes")
 @click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="seconds to wait for the target")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
-              help="write the report as JSON here ('-' for stdout)")
+@click.option("--json", "--json-out", "json_out", type=click.Path(dir_okay=False), default=None,
+              is_flag=False, flag_value="-", help="--json: the report as JSON on stdout; --json-out FILE: to a file")
 @click.option("--log-sent", type=click.Path(dir_okay=False), default=None,
               help="write every request sent (time, method, bytes) as JSON lines, mode 0600")
 def traffic_command(target: str, rate: float, duration_s: float, pattern: str, seed: int, stream_share: float,

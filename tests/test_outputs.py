@@ -32,13 +32,20 @@ def test_the_commands_json_says_what_it_is_and_which_version_wrote_it(tmp_path: 
     docs = {
         "inspect": _json(["inspect", str(rec), "--json"]),
         "validate": _json(["chaos", "validate", "--json", str(ROOT / "scenarios" / "baseline.yaml")]),
-        "redact": _json(["redact", str(rec), "--defaults", "-o", str(tmp_path / "r.rec"), "--json"]),
+        "redact": _json(["redact", str(rec), "--default-redaction", "--redact", "header:user-agent", "-o",
+                         str(tmp_path / "r.rec"), "--json"]),
+        # --json alone is stdout, as on every command (--json-out FILE writes a file)
+        "replay": _json(["replay", str(rec), "--target", "127.0.0.1:1", "--dry-run", "--json"]),
         "export": _json(["export", str(rec), "-o", str(tmp_path / "x.pcapng"), "--json"]),
     }
     for kind, doc in docs.items():
         assert (doc["schema"], doc["shadowtest_version"]) == (f"shadowtest.{kind}/v1", harness.__version__), doc
         assert list(doc)[:2] == ["schema", "shadowtest_version"]
     assert docs["inspect"]["calls"] and docs["validate"]["scenarios"]
+    assert "header:user-agent" in docs["redact"]["rules"]
+    out = tmp_path / "plan.json"
+    done = CliRunner().invoke(cli, ["replay", str(rec), "--target", "127.0.0.1:1", "--dry-run", "--json-out", str(out)])
+    assert done.exit_code == 0 and json.loads(out.read_text())["schema"] == "shadowtest.replay/v1", done.output
 
 
 def test_stamped_replaces_a_documents_own_fields_and_names_only_known_outputs() -> None:

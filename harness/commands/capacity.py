@@ -83,7 +83,8 @@ def _parse_expect(v: str) -> Any:
               metavar="SECONDS", help="per call; a call past it counts as an error")
 @click.option("--expect", "expects", multiple=True, callback=_parsed(_parse_expect), metavar="CHECK",
               help="capacity_at_least=RATE or limiter_engages_before_knee; a failed one exits 1 (repeatable)")
-@click.option("--json", "json_out", type=_FILE, help="write the steps, knee and verdicts as JSON ('-': stdout)")
+@click.option("--json", "--json-out", "json_out", type=_FILE, is_flag=False, flag_value="-",
+              help="--json: the steps, knee and verdicts as JSON on stdout; --json-out FILE: to a file")
 @click.option("--png", "png_out", type=_FILE, help="draw P99 and goodput against offered load here")
 @click.option("--junit", "junit_out", type=_FILE, help="the verdicts as JUnit XML")
 @click.option("--md", "md_out", type=_FILE, help="the verdicts and steps as Markdown")

@@ -48,7 +48,8 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
               help="proxy backend: where clients connect (it forwards to --port)")
 @click.option("--redact", "redact", multiple=True, metavar="RULE",
               help="extra rule: header:NAME[,NAME], body-regex:PATTERN, json-field:PATH")
-@click.option("--no-default-redaction", is_flag=True, help="keep credentials (authorization, cookies, ...)")
+@click.option("--default-redaction/--no-default-redaction", default=True, show_default=True,
+              help="mask credentials (authorization, cookies, ...); --no-default-redaction keeps them")
 @click.option("--decode", type=click.Choice(["live", "at-stop", "later"]), default="live", show_default=True,
               help="decode calls while recording; or store masked chunks only and decode them at stop; or "
                    "store masked chunks only and decode them later with --finish, on any machine "
@@ -93,7 +94,7 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True, help="print the final stats as JSON")
 def command(port: int, pid: int | None, cgroup: str | None, duration: float | None, max_bytes: int, side: str,
-            backend: str, interface: str, listen_port: int, redact: tuple[str, ...], no_default_redaction: bool,
+            backend: str, interface: str, listen_port: int, redact: tuple[str, ...], default_redaction: bool,
             decode: str, finish: bool, descriptors: str | None, tls: str, print_bpf: bool, list_tls: bool,
             sample_pct: float, sample_seed: int, max_file_mb: float | None, rotate_mb: float | None,
             rotate_s: float | None, ring: str | None, ring_mb: float | None, trigger_listen: str | None,
@@ -125,7 +126,7 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
 
     opts = RecordOptions(output=output or "", backend=backend, port=port, pid=pid, cgroup=cgroup, side=side,
                          max_bytes=max_bytes, interface=interface, listen_port=listen_port, redact=list(redact),
-                         default_redaction=not no_default_redaction, overwrite=force, decode=decode, tls=tls,
+                         default_redaction=default_redaction, overwrite=force, decode=decode, tls=tls,
                          sample_pct=sample_pct, sample_seed=sample_seed, max_file_mb=max_file_mb,
                          rotate_mb=rotate_mb, rotate_s=rotate_s,
                          ring_s=_ring_window(ring) if ring else None, ring_mb=ring_mb, trigger_listen=trigger_listen,

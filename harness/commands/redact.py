@@ -13,9 +13,10 @@ from harness.outputs import stamped
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write a redacted copy here")
 @click.option("--in-place", is_flag=True, help="replace FILE with its redacted copy")
-@click.option("--rule", "rules", multiple=True, metavar="RULE",
+@click.option("--redact", "--rule", "rules", multiple=True, metavar="RULE",
               help="header:NAME[,NAME] (globs ok), body-regex:PATTERN, json-field:PATH")
-@click.option("--defaults", is_flag=True, help="also apply the default credential rules")
+@click.option("--default-redaction", "--defaults", "defaults", is_flag=True,
+              help="also apply the default credential rules")
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--salvage", is_flag=True,

@@ -181,8 +181,8 @@ def _sampling_factor(file: Path) -> float:
 @tls_options
 @header_options
 @click.option("--dry-run", is_flag=True, help="print the plan and send nothing")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the report as JSON to this file ('-' for stdout)")
+@click.option("--json", "--json-out", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              is_flag=False, flag_value="-", help="--json: the report as JSON on stdout; --json-out FILE: to a file")
 @click.option("--max-error-pct", type=_PCT, metavar="P",
               help="threshold: errors + timeouts (connection errors included) at most P % of the calls sent; "
                    "rejections do not count (see --max-rejected-pct)")
