@@ -158,8 +158,36 @@ def _write(sources: list[_Source], ref: _Source, shifts: dict[str, int], dst: st
                                "sampling": s.rec.meta.get("sampling"), "salvaged": not s.found.intact})
             out.set_meta({"merged": {"alignment": "wall clock: each file's started_wall_ns - started_mono_ns, "
                                                   f"against the earliest, {ref.path} ({ref.host})",
-                                     "from": merged}})
+                                     "from": merged}} | _tls_report(sources, files, merged_ids))
     return counts | {"from": merged, "problems": problems, "output": dst}
+
+
+def _tls_report(sources: list[_Source], files: dict[tuple[str, int], str],
+                merged_ids: dict[str, dict[int, int]]) -> dict[str, Any]:
+    """The inputs' TLS report (meta `tls`, `tls_flows`) on the merged flow ids: a row names its flow in its
+    own file, or, in a rotated set, in the file of the set it carries as its fifth field (the file the
+    connection was opened in). The `tls` counts of several inputs are summed."""
+    rows: list[list[Any]] = []
+    statuses: list[dict[str, Any]] = []
+    for s in sources:
+        status = s.rec.meta.get("tls")
+        if isinstance(status, dict):
+            statuses.append(status)
+        for r in s.rec.meta.get("tls_flows") or []:
+            if not (isinstance(r, list) and len(r) >= 4 and isinstance(r[0], int)):
+                continue
+            path = files.get((s.place[0], r[4])) if len(r) > 4 and s.place is not None else s.path
+            merged = merged_ids.get(path or "", {}).get(r[0])
+            if merged is not None:
+                rows.append([merged, *r[1:4]])
+    if not statuses:
+        return {}
+    status = dict(statuses[0])
+    for other in statuses[1:]:
+        for k, v in other.items():
+            if isinstance(v, int) and not isinstance(v, bool) and isinstance(status.get(k), int):
+                status[k] += v
+    return {"tls": status, "tls_flows": sorted(rows, key=lambda r: int(r[0]))}
 
 
 def _shifted(call: Call, ids: dict[int, int], by: int) -> Call:

@@ -78,9 +78,11 @@ _SETTLED = frozenset(("grpc", "http1", "tcp"))   # protocols a flow keeps once w
 
 
 class _FlowState:
-    def __init__(self, flow_id: int, joined: bool, calls: bool = True, flow: Flow | None = None) -> None:
+    def __init__(self, flow_id: int, joined: bool, calls: bool = True, flow: Flow | None = None,
+                 first_file: int | None = None) -> None:
         self.flow_id = flow_id
         self.flow = flow             # as opened: a rotation opens it again in the next file
+        self.first_file = first_file   # a rotated set: the file it was opened in (its id there: the decoder's)
         self.joined = joined
         self.decoder = FlowDecoder(flow_id, joined, calls)
         self.masker: FlowMasker | None = None    # credentials masked on the reassembled stream
@@ -130,6 +132,13 @@ class FlowSink:
         if not self._live:
             writer.set_meta({"decode": decode})   # gaps are added as they happen (see gap())
 
+    def first_file(self, key: Hashable) -> int | None:
+        """In a rotated set, the file (1, 2, ...) flow `key` was opened in, whose flow id open_flow returned;
+        None without rotation or for a flow not recorded."""
+        with self._lock:
+            st = self._flows.get(key)
+            return st.first_file if st is not None else None
+
     def open_flow(self, key: Hashable, flow: Flow) -> int:
         """Start a flow (replacing one with the same key, which must have closed unseen)."""
         with self._lock:
@@ -149,8 +158,10 @@ class FlowSink:
                     self.on_sampled_out(key)    # the backend stops copying its bytes
                 return 0
             flow_id = self.writer.add_flow(flow)
+            rotator = self.rotator
             self._flows[key] = _FlowState(flow_id, flow.joined_midstream, self._live,
-                                          flow if self.rotator is not None else None)
+                                          flow if rotator is not None else None,
+                                          rotator.index if rotator is not None else None)
             self.stats.flows += 1
             self.stats.joined_flows += int(flow.joined_midstream)
             return flow_id

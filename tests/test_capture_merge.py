@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -240,3 +241,48 @@ def _listening_port(pid: int) -> int:
             return int(ports[0])
         time.sleep(0.05)
     raise AssertionError("the local server does not listen")
+
+
+def test_a_rotated_sets_tls_report_names_the_merged_flows(tmp_path: Path) -> None:
+    """The recorder writes its TLS report (meta tls_flows) into the set's last file, naming each flow by
+    its id in the file the connection was opened in (the row's fifth field). Read as one, the set's
+    report must name the merged flows: before, it was dropped, and `inspect DIR` listed no encrypted flow."""
+    d = tmp_path / "set"
+    d.mkdir()
+    wall, mono = 1_700_000_000 * S, 50 * S
+    base = {"host": "h", "started_wall_ns": wall, "started_mono_ns": mono, "clock": "CLOCK_MONOTONIC"}
+
+    def flow(port: int, at: int) -> Flow:
+        return Flow(src=("10.0.0.9", port), dst=("10.0.0.1", 443), pid=1, comm="srv", opened_ns=mono + at * S,
+                    protocol="tls")
+
+    with RecordingWriter(d / "000001.rec", meta=base | {"rotation": {"set": "s", "index": 1}}) as w:
+        a = w.add_flow(flow(40001, 0))        # 1: ended in file 1
+        b = w.add_flow(flow(40002, 1))        # 2: still open at the rotation
+        w.update_flow(a, closed_ns=mono + 2 * S)
+    with RecordingWriter(d / "000002.rec", meta=base | {"rotation": {"set": "s", "index": 2}}) as w:
+        b2 = w.add_flow(replace(flow(40002, 1), joined_midstream=True))   # B again, 1 here
+        c = w.add_flow(flow(40003, 3))                                     # 2 here: opened in file 2
+        w.set_meta({"continues": {str(b2): b},
+                    "tls": {"capture": "on", "plaintext_flows": 1, "encrypted_flows": 2},
+                    "tls_flows": [[a, "encrypted", "Go binary stripped", 0, 1], [b, "plaintext", None, 10, 1],
+                                  [c, "encrypted", "a JVM (JSSE)", 0, 2]]})
+    out = tmp_path / "one.rec"
+    merge_recordings([str(d / "000001.rec"), str(d / "000002.rec")], str(out), allow_disjoint=True)
+    with Recording(out) as r:
+        ports = {f.id: f.src[1] for f in r.flows()}
+        rows = cast(list[list[Any]], r.meta["tls_flows"])
+        tls = cast(dict[str, Any], r.meta["tls"])
+    assert len(ports) == 3 and tls["encrypted_flows"] == 2
+    assert [(ports[row[0]], row[1], row[2]) for row in rows] == [
+        (40001, "encrypted", "Go binary stripped"), (40002, "plaintext", None), (40003, "encrypted", "a JVM (JSSE)")]
+    # the user's path: the directory read as one names each ciphertext flow with its reason
+    from click.testing import CliRunner
+
+    from harness.cli import cli
+
+    res = CliRunner().invoke(cli, ["inspect", str(d), "--json"])
+    problems = json.loads(res.output)["problems"]
+    by_port = {p: i for i, p in ports.items()}
+    assert f"flow {by_port[40003]} is TLS recorded as ciphertext (raw TCP, no calls): a JVM (JSSE)" in problems
+    assert f"flow {by_port[40001]} is TLS recorded as ciphertext (raw TCP, no calls): Go binary stripped" in problems

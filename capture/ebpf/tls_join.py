@@ -83,13 +83,14 @@ def looks_like_tls(data: bytes) -> bool:
 class _Conn:
     """A flow the recorder opened, as the joiner sees it."""
 
-    __slots__ = ("key", "flow_id", "pid", "opened_ns", "mode", "reason", "cipher_bytes", "plain_bytes",
-                 "expect", "lost_bytes", "unknown_losses", "final_seen", "lost_mark", "late_dropped", "held",
-                 "held_bytes")
+    __slots__ = ("key", "flow_id", "file_index", "pid", "opened_ns", "mode", "reason", "cipher_bytes",
+                 "plain_bytes", "expect", "lost_bytes", "unknown_losses", "final_seen", "lost_mark", "late_dropped",
+                 "held", "held_bytes")
 
-    def __init__(self, key: Hashable, flow_id: int, flow: Flow, lost_mark: int) -> None:
+    def __init__(self, key: Hashable, flow_id: int, flow: Flow, lost_mark: int, file_index: int | None = None) -> None:
         self.key = key
         self.flow_id = flow_id
+        self.file_index = file_index     # a rotated set: the file whose flow `flow_id` is
         self.pid = flow.pid or 0
         self.opened_ns = flow.opened_ns or 0
         # ? (no bytes yet) | hold | plain | tls (plaintext from the probes) | encrypted | dropped (not recorded)
@@ -159,7 +160,9 @@ class TlsJoiner:
                 self._settle(gone)
                 self._finish(gone)
             flow_id = self.sink.open_flow(key, flow)
-            c = self._conns[key] = _Conn(key, flow_id, flow, self._lost)
+            first_file = getattr(self.sink, "first_file", None)
+            c = self._conns[key] = _Conn(key, flow_id, flow, self._lost,
+                                         first_file(key) if first_file is not None and flow_id else None)
             if not flow_id:
                 c.mode = "dropped"      # not recorded (--sample, --max-file-mb): its plaintext too
             if fdkey is not None:
@@ -520,10 +523,16 @@ class TlsJoiner:
                 lost = (f"plaintext with gaps: {c.lost_bytes} bytes lost"
                         + (f" and {c.unknown_losses} gap(s) of unknown size" if c.unknown_losses else "")
                         + " (the TLS ring buffer was full); the calls they touched are marked")
-            self.flows.append([c.flow_id, "plaintext", lost, c.cipher_bytes])
+            self.flows.append(self._row(c, "plaintext", lost, c.cipher_bytes))
         elif c.mode == "encrypted":
             self.counts["encrypted_flows"] += 1
-            self.flows.append([c.flow_id, "encrypted", c.reason, 0])
+            self.flows.append(self._row(c, "encrypted", c.reason, 0))
+
+    @staticmethod
+    def _row(c: _Conn, mode: str, reason: str | None, cipher_bytes: int) -> list[object]:
+        """[flow, plaintext|encrypted, reason, ciphertext bytes], and in a rotated set the index of the file
+        that flow id belongs to (capture/merge.py maps it to the merged flow)."""
+        return [c.flow_id, mode, reason, cipher_bytes] + ([c.file_index] if c.file_index is not None else [])
 
     def finish_all(self, positions: Any = None) -> None:
         """At stop: the last records, then every flow still open goes into the report, checked
