@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from faults.process import free_port
+
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
 # What every test's config starts with; `{d}` is the nginx directory.
@@ -44,11 +46,6 @@ def make_cert(d: Path) -> Path:
                    check=True, capture_output=True, timeout=30)
     return d / "cert.pem"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from agent_under_test.market import MarketSim, make_snapshot
 from agent_under_test.protection import ProtectionGuard
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
 from agent_under_test.snapshot import parse_snapshot
+from faults.process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broken_agent import broken  # noqa: E402
@@ -95,11 +96,6 @@ def snapshot(seed: int, seq: int = 1, symbol: str = "ACME", position: float = 0.
 def features(msg: agent_pb2.MarketSnapshot) -> Any:
     return build_features(parse_snapshot(msg, 65536))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

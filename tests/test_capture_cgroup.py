@@ -22,7 +22,7 @@ import pytest
 from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Recording
-from tests.test_capture_tls import _free_port
+from faults.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, eBPF)")]
@@ -71,7 +71,7 @@ def _server(port: int, root: Path) -> subprocess.Popen[bytes]:
 
 
 def test_a_cgroup_and_the_cgroups_under_it_are_recorded_and_nothing_else(pod: Path, tmp_path: Path) -> None:
-    inside_port, outside_port = _free_port(), _free_port()
+    inside_port, outside_port = free_port(), free_port()
     inside = _server(inside_port, tmp_path)
     outside = _server(outside_port, tmp_path)
     try:

@@ -29,6 +29,7 @@ from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
+from faults.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("wrk") is None,
@@ -90,17 +91,12 @@ CONF = PREAMBLE + """http {{
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Nginx:
     """nginx in the foreground (master_process off: one process, ended by its PID)."""
 
     def __init__(self, d: Path, sendfile: bool) -> None:
-        self.dir, self.port = d, _free_port()
+        self.dir, self.port = d, free_port()
         (d / "html").mkdir()
         (d / "tmp").mkdir()
         for name, size in FILES.items():

@@ -32,6 +32,7 @@ from capture.ebpf.tls import find_libssl
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
+from faults.process import free_port
 from tests.nginx import make_cert
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
@@ -72,11 +73,6 @@ http {{
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Nginx:
     """nginx serving HTTPS on a free port from `d`; `wrap(argv)` gives the command that starts it (in its
@@ -84,7 +80,7 @@ class Nginx:
 
     def __init__(self, d: Path, wrap: Callable[[list[str]], list[str]] = lambda argv: argv, port: int = 0) -> None:
         self.dir = d
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.cert = make_cert(d)
         (d / "nginx.conf").write_text(CONF.format(d=d, port=self.port))
         argv = ["nginx", "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")]
@@ -395,7 +391,7 @@ def test_grpcio_tls_server_is_reported_encrypted_with_the_reason(nginx: Nginx, t
 
     from capture.ebpf.tlslibs import Inspector
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", GRPC_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert),
                              str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import yaml
 from capture import privileges
 from capture.ebpf.tls import find_libssl
 from capture.recording import Recording
+from faults.process import free_port
 from tests.polling import recording_meta, wait_for
 from tests.test_capture_bounded import ALERT, _post
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _curl
@@ -175,9 +175,7 @@ def test_the_image_run_as_the_daemonset_records_a_host_process_and_dumps_on_an_a
     through its own libssl (another file than the image's), and an Alertmanager webhook writes the dump."""
     container = _container()
     caps = ",".join(c.lower() for c in container["securityContext"]["capabilities"]["add"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        hook = s.getsockname()[1]
+    hook = free_port()
     out = tmp_path / "out"
     out.mkdir()
     n = Nginx(tmp_path)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from capture.recording import Call, Flow, RecordingWriter
+from faults.process import free_port
 from harness.commands.locust import locustfile
 from replay.testing import EchoServer, write_unary_recording
 
@@ -25,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = locustfile()
 TIMEOUT_S = 60
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _locust(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
@@ -64,7 +59,7 @@ def _master(port: int, workers: int, host: str, *extra: str, cwd: Path = ROOT,
 
 def test_master_and_two_workers_split_one_connection_by_call(tmp_path: Path) -> None:
     n = write_unary_recording(tmp_path / "r.rec", [i * 5 * MS for i in range(120)], flows=1)
-    port = _free_port()
+    port = free_port()
     wtmp = tmp_path / "worker-tmp"
     wtmp.mkdir()
     with EchoServer() as server:
@@ -99,7 +94,7 @@ def test_master_and_two_workers_split_one_connection_by_call(tmp_path: Path) -> 
 
 def test_two_workers_cut_short_report_their_final_counts_and_exit_1(tmp_path: Path) -> None:
     n = write_unary_recording(tmp_path / "r.rec", [i * 20 * MS for i in range(150)], flows=1)   # 3 s of calls
-    port = _free_port()
+    port = free_port()
     with EchoServer() as server:
         master = _master(port, 2, server.address, "--run-time", "2s", "--shadow-recording", str(tmp_path / "r.rec"),
                          "--shadow-start-delay", "1", "--shadow-json", str(tmp_path / "acc.json"))
@@ -178,7 +173,7 @@ def test_worker_without_the_recording_is_one_line_on_the_master_and_exit_1(tmp_p
     (tmp_path / "m").mkdir()
     (tmp_path / "w").mkdir()
     write_unary_recording(tmp_path / "m" / "r.rec", [i * 5 * MS for i in range(20)])
-    port = _free_port()
+    port = free_port()
     with EchoServer() as server:
         # the path is relative: the master (in m/) has it, the worker (in w/) does not
         master = _master(port, 1, server.address, "--run-time", "30s", "--shadow-recording", "r.rec",

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from faults.process import free_port
 from harness.errors import ScenarioError
 from harness.scenario_load import load_scenario, load_scenario_text
 
@@ -245,7 +246,7 @@ def test_a_redis_left_by_a_killed_run_is_ended_by_the_next() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{dead.pid}-")
-    port = _free_port()
+    port = free_port()
     orphan = subprocess.Popen([str(REDIS), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -262,14 +263,6 @@ def test_a_redis_left_by_a_killed_run_is_ended_by_the_next() -> None:
             orphan.kill()
             orphan.wait()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- real runs ---------------------------------------------------------------------------------------
@@ -434,7 +427,7 @@ def test_an_external_dependency_gets_a_proxy_on_the_listen_address_and_nothing_s
     from harness.dependencies import RedisServer, start_dependencies
 
     with RedisServer() as theirs:
-        listen = f"127.0.0.1:{_free_port()}"
+        listen = f"127.0.0.1:{free_port()}"
         scenario = load_scenario_text(scenario_text(
             deps=f"dependencies: {{redis: {{address: '{theirs.address}', listen: '{listen}'}}}}",
             target="external: {address: '127.0.0.1:50051'}"), "d.yaml")
