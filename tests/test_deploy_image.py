@@ -59,7 +59,7 @@ def test_the_daemonset_asks_for_the_recorders_capabilities_and_mounts_and_its_ar
     assert sc["capabilities"] == {"drop": ["ALL"], "add": wanted}, sc   # exactly these: drift fails here
     assert not sc.get("privileged") and pod["hostPID"] is True
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/sys/kernel/tracing", "/sys/kernel/debug", "/sys/fs/bpf", "/lib/modules", "/out"} <= mounts
+    assert {"/sys/kernel/tracing", "/sys/kernel/debug", "/sys/fs/bpf", "/host/lib/modules", "/out"} <= mounts
     args = container["args"]
     assert args[0] == "record"
     record = cli.commands["record"]
@@ -151,6 +151,19 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             _run(["podman", "rmi", "-f", name], timeout=120)
 
 
+def _volumes(out: Path) -> list[str]:
+    """The DaemonSet's mounts as podman -v arguments, its output directory replaced by `out`: the node's
+    kernel headers under /host (the entrypoint links them), tracefs, bpffs, the cgroup tree."""
+    doc = yaml.safe_load(MANIFEST.read_text())
+    host = {v["name"]: v["hostPath"]["path"] for v in doc["spec"]["template"]["spec"]["volumes"]}
+    argv = []
+    for m in _container()["volumeMounts"]:
+        src = str(out) if m["mountPath"] == "/out" else host[m["name"]]
+        if Path(src).exists():
+            argv += ["-v", f"{src}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")]
+    return argv
+
+
 def _limits() -> list[str]:
     # Without CAP_SYS_RESOURCE (this sandbox has none) a container may not be given limits above ours,
     # and podman's defaults are higher: ask for lower ones.
@@ -165,6 +178,20 @@ def test_the_image_holds_the_core_install_only(_: int, image: str) -> None:
                  "-c", probe], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]", "True", "True"], done.stdout
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=image_marks)])
+def test_the_entrypoint_links_the_hosts_kernel_headers_else_its_own(_: int, image: str) -> None:
+    show = ("/usr/local/bin/shadowtest-entrypoint --version >/dev/null && "
+            "readlink /lib/modules/$(uname -r)/build && ls /lib/modules/$(uname -r)/build/include >/dev/null")
+    own = _run([*_podman(), "run", "--rm", *_limits(), "--entrypoint", "sh", image, "-c", show], timeout=120)
+    assert own.returncode == 0 and own.stdout.strip().startswith("/usr/src/linux-headers-"), own.stdout + own.stderr
+    build = Path(f"/lib/modules/{os.uname().release}/build")
+    if not (build / "include").exists():
+        pytest.skip(f"this host has no kernel headers at {build} to mount")
+    host = _run([*_podman(), "run", "--rm", *_limits(), "-v", "/lib/modules:/host/lib/modules:ro",
+                 "-v", "/usr/src:/host/usr/src:ro", "--entrypoint", "sh", image, "-c", show], timeout=120)
+    assert host.returncode == 0 and host.stdout.strip().startswith("/host/"), host.stdout + host.stderr
 
 
 @pytest.mark.parametrize("_", [pytest.param(0, marks=image_marks)])
@@ -185,8 +212,7 @@ def test_the_image_run_as_the_daemonset_records_a_host_process_and_dumps_on_an_a
     name = f"shadowtest-recorder-test-{os.getpid()}"
     argv = [*_podman(), "run", "--rm", "--name", name, *_limits(), "--pid=host", "--network=host",
             "--cap-drop=all", f"--cap-add={caps}", "--security-opt", "seccomp=unconfined",
-            "-v", "/sys/kernel/tracing:/sys/kernel/tracing", "-v", "/sys/kernel/debug:/sys/kernel/debug",
-            "-v", "/sys/fs/bpf:/sys/fs/bpf", "-v", f"{out}:/out", image, *args, "--json"]
+            *_volumes(out), image, *args, "--json"]
     rec = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ring_meta = out / "node-1" / ".ring"
     try:
@@ -209,6 +235,7 @@ def test_the_image_run_as_the_daemonset_records_a_host_process_and_dumps_on_an_a
         logged = n.log_lines()
         n.stop()
     assert rec.returncode == 0, stderr[-3000:]
+    assert "shadowtest-entrypoint" not in stderr, stderr[-2000:]      # headers and tracefs were found
     result = json.loads(stdout)
     (dump,) = result["dumps"]
     path = out / "node-1" / Path(dump["file"]).name
