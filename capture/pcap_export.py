@@ -21,6 +21,7 @@ import heapq
 import ipaddress
 import os
 import struct
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from capture.decode.streammask import FlowMasker
@@ -116,8 +117,9 @@ class _FlowState:
                 "a gap in the recording)")
 
 
-def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
-    """Write `recording` as pcapng to `out`; returns counts (flows, chunks, packets)."""
+def export_pcapng(recording: Recording, out: BinaryIO, progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+    """Write `recording` as pcapng to `out`; returns counts (flows, chunks, packets). `progress(chunks
+    read, chunks)` is called every 1,024 chunks."""
     offset = _wall_offset(recording.meta)
     flows = {f.id: _FlowState(f) for f in recording.flows()}
     for fid, direction, before, nbytes, how in recording.gaps():
@@ -140,7 +142,10 @@ def export_pcapng(recording: Recording, out: BinaryIO) -> dict[str, int]:
             counts["packets"] += _data(out, st, direction, ts + offset, data)
             counts["chunks"] += 1
 
-    for chunk in recording.chunks():
+    total = recording.count("chunks") if progress is not None else 0
+    for n, chunk in enumerate(recording.chunks(), 1):
+        if progress is not None and not n & 1023:
+            progress(n, total)
         while fins and fins[0][0] <= chunk.ts_ns:
             ts, fid = heapq.heappop(fins)
             flushed(fid)
@@ -209,7 +214,8 @@ def _fin(out: BinaryIO, st: _FlowState, ts: int) -> int:
     return 2
 
 
-def export_file(recording_path: str, output: str, *, overwrite: bool = False, salvage: bool = False) -> dict[str, Any]:
+def export_file(recording_path: str, output: str, *, overwrite: bool = False, salvage: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Export the recording at `recording_path` to the pcapng file `output` (mode 0600).
 
     A damaged recording (capture.integrity) is refused unless `salvage`: then its intact part is
@@ -223,7 +229,7 @@ def export_file(recording_path: str, output: str, *, overwrite: bool = False, sa
         except OSError as exc:
             raise PcapError(f"cannot write {output}: {exc.strerror}") from exc
         with os.fdopen(fd, "wb") as out:
-            counts = export_pcapng(rec, out)
+            counts = export_pcapng(rec, out, progress)
         lost = 0 if found.intact else calls_lost(rec, found)
         problems = list(dict.fromkeys(found.problems + rec.problems))
     return {**counts, "problems": problems, "calls_lost": lost}

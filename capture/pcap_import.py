@@ -14,6 +14,7 @@ an import that fails leaves no file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from capture.errors import PcapError
@@ -63,7 +64,8 @@ def _check_magic(path: str) -> None:
 
 
 def import_capture(path: str, output: str, *, port: int | None = None, redactor: Redactor | None = None,
-                   overwrite: bool = False, strict: bool = False) -> ImportResult:
+                   overwrite: bool = False, strict: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> ImportResult:
     """Import `path` into a new recording `output`.
 
     Args:
@@ -71,6 +73,7 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
         redactor: rules applied to the imported calls and chunks, on each flow's reassembled stream
             (default: the default credential rules; `Redactor([])` for none).
         strict: a damaged (cut, corrupt) capture is a PcapError and nothing is written.
+        progress: called with (bytes of `path` read so far, its size), every 4,096 packets.
 
     Raises PcapError (unreadable file, or damaged with `strict`) or RecordingError (output). Otherwise
     a damaged capture is imported up to the damage and the result's `problems` say so (the recording's
@@ -78,7 +81,7 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
     """
     _check_magic(path)   # before creating the output: a wrong input leaves nothing behind
     with atomic_output(output, overwrite=overwrite) as tmp:
-        result = _import_into(path, str(tmp), port, redactor)
+        result = _import_into(path, str(tmp), port, redactor, progress)
         if result.problems and not result.packets:     # nothing before the damage: nothing to salvage
             raise PcapError(f"{path} is damaged: {result.problems[0]}; no packet before the damage, nothing "
                             f"written to {output}")
@@ -89,7 +92,8 @@ def import_capture(path: str, output: str, *, port: int | None = None, redactor:
     return result
 
 
-def _import_into(path: str, output: str, port: int | None, redactor: Redactor | None) -> ImportResult:
+def _import_into(path: str, output: str, port: int | None, redactor: Redactor | None,
+                 progress: Callable[[int, int], None] | None = None) -> ImportResult:
     result = ImportResult()
     accept = (lambda s: port in (s.src[1], s.dst[1])) if port else None
     writer = RecordingWriter(output, meta={"clock": "capture-wall", "source": os.path.basename(path), "backend": "import"})
@@ -98,7 +102,7 @@ def _import_into(path: str, output: str, port: int | None, redactor: Redactor | 
     first_ts: int | None = None
     count, feed = 0, reasm.feed
     try:
-        for linktype, ts, frame in read_packets(path, result.problems):
+        for linktype, ts, frame in read_packets(path, result.problems, progress):
             if not count:
                 first_ts = ts                           # the first packet's time starts the recording
             count += 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from capture.errors import PcapError
@@ -72,8 +72,9 @@ def _not_a_capture(path: str, why: str) -> PcapError:
     return PcapError(f"{path} is not a pcap or pcapng file ({why}); export it from Wireshark as pcapng")
 
 
-def read_packets(path: str, problems: list[str]) -> Iterator[Packet]:
+def read_packets(path: str, problems: list[str], progress: Callable[[int, int], None] | None = None) -> Iterator[Packet]:
     """(linktype, timestamp ns, frame bytes) for each packet; stops at damage, noting it in `problems`.
+    `progress(bytes read, file size)` is called every 4,096 packets.
 
     Raises PcapError when the file is missing or not a pcap/pcapng at all (its header unreadable)."""
     try:
@@ -86,11 +87,19 @@ def read_packets(path: str, problems: list[str]) -> Iterator[Packet]:
     try:
         magic = reader.head(4)
         if magic in _PCAP_MAGIC:
-            yield from reader.pcap(*_PCAP_MAGIC[magic])
+            packets = reader.pcap(*_PCAP_MAGIC[magic])
         elif magic == _PCAPNG_MAGIC:
-            yield from reader.pcapng()
+            packets = reader.pcapng()
         else:
             raise _not_a_capture(path, f"starts with {magic!r}")
+        if progress is None:
+            yield from packets
+        else:
+            size = os.fstat(f.fileno()).st_size
+            for n, packet in enumerate(packets, 1):
+                yield packet
+                if not n & 4095:
+                    progress(f.tell(), size)
     except _Stop as stop:
         problems.append(stop.problem)
     except OSError as exc:      # a read error mid-file (EIO): damage like any other

@@ -23,6 +23,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -276,13 +277,14 @@ class Recorder:
         self.stop()
 
 
-def finish_recording(path: str) -> dict[str, object]:
+def finish_recording(path: str, progress: Callable[[int, int], None] | None = None) -> dict[str, object]:
     """Decode the calls of a `--decode later` recording, or of an at-stop one whose recorder was
     killed before its stop. Needs no root and no bcc: it only reads and writes the file.
 
     Its chunks are masked already; the rules it lists in meta are applied to the calls. Returns the
     calls decoded and `cpu_s`, the CPU the decode took. Raises CaptureError when the file has
-    nothing to finish (its calls were decoded live, at stop, or by an earlier finish)."""
+    nothing to finish (its calls were decoded live, at stop, or by an earlier finish). `progress(flows
+    decoded, flows)` is called as it goes."""
     cpu0 = time.process_time()
     writer = RecordingWriter(path, existing=True)
     try:
@@ -293,7 +295,7 @@ def finish_recording(path: str) -> dict[str, object]:
         specs = [str(s) for s in writer.meta_value("redaction_rules", [])]
         user = [s for s in specs if not s.startswith("default:")]
         sink = FlowSink(writer, build_redactor(len(user) < len(specs), user), str(meta["decode"]))
-        sink.decode_stored()
+        sink.decode_stored(progress)
         writer.set_meta({"unknown_method_calls": sink.stats.unknown_method_calls})
     finally:
         writer.close()

@@ -12,6 +12,7 @@ copy appears whole or not at all (capture.output).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,13 @@ from capture.redact import Redactor, rules_from_specs
 
 
 def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool = False,
-                     salvage: bool = False) -> dict[str, Any]:
+                     salvage: bool = False, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write a redacted copy of `src` to `dst`; returns counts (flows, chunks, calls, calls_changed),
     `problems` (what the source lost, one line each) and `calls_lost` (0 for an intact source, None
     when unknown).
 
     Raises RecordingError / CorruptRecordingError for `src` (a damaged one without `salvage`),
-    RecordingError for `dst`."""
+    RecordingError for `dst`. `progress(chunks read, chunks)` is called every 1,024 chunks."""
     rec, found = open_for(src, "redact", salvage=salvage)
     with rec, atomic_output(dst, overwrite=overwrite) as tmp:
         meta = dict(rec.meta)
@@ -39,7 +40,7 @@ def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool 
         meta["redaction_rules"] = before + [s for s in redactor.specs if s not in before]
         with RecordingWriter(tmp, meta=meta) as out:
             ids, protos = _copy_flows(rec, out)
-            counts: dict[str, Any] = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor)}
+            counts: dict[str, Any] = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor, progress)}
             counts |= _copy_calls(rec, out, ids, redactor)
             for fid, direction, at, nbytes, how in rec.gaps():
                 out.add_gap(ids.get(fid, fid), direction, at, nbytes, how)
@@ -69,12 +70,16 @@ def _copy_flows(rec: Recording, out: RecordingWriter) -> tuple[dict[int, int], d
 
 
 def _copy_chunks(rec: Recording, out: RecordingWriter, ids: dict[int, int],
-                 protos: dict[int, tuple[str, bool]], redactor: Redactor) -> int:
+                 protos: dict[int, tuple[str, bool]], redactor: Redactor,
+                 progress: Callable[[int, int], None] | None = None) -> int:
     """Each flow's chunks through a FlowMasker: the rules apply to the reassembled stream, so a
     credential split over chunks (stored by an older version that masked chunk by chunk) is found."""
     maskers: dict[int, FlowMasker] = {}
     n = 0
-    for c in rec.chunks():
+    total = rec.count("chunks") if progress is not None else 0
+    for read, c in enumerate(rec.chunks(), 1):
+        if progress is not None and not read & 1023:
+            progress(read, total)
         proto, joined = protos.get(c.flow_id, ("tcp", False))
         m = maskers.get(c.flow_id)
         if m is None:
@@ -100,11 +105,11 @@ def _copy_calls(rec: Recording, out: RecordingWriter, ids: dict[int, int], redac
     return {"calls": calls, "calls_changed": changed}
 
 
-def redact_in_place(path: str, redactor: Redactor) -> dict[str, Any]:
+def redact_in_place(path: str, redactor: Redactor, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Redact `path` itself: write a copy beside it, then atomically replace the original. A damaged
     file is refused (never salvaged in place: the damaged original would be gone)."""
     tmp = str(Path(path).with_name(Path(path).name + ".redacting"))
-    counts = redact_recording(path, tmp, redactor, overwrite=True)
+    counts = redact_recording(path, tmp, redactor, overwrite=True, progress=progress)
     for suffix in ("-wal", "-shm"):
         Path(path + suffix).unlink(missing_ok=True)
     os.replace(tmp, path)

@@ -345,10 +345,10 @@ class FlowSink:
         if ts_ns is not None:
             self.writer.update_flow(st.flow_id, closed_ns=ts_ns)
 
-    def decode_stored(self) -> None:
+    def decode_stored(self, progress: Callable[[int, int], None] | None = None) -> None:
         """at-stop: decode every flow's stored (already masked) chunks into calls, in one pass per
         flow that streams the chunks back in batches. Masked header values decode as '*' and the
-        redaction rules then give the same calls as live decoding."""
+        redaction rules then give the same calls as live decoding. `progress(flows done, flows)` before each flow."""
         self.writer.flush()
         self.writer.clear_calls()     # none while recording; some if an earlier decode was killed
         # (flow, direction, chunks before it) -> bytes missing there (None: unknown; files before the
@@ -361,7 +361,10 @@ class FlowSink:
             gaps[where] = None if n is None or prev is None else prev + n
             if len(g) > 4 and g[4]:
                 hows[where] = str(g[4])
-        for flow_id, joined, closed_ns in self.writer.flow_rows():
+        rows = self.writer.flow_rows()
+        for done, (flow_id, joined, closed_ns) in enumerate(rows):
+            if progress is not None:
+                progress(done, len(rows))
             st = _FlowState(flow_id, joined)
             for direction, ts_ns, data in self.writer.chunks_of(flow_id):
                 if (flow_id, direction, st.stored[direction]) in gaps:

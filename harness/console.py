@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO
 
 from rich.console import Console
@@ -60,3 +62,21 @@ def print_error(message: object, *, prefix: str = "error:") -> None:
     never read as rich markup (a path with [brackets] prints as it is)."""
     line = Text.assemble((prefix, "bold red"), " ", one_line(message))
     make_console(stderr=True).print(line, soft_wrap=True, highlight=False)
+
+
+@contextmanager
+def progress(label: str, unit: str, *, stream: IO[str] | None = None) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar for a long command (import, export, redact, record --finish) on stderr, shown only
+    when it is a terminal and removed when done; elsewhere (a pipe, CI, a log) nothing is printed, so
+    output stays what scripts read. Yields `update(done, total)`, counted in `unit`."""
+    target = stream if stream is not None else sys.stderr
+    if not is_terminal(target):
+        yield lambda done, total: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=make_console(file=target), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total or None)

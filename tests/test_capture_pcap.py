@@ -429,7 +429,7 @@ def test_own_framing_reads_what_scapy_reads_and_imports_the_same_recording(
     assert got == expected
     assert got == _scapy_framed(path)
     ours = import_capture(str(path), str(tmp_path / "ours.rec"))
-    monkeypatch.setattr(capture.pcap_import, "read_packets", lambda p, problems: iter(_scapy_framed(Path(p))))
+    monkeypatch.setattr(capture.pcap_import, "read_packets", lambda p, problems, progress=None: iter(_scapy_framed(Path(p))))
     theirs = import_capture(str(path), str(tmp_path / "scapy.rec"))
     assert ours.as_dict() == theirs.as_dict()
     assert ours.sink.calls == 8        # (mergecap: the same connection twice over, the copies retransmissions)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -71,3 +72,41 @@ def test_no_json_output_is_written_without_its_stamp() -> None:
                 unstamped.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not unstamped, unstamped
     assert set(VERSIONS) >= {"results", "replay", "record", "inspect", "doctor", "capacity", "locust"}
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_long_commands_show_progress_on_a_terminal_only() -> None:
+    from harness.console import progress
+
+    tty, pipe = _Tty(), io.StringIO()
+    with progress("exporting prod.rec", "chunks", stream=tty) as update:
+        update(1024, 4096)
+    with progress("exporting prod.rec", "chunks", stream=pipe) as update:
+        update(1024, 4096)
+    assert "exporting prod.rec" in tty.getvalue() and "chunks" in tty.getvalue()
+    assert pipe.getvalue() == ""          # a pipe, a log, CI: what scripts read stays as it was
+
+
+def test_export_and_redact_report_their_progress_against_the_whole(tmp_path: Path) -> None:
+    from capture.pcap_export import export_file
+    from capture.recording import Chunk, Flow, RecordingWriter
+    from capture.redact import Redactor
+    from capture.redact_file import redact_recording
+
+    rec = tmp_path / "many.rec"
+    with RecordingWriter(rec, meta={"started_wall_ns": 0, "started_mono_ns": 0}) as w:
+        fid = w.add_flow(Flow(("127.0.0.1", 40000), ("127.0.0.1", 80), opened_ns=1, protocol="tcp"))
+        for i in range(3000):
+            w.add_chunk(Chunk(fid, "c2s" if i % 2 else "s2c", 1000 + i, b"x" * 16))
+    for run in (lambda p: export_file(str(rec), str(tmp_path / "o.pcapng"), progress=p),
+                lambda p: redact_recording(str(rec), str(tmp_path / "r.rec"), Redactor([]), progress=p)):
+        seen: list[tuple[int, int]] = []
+
+        def note(done: int, total: int, into: list[tuple[int, int]] = seen) -> None:
+            into.append((done, total))
+        run(note)
+        assert seen == [(1024, 3000), (2048, 3000)], seen

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from harness.console import progress
 from harness.outputs import stamped
 
 
@@ -35,7 +36,9 @@ def command(file: str, output: str, force: bool, as_json: bool, salvage: bool) -
     from capture.pcap_export import export_file
     from capture.rotate import as_one
 
-    counts = export_file(as_one(file, salvage), output, overwrite=force, salvage=salvage)   # a set: as one
+    with progress(f"exporting {file}", "chunks") as update:
+        counts = export_file(as_one(file, salvage), output, overwrite=force, salvage=salvage,   # a set: as one
+                             progress=update)
     if as_json:
         click.echo(json.dumps(stamped("export", counts), indent=2))
     else:

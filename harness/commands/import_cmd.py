@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from harness.console import progress
 from harness.outputs import stamped
 
 
@@ -39,8 +40,9 @@ def command(capture_file: str, output: str, port: int | None, redact: tuple[str,
     from capture.pcap_import import import_capture
     from capture.record import build_redactor
 
-    imported = import_capture(capture_file, output, port=port, overwrite=force, strict=not salvage,
-                              redactor=build_redactor(default_redaction, list(redact)))
+    with progress(f"importing {capture_file}", "bytes") as update:
+        imported = import_capture(capture_file, output, port=port, overwrite=force, strict=not salvage,
+                                  redactor=build_redactor(default_redaction, list(redact)), progress=update)
     result = imported.as_dict()
     if as_json:
         click.echo(json.dumps(stamped("import", result), indent=2))

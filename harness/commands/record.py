@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from harness.console import progress
 from harness.outputs import stamped
 
 if TYPE_CHECKING:   # capture loads when a command runs, keeping `shadowtest --help` fast
@@ -136,7 +137,8 @@ def command(port: int, pid: int | None, cgroup: str | None, duration: float | No
 
         if not output:
             raise click.UsageError("--finish needs -o/--output FILE: the recording to finish")
-        done = finish_recording(output)
+        with progress(f"decoding {output}", "flows") as update:
+            done = finish_recording(output, update)
         # The recorded server may be on another host now: only the descriptors given, no reflection.
         done |= _name_methods(output, descriptors, reflection=False)
         click.echo(json.dumps(stamped("record-finish", done), indent=2) if as_json else f"decoded {done['calls']} calls -> {output}")

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from harness.console import progress
 from harness.outputs import stamped
 
 
@@ -50,8 +51,9 @@ def command(file: str, output: str | None, in_place: bool, rules: tuple[str, ...
     from capture.integrity import loss_text
 
     redactor = build_redactor(defaults, list(rules))
-    counts = redact_in_place(file, redactor) if in_place else redact_recording(file, output or "", redactor,
-                                                                               overwrite=force, salvage=salvage)
+    with progress(f"redacting {file}", "chunks") as update:
+        counts = redact_in_place(file, redactor, update) if in_place else redact_recording(
+            file, output or "", redactor, overwrite=force, salvage=salvage, progress=update)
     if as_json:
         click.echo(json.dumps(stamped("redact", counts | {"rules": redactor.specs}), indent=2))
     else:
