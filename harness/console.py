@@ -65,13 +65,14 @@ def print_error(message: object, *, prefix: str = "error:") -> None:
 
 
 @contextmanager
-def progress(label: str, unit: str, *, stream: IO[str] | None = None) -> Iterator[Callable[[int, int], None]]:
+def progress(label: str, unit: str, *, stream: IO[str] | None = None) -> Iterator[Callable[[int, int], None] | None]:
     """A progress bar for a long command (import, export, redact, record --finish) on stderr, shown only
-    when it is a terminal and removed when done; elsewhere (a pipe, CI, a log) nothing is printed, so
-    output stays what scripts read. Yields `update(done, total)`, counted in `unit`."""
+    when it is a terminal and removed when done. Yields `update(done, total)`, counted in `unit`; elsewhere
+    (a pipe, CI, a log) None, so nothing is printed and the command does no progress work at all (no
+    count of its rows, no per-packet check)."""
     target = stream if stream is not None else sys.stderr
     if not is_terminal(target):
-        yield lambda done, total: None
+        yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -38,10 +38,15 @@ MIRROR = "http://deb.debian.org/debian"
 PACKAGE_FILES = ("pyproject.toml", "README.md", "capture", "replay", "faults", "harness", "agent_under_test", "wire")
 
 
-def _container() -> dict[str, Any]:
+def _pod() -> dict[str, Any]:
+    """The DaemonSet's pod spec."""
     doc = yaml.safe_load(MANIFEST.read_text())
     assert doc["kind"] == "DaemonSet"
-    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return dict(doc["spec"]["template"]["spec"])
+
+
+def _container() -> dict[str, Any]:
+    (container,) = _pod()["containers"]
     return dict(container)
 
 
@@ -51,9 +56,8 @@ def test_the_daemonset_asks_for_the_recorders_capabilities_and_mounts_and_its_ar
     from capture.ring import parse_window
     from harness.cli import cli
 
-    doc = yaml.safe_load(MANIFEST.read_text())
-    pod = doc["spec"]["template"]["spec"]
-    container = _container()
+    pod = _pod()
+    (container,) = pod["containers"]
     sc = container["securityContext"]
     wanted = [c.removeprefix("CAP_") for c in privileges.RECORDER + privileges.TLS]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": wanted}, sc   # exactly these: drift fails here
@@ -154,10 +158,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def _volumes(out: Path) -> list[str]:
     """The DaemonSet's mounts as podman -v arguments, its output directory replaced by `out`: the node's
     kernel headers under /host (the entrypoint links them), tracefs, bpffs, the cgroup tree."""
-    doc = yaml.safe_load(MANIFEST.read_text())
-    host = {v["name"]: v["hostPath"]["path"] for v in doc["spec"]["template"]["spec"]["volumes"]}
+    pod = _pod()
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    (container,) = pod["containers"]
     argv = []
-    for m in _container()["volumeMounts"]:
+    for m in container["volumeMounts"]:
         src = str(out) if m["mountPath"] == "/out" else host[m["name"]]
         if Path(src).exists():
             argv += ["-v", f"{src}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")]

@@ -194,8 +194,7 @@ class TlsProgram:
             self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
             self.bpf.cleanup()
-            for key in list(self._held):
-                self._release(key)
+            self._release_all()
             raise PrivilegeError(str(exc)) from exc
         self._positions = self.bpf[b"positions"]
 
@@ -292,6 +291,10 @@ class TlsProgram:
         if fd is not None:
             os.close(fd)
 
+    def _release_all(self) -> None:
+        for key in list(self._held):
+            self._release(key)
+
     def _detach(self, short: bytes, sym: str) -> None:
         for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
             try:
@@ -372,8 +375,7 @@ class TlsProgram:
             self._thread.join(timeout=5)
         self._ring.close()
         detach.cleanup(self.bpf)
-        for key in list(self._held):
-            self._release(key)
+        self._release_all()
 
 
 _PROBE_PROGRAM = r"""

@@ -160,9 +160,8 @@ class TlsJoiner:
                 self._settle(gone)
                 self._finish(gone)
             flow_id = self.sink.open_flow(key, flow)
-            first_file = getattr(self.sink, "first_file", None)
             c = self._conns[key] = _Conn(key, flow_id, flow, self._lost,
-                                         first_file(key) if first_file is not None and flow_id else None)
+                                         self.sink.first_file(key) if flow_id else None)
             if not flow_id:
                 c.mode = "dropped"      # not recorded (--sample, --max-file-mb): its plaintext too
             if fdkey is not None:
