@@ -166,6 +166,14 @@ class FlowSink:
             self.stats.joined_flows += int(flow.joined_midstream)
             return flow_id
 
+    def rekey(self, key: Hashable, new_key: Hashable) -> None:
+        """Go on with flow `key` under `new_key` (a flow held after its close, while the same key opens
+        the next connection: the TLS joiner)."""
+        with self._lock:
+            st = self._flows.pop(key, None)
+            if st is not None:
+                self._flows[new_key] = st
+
     def has_flow(self, key: Hashable) -> bool:
         return key in self._flows
 

@@ -269,3 +269,67 @@ def test_a_stripped_go_service_is_recorded_as_ciphertext_with_the_reason(build: 
         assert list(r.calls()) == []
     assert len(rows) == 1 and rows[0][1] == "encrypted", rows
     assert rows[0][2].startswith(f"encrypted: Go binary {binary} (go1.") and "stripped Go binary" in rows[0][2], rows
+
+
+def test_a_close_racing_a_write_in_flight_loses_nothing_silently(build: Any, tmp_path: Path) -> None:
+    """A Go service closes a connection from one goroutine while another's Write is returning (as
+    net/http's HTTP/2 server does when its client goes): the close(2) can run before that Write's probe
+    fires, even inside the Write at the socket's last unref. Ground truth is what each Python client
+    received before its EOF: every flow's recorded answer is exactly that, or ends in a counted gap;
+    never a shorter answer that looks whole, never bytes of another connection."""
+    import socket
+    import ssl
+
+    binary = build("https", SERVER_SRC)
+    proc = subprocess.Popen([str(binary), "closerace", str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "race.rec"
+    received: dict[int, bytes] = {}
+    try:
+        port = int(cast(IO[str], proc.stdout).readline().split()[1])
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+        rec = Recorder(RecordOptions(output=str(out), port=port, pid=proc.pid)).start()
+        try:
+            def client() -> None:
+                for _ in range(15):
+                    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+                        local = conn.getsockname()[1]
+                        conn.sendall(b"ping\n")
+                        got = bytearray()
+                        try:
+                            while chunk := conn.recv(65536):
+                                got += chunk
+                        except (ssl.SSLError, OSError):
+                            pass      # closed without close_notify: what came before is what was sent
+                        received[local] = bytes(got)
+
+            clients = [threading.Thread(target=client) for _ in range(8)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join(60)
+            time.sleep(0.3)
+        finally:
+            rec.stop()
+    finally:
+        cast(IO[str], proc.stdin).close()
+        proc.wait(10)
+    with Recording(out) as r:
+        flows = {f.src[1]: f for f in r.flows()}
+        gaps = {(g[0], g[1]) for g in r.gaps()}
+        answers = {f.id: b"".join(c.data for c in r.chunks(f.id) if c.direction == "s2c") for f in flows.values()}
+        tls = cast(dict[str, Any], r.meta["tls"])
+    assert set(flows) == set(received), (len(flows), len(received))
+    exact = short = 0
+    for port_, got in received.items():
+        fid = flows[port_].id
+        answer = answers[fid]
+        assert got.startswith(answer), (port_, len(answer), len(got))     # never another's bytes
+        if answer == got:
+            exact += 1
+        else:
+            assert (fid, "s2c") in gaps, (port_, len(answer), len(got), tls)   # short: a counted gap
+            short += 1
+    assert tls["encrypted_flows"] == 0 and tls["plaintext_flows"] == len(received)
+    print(f"{exact} exact, {short} short with a gap, {tls['late_calls']} late calls, {tls}")

@@ -14,7 +14,9 @@
  *       the socket, tls_socks[(tgid, fd)] = 1 (before the syscall's exit, where the recorder looks)
  *   SSL_read* / SSL_write* return, on a socket in `socks`  --> PLAIN records: the bytes the call
  *       returned, tagged with the socket and their position in its plaintext stream (positions[]:
- *       bytes read and written so far), so user space sees exactly which bytes a full ring lost
+ *       bytes read and written so far), so user space sees exactly which bytes a full ring lost;
+ *       a call whose socket closed while it was in flight (another thread or goroutine closed it)
+ *       comes F_LATE, with the birth of the stream it started on instead of a position
  *   SSL_free entry --> ssl_fd entry removed
  *   close entry on a socket with positions --> CLOSE record with the final positions (bytes lost
  *       at the end of a connection are a gap too), positions entry removed
@@ -54,11 +56,13 @@
 #define C_UNJOINED 2      /* plaintext of an SSL* whose fd was never seen (memory BIO) */
 #define C_GO_OTHER 3      /* a Go tls.Conn over something other than a *net.TCPConn (not joined) */
 
+#define F_LATE 1          /* PLAIN: the socket closed while the call was in flight (see emit_plain) */
+
 struct tls_hdr {          /* every record starts with this */
     u64 ts_ns;
     u64 pos;              /* PLAIN: position of the call's first byte in its direction's stream;
                              CLOSE: plaintext bytes read in all */
-    u64 pos2;             /* CLOSE: plaintext bytes written in all */
+    u64 pos2;             /* CLOSE: plaintext bytes written in all; F_LATE PLAIN: the stream's birth */
     u32 tgid;
     u32 fd;
     u32 len;              /* plaintext bytes in this record */
@@ -67,7 +71,7 @@ struct tls_hdr {          /* every record starts with this */
     u8 type;
     u8 is_write;
     u8 truncated;         /* the call returned more than MAX_BYTES */
-    u8 pad;
+    u8 flags;             /* F_LATE */
 };
 
 struct tls_buf {
@@ -79,6 +83,7 @@ struct tls_call {         /* one thread inside one SSL call */
     u64 ssl;
     u64 buf;
     u64 outp;             /* _ex: where the byte count goes */
+    u64 born;             /* the birth of the socket's stream when the call met it (0: not yet) */
     u32 fd;
     u8 kind;
     u8 ex;
@@ -90,6 +95,7 @@ struct tls_call {         /* one thread inside one SSL call */
 struct stream_pos {       /* plaintext bytes of one recorded socket so far */
     u64 rd;
     u64 wr;
+    u64 born;             /* when the entry was made: this connection's identity (its fd is reused) */
 };
 
 struct rec_sock {         /* the recorder's struct sock_info: only looked up here, never read */
@@ -147,6 +153,33 @@ static __always_inline u64 wake_flag(u32 size) {
     return BPF_RB_FORCE_WAKEUP;
 }
 
+/* The birth of recorded socket `key`'s plaintext stream, made now if it has none. A call notes it
+ * when it starts: a socket closed (its entry removed) or closed and reused (a new entry) while the
+ * call was in flight is told from its own by it at the call's return. */
+static __always_inline u64 stream_born(u64 key) {
+    struct stream_pos fresh = {.born = bpf_ktime_get_ns()};
+    positions.insert(&key, &fresh);
+    struct stream_pos *p = positions.lookup(&key);
+    return p ? p->born : 0;
+}
+
+/* Where the call's bytes start in its direction's stream; advances the stream. NULL-safe: a socket
+ * the LRU evicted starts again at 0 (user space sees a position behind its own and says so). */
+static __always_inline u64 advance(u64 key, u8 is_write, u64 n) {
+    struct stream_pos fresh = {.born = bpf_ktime_get_ns()};
+    positions.insert(&key, &fresh);
+    struct stream_pos *p = positions.lookup(&key);
+    if (!p)
+        return 0;
+    /* one thread moves one direction of a socket at a time: no atomic needed */
+    u64 start = is_write ? p->wr : p->rd;
+    if (is_write)
+        p->wr = start + n;
+    else
+        p->rd = start + n;
+    return start;
+}
+
 static __always_inline int call_enter(struct pt_regs *ctx, u8 kind, u8 ex) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted_task(id >> 32))
@@ -167,6 +200,8 @@ static __always_inline int call_enter(struct pt_regs *ctx, u8 kind, u8 ex) {
         c.has_fd = 1;
         u64 key = sock_key(id >> 32, c.fd);
         c.recorded = socks.lookup(&key) ? 1 : 0;
+        if (c.recorded)
+            c.born = stream_born(key);
     }
     calls.update(&id, &c);
     return 0;
@@ -210,30 +245,24 @@ int ssl_free_enter(struct pt_regs *ctx) {
     return 0;
 }
 
-/* Where the call's bytes start in its direction's stream; advances the stream. NULL-safe: a socket
- * the LRU evicted starts again at 0 (user space sees a position behind its own and says so). */
-static __always_inline u64 advance(u64 key, u8 is_write, u64 n) {
-    struct stream_pos fresh = {};
-    positions.insert(&key, &fresh);
-    struct stream_pos *p = positions.lookup(&key);
-    if (!p)
-        return 0;
-    /* one thread moves one direction of a socket at a time: no atomic needed */
-    u64 start = is_write ? p->wr : p->rd;
-    if (is_write)
-        p->wr = start + n;
-    else
-        p->rd = start + n;
-    return start;
-}
-
 /* The n plaintext bytes at user address `buf` that one call on recorded socket (tgid, fd) moved, in
- * records of at most CHUNK bytes. */
-static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u64 n) {
+ * records of at most CHUNK bytes. `born`: the socket's stream as the call met it when it started (0:
+ * unknown). A call whose socket was closed meanwhile (Go closes a conn from one goroutine while
+ * another's Write is returning; the close(2) may even run inside that Write, at its last unref) is
+ * F_LATE: its bytes went out (or in) before the close, but no position was kept for them; its record
+ * carries the birth instead, and user space puts the bytes at the end of that connection. */
+static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u64 n, u64 born) {
     u64 key = sock_key(tgid, fd);
-    if (!socks.lookup(&key))
-        return 0;             /* not a recorded connection: nothing to copy */
-    u64 start = advance(key, is_write, n);
+    u64 start = 0;
+    u8 late = 0;
+    struct stream_pos *p = positions.lookup(&key);
+    if (born && (!p || p->born != born)) {
+        late = 1;             /* closed (and maybe reused) since the call started: no position */
+    } else {
+        if (!born && !socks.lookup(&key))
+            return 0;         /* not a recorded connection: nothing to copy */
+        start = advance(key, is_write, n);
+    }
     u32 cpu = bpf_get_smp_processor_id();
     struct tls_buf *b = scratch.lookup(&cpu);
     if (!b)
@@ -241,6 +270,10 @@ static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u6
     __builtin_memset(&b->h, 0, sizeof(b->h));
     b->h.ts_ns = bpf_ktime_get_ns();
     b->h.pos = start;
+    if (late) {
+        b->h.flags = F_LATE;
+        b->h.pos2 = born;
+    }
     b->h.tgid = tgid;
     b->h.fd = fd;
     b->h.type = EV_PLAIN;
@@ -301,7 +334,7 @@ int ssl_rw_exit(struct pt_regs *ctx) {
             count(C_UNJOINED);
         return 0;             /* not a recorded connection (or one whose socket is unknown) */
     }
-    return emit_plain(id >> 32, c.fd, c.kind == CALL_WRITE, c.buf, n);
+    return emit_plain(id >> 32, c.fd, c.kind == CALL_WRITE, c.buf, n, c.born);
 }
 
 /* ---- which fd an SSL* uses: the syscalls made inside its calls ---- */
@@ -351,6 +384,7 @@ static __always_inline int io_enter(u32 fd, u8 is_write) {
     }
     c->marked = 1;
     c->recorded = recorded;
+    c->born = recorded ? stream_born(key) : 0;
     if (recorded && !tls_socks.lookup(&key)) {
         u8 one = 1;
         tls_socks.update(&key, &one);   /* the recorder's exit of this syscall sends a length only */
@@ -436,6 +470,7 @@ struct go_key {
 
 struct go_call {
     u64 buf;
+    u64 born;             /* the socket's stream when the call started (see emit_plain) */
     u32 fd;
     u8 is_write;
 };
@@ -488,7 +523,8 @@ static __always_inline int go_enter(struct pt_regs *ctx, u8 is_write) {
     if (fd < 0)
         return 0;
     struct go_key k = {.g = GO_G(ctx), .tgid = tgid};
-    struct go_call gc = {.buf = GO_R1(ctx), .fd = (u32)fd, .is_write = is_write};
+    struct go_call gc = {.buf = GO_R1(ctx), .fd = (u32)fd, .is_write = is_write,
+                         .born = stream_born(sock_key(tgid, (u32)fd))};
     go_calls.update(&k, &gc);
     return 0;
 }
@@ -515,5 +551,5 @@ int go_rw_return(struct pt_regs *ctx) {
     s64 n = (s64)GO_R0(ctx);
     if (n <= 0)
         return 0;
-    return emit_plain(id >> 32, gc.fd, gc.is_write, gc.buf, (u64)n);
+    return emit_plain(id >> 32, gc.fd, gc.is_write, gc.buf, (u64)n, gc.born);
 }

@@ -38,6 +38,16 @@ handed on everything written before a time, `caught_up`), so a connection's plai
 the flow of an earlier connection on the same fd, however far behind the recorder's decoding is.
 Plaintext that arrives before the recorder's OPEN is handled waits (bounded) for it, and is dropped
 if none comes (its position makes it a gap if the flow opens).
+
+**Closes race calls.** A Go service writes a connection's last answer from one goroutine and closes the
+connection from another (net/http's HTTP/2 server does so when the client goes): the close(2) can run
+while that Write is still returning, even inside it at the socket's last unref. The call's record then
+comes after the connection's CLOSE, marked late, with the birth of the stream it started on (tls.bpf.c,
+emit_plain). So a plaintext flow's close is held for _CLOSE_GRACE_NS (its sink flow moved to a key of
+its own, the fd's next connection may open meanwhile): a late call that comes in time goes on at the
+end of its own connection, told from the fd's next one by that birth; its final positions are applied
+when the flow is let go. A late call that comes after it (or finds no connection) is dropped and
+counted (`late_call_bytes_dropped`), never given to another connection.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ if TYPE_CHECKING:
     from capture.ebpf.tls import TlsProgram
 
 EV_PLAIN, EV_CLOSE = 1, 3
+F_LATE = 1                  # a PLAIN record of a call whose socket closed while it was in flight
 _HDR = struct.Struct("<QQQIIIIIBBBB")   # struct tls_hdr in tls.bpf.c
 HDR_SIZE = _HDR.size
 _CLOSE = -1                 # the "is_write" of a CLOSE record in the ready queue
@@ -73,6 +84,11 @@ _READY_MAX_BYTES = 64 << 20
 # ciphertext (stored as it came). At most this much is held per flow, in one direction.
 _HOLD_MAX_BYTES = 64 << 10
 _HANDSHAKE = 0x16
+# A plaintext flow's close waits this long for the late record of a call that was in flight when the
+# connection closed (see the module docstring), and at most this many flows wait at once (the oldest
+# is let go first).
+_CLOSE_GRACE_NS = 500_000_000
+_CLOSING_MAX = 8192
 
 
 def looks_like_tls(data: bytes) -> bool:
@@ -84,8 +100,8 @@ class _Conn:
     """A flow the recorder opened, as the joiner sees it."""
 
     __slots__ = ("key", "flow_id", "file_index", "pid", "opened_ns", "mode", "reason", "cipher_bytes",
-                 "plain_bytes", "expect", "lost_bytes", "unknown_losses", "final_seen", "lost_mark", "late_dropped",
-                 "held", "held_bytes")
+                 "plain_bytes", "expect", "lost_bytes", "unknown_losses", "final", "lost_mark", "late_dropped",
+                 "held", "held_bytes", "late_start")
 
     def __init__(self, key: Hashable, flow_id: int, flow: Flow, lost_mark: int, file_index: int | None = None) -> None:
         self.key = key
@@ -101,7 +117,9 @@ class _Conn:
         self.expect: dict[str, int] = {"c2s": 0, "s2c": 0}   # next plaintext position per direction
         self.lost_bytes = 0        # plaintext known lost (gaps of known size)
         self.unknown_losses = 0    # gaps of unknown size
-        self.final_seen = False    # the CLOSE record with the final positions came
+        self.final: tuple[int, int] | None = None   # the CLOSE record's final positions (read, written)
+        # a late call (F_LATE) in a direction: where it starts in the stream (the flow's end when it came)
+        self.late_start: dict[str, int] = {}
         self.lost_mark = lost_mark  # the program's lost-record count when the flow opened
         self.late_dropped = 0      # plaintext of an encrypted flow, dropped
         self.held: list[tuple[Direction, int, bytes]] = []   # "hold": the copied handshake bytes, undecided
@@ -124,21 +142,26 @@ class TlsJoiner:
         self._by_fd: dict[tuple[int, int], Hashable] = {}
         self._watermark = 0
         self._lost = 0                                             # the program's lost records, last read
-        # (ts, fdkey, is_write (_CLOSE: a CLOSE), payload, span, position, x) waiting for the watermark:
-        # plaintext `payload` at stream `position`, standing for `span` bytes of which x were cut by
-        # --max-bytes; a CLOSE: position = bytes read in all, x = bytes written in all
-        self._ready: collections.deque[tuple[int, tuple[int, int], int, bytes, int, int, int]] = collections.deque()
+        # (ts, fdkey, is_write (_CLOSE: a CLOSE), payload, span, position, x, born) waiting for the
+        # watermark: plaintext `payload` at stream `position`, standing for `span` bytes of which x were
+        # cut by --max-bytes; a late call (born: its stream's birth, else 0): position within the call;
+        # a CLOSE: position = bytes read in all, x = bytes written in all
+        self._ready: collections.deque[tuple[int, tuple[int, int], int, bytes, int, int, int, int]] = \
+            collections.deque()
         self._ready_bytes = 0
         self._waiting = False             # records in the ready queue wait for the recorder's marks
         self._partial: dict[tuple[int, int, int], list[Any]] = {}  # one call's records, reassembled
         self._orphans: dict[tuple[int, int], list[tuple[int, int, bytes, int, int, int]]] = {}   # no flow yet
         self._orphan_bytes = 0
         self._first: dict[tuple[int, int], float] = {}             # when its first orphan came
+        # flows closed, held for late calls: sink key -> (conn, its fd, close time, let go at (monotonic ns))
+        self._closing: dict[Hashable, tuple[_Conn, tuple[int, int], int | None, int]] = {}
         self.flows: list[list[object]] = []                        # [flow, tls, reason, ciphertext bytes]
         self.counts = {"plaintext_flows": 0, "encrypted_flows": 0, "ciphertext_bytes_not_stored": 0,
                        "plaintext_bytes": 0, "orphan_bytes_dropped": 0, "late_plaintext_flows": 0,
                        "late_plaintext_bytes_dropped": 0, "lost_plaintext_bytes": 0,
-                       "flows_with_lost_plaintext": 0, "unknown_size_gaps": 0}
+                       "flows_with_lost_plaintext": 0, "unknown_size_gaps": 0, "late_calls": 0,
+                       "late_call_bytes_dropped": 0}
 
     @property
     def writer(self) -> Any:
@@ -252,9 +275,40 @@ class TlsJoiner:
             if c is not None:
                 if fdkey is not None and self._by_fd.get(fdkey) == key:
                     del self._by_fd[fdkey]
+                if fdkey is not None and self.program is not None and c.mode in ("tls", "?", "hold"):
+                    self._hold_close(c, fdkey, ts_ns)
+                    return
                 self._settle(c)
                 self._finish(c)
             self.sink.close_flow(key, ts_ns)
+
+    def _hold_close(self, c: _Conn, fdkey: tuple[int, int], ts_ns: int | None) -> None:
+        """Let a closed flow wait for a late call: under a key of its own, so that the fd's next
+        connection opens beside it."""
+        held_key = ("closing", *fdkey, c.flow_id, c.opened_ns)
+        self.sink.rekey(c.key, held_key)
+        c.key = held_key
+        self._closing[held_key] = (c, fdkey, ts_ns, time.monotonic_ns() + _CLOSE_GRACE_NS)
+        if len(self._closing) > _CLOSING_MAX:
+            self._let_go(next(iter(self._closing)))
+
+    def _let_go(self, held_key: Hashable) -> None:
+        """A held flow's wait is over: its records still queued, its final positions, its close."""
+        c, fdkey, ts_ns, _deadline = self._closing[held_key]
+        mine = [rec for rec in self._ready if rec[1] == fdkey and self._owner(fdkey, rec[0], rec[7]) is c]
+        for rec in mine:
+            self._ready.remove(rec)
+            self._ready_bytes -= len(rec[3])
+            self._hand_on(*rec)
+        del self._closing[held_key]
+        self._settle(c)
+        self._finish(c)
+        self.sink.close_flow(held_key, ts_ns)
+
+    def _let_go_due(self, force: bool = False) -> None:
+        now = time.monotonic_ns()
+        for held_key in [k for k, v in self._closing.items() if force or v[3] <= now]:
+            self._let_go(held_key)
 
     # ---- the TLS program's records ----
 
@@ -267,6 +321,7 @@ class TlsJoiner:
             for pk in [k for k, p in self._partial.items() if p[0] < stale]:
                 self._flush_partial(pk)    # a call whose last records were lost: what came, then a gap
             self._advance(0)
+            self._let_go_due()
             now = time.monotonic()
             for fdkey, first in list(self._first.items()):
                 if now - first >= _ORPHAN_S:
@@ -293,13 +348,13 @@ class TlsJoiner:
         self._waiting = bool(ready)
 
     def _hand_on(self, ts: int, fdkey: tuple[int, int], is_write: int, payload: bytes, span: int,
-                 pos: int, x: int) -> None:
+                 pos: int, x: int, born: int) -> None:
         if is_write == _CLOSE:
-            c = self._conn_at(fdkey, ts)
+            c = self._owner(fdkey, ts, 0)
             if c is not None:
-                self._final(c, pos, x)
+                c.final = (pos, x)     # applied when the flow is let go (a late call may come first)
         else:
-            self._plain(fdkey, is_write, ts, payload, span, pos, x)
+            self._plain(fdkey, is_write, ts, payload, span, pos, x, born)
 
     def _take_close(self, fdkey: tuple[int, int]) -> None:
         """The CLOSE record of the connection closing on `fdkey`, if it waits behind the watermark
@@ -312,7 +367,7 @@ class TlsJoiner:
                     self._hand_on(*rec)
                 return
 
-    def _queue(self, rec: tuple[int, tuple[int, int], int, bytes, int, int, int]) -> None:
+    def _queue(self, rec: tuple[int, tuple[int, int], int, bytes, int, int, int, int]) -> None:
         self._ready.append(rec)
         self._ready_bytes += len(rec[3])
 
@@ -322,23 +377,24 @@ class TlsJoiner:
             return 0
         raws = self.program.consume()
         for raw in raws:
-            ts, pos, pos2, tgid, fd, length, total, offset, etype, is_write, _trunc, _pad = _HDR.unpack_from(raw)
+            ts, pos, pos2, tgid, fd, length, total, offset, etype, is_write, _trunc, flags = _HDR.unpack_from(raw)
             if etype == EV_PLAIN:
-                self._on_record(ts, tgid, fd, is_write, offset, total, pos, raw[HDR_SIZE:HDR_SIZE + length])
+                born = pos2 if flags & F_LATE else 0
+                self._on_record(ts, tgid, fd, is_write, offset, total, pos, raw[HDR_SIZE:HDR_SIZE + length], born)
             elif etype == EV_CLOSE:
                 for pk in [k for k in self._partial if k[:2] == (tgid, fd)]:
                     self._flush_partial(pk)   # its calls are over: what came of them goes first
-                self._queue((ts, (tgid, fd), _CLOSE, b"", 0, pos, pos2))
+                self._queue((ts, (tgid, fd), _CLOSE, b"", 0, pos, pos2, 0))
         return len(raws)
 
     def _on_record(self, ts: int, tgid: int, fd: int, is_write: int, offset: int, total: int, pos: int,
-                   payload: bytes) -> None:
+                   payload: bytes, born: int = 0) -> None:
         """One record of an SSL call (a call over CHUNK bytes comes as several, all with the call's
         time and position). Whole calls go to the ready queue; pieces are joined, and a record lost
         inside a call splits it into pieces at their own positions, so the hole becomes a gap."""
         pk = (tgid, fd, is_write)
         if offset == 0 and len(payload) >= min(total, self._max_bytes) and pk not in self._partial:
-            self._queue((ts, (tgid, fd), is_write, payload, total, pos, total - len(payload)))
+            self._queue((ts, (tgid, fd), is_write, payload, total, pos, total - len(payload), born))
             return
         p = self._partial.get(pk)
         if p is not None and p[0] == ts and offset >= p[4] + len(p[1]):
@@ -348,8 +404,8 @@ class TlsJoiner:
         else:
             if p is not None:
                 self._flush_partial(pk)
-            # [time, bytes, the call's position, the call's length, offset of bytes[0] in the call]
-            p = self._partial[pk] = [ts, bytearray(), pos, total, offset]
+            # [time, bytes, the call's position, the call's length, offset of bytes[0] in the call, born]
+            p = self._partial[pk] = [ts, bytearray(), pos, total, offset, born]
         p[1] += payload
         if p[4] + len(p[1]) >= min(total, self._max_bytes):
             self._flush_partial(pk)
@@ -360,20 +416,31 @@ class TlsJoiner:
     def _piece(self, pk: tuple[int, int, int], p: list[Any], final: bool) -> None:
         """Queue what `p` holds at its stream position; the call's last piece accounts for the
         rest of the call (what did not come of it is a gap after it)."""
-        ts, buf, call_pos, call_total, off = p
+        ts, buf, call_pos, call_total, off, born = p
         span = call_total - off if final else len(buf)
         truncated = max(0, call_total - self._max_bytes) if final else 0
-        self._queue((ts, pk[:2], pk[2], bytes(buf), span, call_pos + off, truncated))
+        self._queue((ts, pk[:2], pk[2], bytes(buf), span, call_pos + off, truncated, born))
 
-    def _conn_at(self, fdkey: tuple[int, int], ts: int) -> _Conn | None:
+    def _owner(self, fdkey: tuple[int, int], ts: int, born: int) -> _Conn | None:
+        """The connection on `fdkey` a record belongs to: the latest one opened before it (its time; a
+        late call's: the birth of its stream), the fd's open flow or one held closed."""
+        when = born or ts
         key = self._by_fd.get(fdkey)
         c = self._conns.get(key) if key is not None else None
-        return c if c is not None and ts >= c.opened_ns else None
+        best = c if c is not None and when >= c.opened_ns else None
+        if self._closing:
+            for held, hfd, _ts, _deadline in self._closing.values():
+                if hfd == fdkey and when >= held.opened_ns and (best is None or held.opened_ns > best.opened_ns):
+                    best = held
+        return best
 
     def _plain(self, fdkey: tuple[int, int], is_write: int, ts: int, payload: bytes, span: int,
-               pos: int, truncated: int) -> None:
-        c = self._conn_at(fdkey, ts)
+               pos: int, truncated: int, born: int = 0) -> None:
+        c = self._owner(fdkey, ts, born)
         if c is None:
+            if born:     # its connection was let go (or never recorded): never another's
+                self.counts["late_call_bytes_dropped"] += len(payload)
+                return
             self._orphan(fdkey, ts, is_write, payload, span, pos, truncated)
             return
         if c.mode == "dropped":
@@ -388,6 +455,13 @@ class TlsJoiner:
                 self.counts["late_plaintext_flows"] += 1   # STARTTLS: bytes before it stay as they were
             c.mode = "tls"
         direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
+        if born:
+            # a late call: its bytes come after all the connection's others in this direction (one call
+            # at a time moves a direction of a connection); `pos` is within the call
+            if direction not in c.late_start:
+                c.late_start[direction] = c.expect[direction]
+                self.counts["late_calls"] += 1
+            pos += c.late_start[direction]
         self._catch_up(c, direction, pos)
         c.expect[direction] = pos + span
         c.plain_bytes += len(payload)
@@ -427,7 +501,6 @@ class TlsJoiner:
 
     def _final(self, c: _Conn, read: int, written: int) -> None:
         """The connection's final positions: bytes after the last record that came were lost."""
-        c.final_seen = True
         if c.mode != "tls":
             return
         ends = {"c2s": read, "s2c": written} if self._server_side else {"c2s": written, "s2c": read}
@@ -437,9 +510,12 @@ class TlsJoiner:
                 c.expect[direction] = end
 
     def _settle(self, c: _Conn) -> None:
-        """A plaintext flow closing without its final positions while the ring lost records: its
-        end may be missing, so both directions end with a gap of unknown size."""
-        if c.mode != "tls" or c.final_seen or self.program is None:
+        """A plaintext flow ends: bytes short of its final positions were lost; without them, while
+        the ring lost records, its end may be missing, so both directions end with a gap of unknown size."""
+        if c.final is not None:
+            self._final(c, *c.final)
+            return
+        if c.mode != "tls" or self.program is None:
             return
         self._lost = self.program.counters()[0]
         if self._lost > c.lost_mark:
@@ -542,11 +618,14 @@ class TlsJoiner:
                 self._flush_partial(pk)
             self._watermark = 1 << 63       # the backend has stopped: everything is due
             self._advance(0)
+            self._let_go_due(force=True)
             for c in list(self._conns.values()):
                 fdkey = _fdkey(c.key)
                 final = positions(fdkey) if positions is not None and fdkey is not None else None
                 if final is not None:
-                    self._final(c, *final)
+                    c.final = final
+                if c.final is not None:
+                    self._final(c, *c.final)
                 self._finish(c)
             self._conns.clear()
             self._by_fd.clear()

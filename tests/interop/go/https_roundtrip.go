@@ -16,6 +16,12 @@
 //
 // A request to /size/N is answered with N bytes ("0123456789" repeated): a large answer that Go writes
 // in one Write call and the client reads in many Read calls.
+//
+//	https_roundtrip closerace DIR  writes DIR/cert.pem, listens on 127.0.0.1 (prints "listening PORT");
+//	                           on each connection, after the client's "ping\n", one goroutine writes up
+//	                           to 64 numbered 256-byte records while another closes the connection after a
+//	                           random 0-0.6 ms: a close that races a Write in flight, as net/http's HTTP/2
+//	                           server's does when its client goes. Runs until its stdin closes.
 package main
 
 import (
@@ -31,6 +37,7 @@ import (
 	"fmt"
 	"io"
 	"math/big"
+	mathrand "math/rand"
 	"net"
 	"net/http"
 	"os"
@@ -146,6 +153,45 @@ func serve(dir string, port string) {
 	srv.Close()
 }
 
+func closerace(dir string) {
+	cert, _, certPEM := selfSigned()
+	if err := os.WriteFile(filepath.Join(dir, "cert.pem"), certPEM, 0o600); err != nil {
+		panic(err)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}})
+	if err != nil {
+		panic(err)
+	}
+	fmt.Printf("listening %d\n", ln.Addr().(*net.TCPAddr).Port)
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func(conn net.Conn) {
+				ping := make([]byte, 5)
+				if _, err := io.ReadFull(conn, ping); err != nil {
+					conn.Close()
+					return
+				}
+				go func() {
+					for i := 0; i < 64; i++ {
+						record := fmt.Sprintf("%06d", i) + strings.Repeat("x", 250)
+						if _, err := io.WriteString(conn, record); err != nil {
+							return
+						}
+					}
+				}()
+				time.Sleep(time.Duration(mathrand.Intn(600)) * time.Microsecond)
+				conn.Close()
+			}(conn)
+		}
+	}()
+	io.Copy(io.Discard, os.Stdin)
+	ln.Close()
+}
+
 func get(caFile string, urls []string) {
 	caPEM, err := os.ReadFile(caFile)
 	if err != nil {
@@ -182,6 +228,10 @@ func main() {
 	}
 	if len(os.Args) >= 4 && os.Args[1] == "get" {
 		get(os.Args[2], os.Args[3:])
+		return
+	}
+	if len(os.Args) == 3 && os.Args[1] == "closerace" {
+		closerace(os.Args[2])
 		return
 	}
 	cert, pool, _ := selfSigned()
