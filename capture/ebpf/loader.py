@@ -645,6 +645,8 @@ class EbpfBackend:
         if bpf is None:
             return
         self._stop.set()
+        if self._ring is not None:
+            self._ring.wake()
         if self._thread:
             self._thread.join(timeout=5)
         if self._ring is not None:

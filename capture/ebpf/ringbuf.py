@@ -16,6 +16,7 @@ released while it sleeps), and `consume` drains.
 from __future__ import annotations
 
 import ctypes
+import os
 import select
 from typing import Any
 
@@ -38,10 +39,16 @@ class RingReader:
             self._consume, self._manager = fn, manager
         self._epoll = select.epoll()
         self._epoll.register(bpf[table].map_fd, select.EPOLLIN)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)   # wake(): a stop need not wait out a wait
+        self._epoll.register(self._wake, select.EPOLLIN)
 
     def wait(self, timeout_s: float) -> None:
-        """Until the ring has records and was woken (a record written with a wake-up), or the timeout."""
+        """Until the ring has records and was woken (a record written with a wake-up), wake(), or the timeout."""
         self._epoll.poll(timeout_s)
+
+    def wake(self) -> None:
+        """End the wait under way, and every later one (the reader is stopping)."""
+        os.eventfd_write(self._wake, 1)
 
     def consume(self) -> None:
         """Every record in the ring now, through the callbacks, in ring order."""
@@ -52,3 +59,4 @@ class RingReader:
 
     def close(self) -> None:
         self._epoll.close()
+        os.close(self._wake)

@@ -42,7 +42,7 @@ from typing import Any, cast
 
 from capture import privileges
 from capture.backends import RecordOptions
-from capture.ebpf import detach
+from capture.ebpf import detach, uprobe_multi
 from capture.ebpf.goelf import GoTlsInfo
 from capture.ebpf.loader import SockInfo, rename_maps, set_cgroup
 from capture.ebpf.ringbuf import RingReader
@@ -173,6 +173,10 @@ class TlsProgram:
         self.libssl = libssl
         self.attached: dict[tuple[int, int], str] = {}   # (device, inode) -> the path it was attached by
         self._held: dict[tuple[int, int], int] = {}      # (device, inode) -> the descriptor bcc names it by
+        # uprobes as uprobe_multi links (capture/ebpf/uprobe_multi.py), per file; None until the first
+        # attach has tried, False where this kernel cannot (bcc's perf-event uprobes then)
+        self._multi: bool | None = None
+        self._links: dict[tuple[int, int], list[int]] = {}
         # records drained from the ring, in ring order; consumed only under _ring_lock (libbpf's
         # consumer is not thread-safe), by the drain thread and by the joiner when it must be current
         self._raw: list[bytes] = []
@@ -193,6 +197,7 @@ class TlsProgram:
             self.bpf[b"tls_events"].open_ring_buffer(self._on_event)
             self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
+            uprobe_multi.close_all([fd for fds in self._links.values() for fd in fds])
             self.bpf.cleanup()
             self._release_all()
             raise PrivilegeError(str(exc)) from exc
@@ -206,6 +211,23 @@ class TlsProgram:
         if key in self.attached:
             return False
         short = self._short_path(path, key)
+        if self._multi is not False:
+            groups: dict[tuple[str, bool], list[int]] = {}
+            for sym, enter, ret in PROBES:
+                try:
+                    offset = self._offset(short, sym.encode(), None)
+                except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+                    if sym in ("SSL_read", "SSL_write"):
+                        self._release(key)
+                        raise PrivilegeError(f"cannot attach uprobes to {path} "
+                                             f"({str(exc).splitlines()[0][:160]})") from exc
+                    continue          # a function this file lacks (SSL_read_ex before OpenSSL 1.1.1)
+                groups.setdefault((enter, False), []).append(offset)
+                if ret:
+                    groups.setdefault((ret, True), []).append(offset)
+            if self._link_all(key, path, short, groups):
+                self.attached[key] = path
+                return True
         done: list[str] = []
         for sym, enter, ret in PROBES:
             try:
@@ -238,8 +260,19 @@ class TlsProgram:
             entries.append((info.handshake_vaddr, "go_handshake_enter"))
         probes = entries + [(a, "go_rw_return") for a in info.read_ret_vaddrs + info.write_ret_vaddrs]
         short = self._short_path(path, key)
+        linked = False
+        if self._multi is not False:
+            groups: dict[tuple[str, bool], list[int]] = {}
+            try:
+                for addr, fn in probes:
+                    groups.setdefault((fn, False), []).append(self._offset(short, b"", addr))
+            except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
+                self._release(key)
+                raise PrivilegeError(f"cannot attach uprobes to {path} "
+                                     f"({str(exc).splitlines()[0][:160]})") from exc
+            linked = self._link_all(key, path, short, groups)
         done: list[int] = []
-        for addr, fn in probes:
+        for addr, fn in [] if linked else probes:
             try:
                 self.bpf.attach_uprobe(name=short, addr=addr, fn_name=fn.encode())
             except Exception as exc:  # noqa: BLE001 - bcc raises plain Exception
@@ -294,6 +327,35 @@ class TlsProgram:
     def _release_all(self) -> None:
         for key in list(self._held):
             self._release(key)
+
+    @staticmethod
+    def _offset(short: bytes, sym: bytes, addr: int | None) -> int:
+        """Where in the file a probe of `sym` (or of virtual address `addr`) goes, as bcc reckons it."""
+        from bcc import BPF
+        return int(BPF._check_path_symbol(short, sym, addr, -1)[1])
+
+    def _link_all(self, key: tuple[int, int], path: str, short: bytes,
+                  groups: dict[tuple[str, bool], list[int]]) -> bool:
+        """Attach each (program, return probe?) group of offsets as one uprobe_multi link. False when
+        this kernel cannot (the first try tells; bcc's uprobes then, for this file and the rest)."""
+        made: list[int] = []
+        try:
+            for (fn, ret), offsets in groups.items():
+                made.append(uprobe_multi.create(uprobe_multi.load(self.bpf, fn), short, offsets, ret))
+        except uprobe_multi.LinkUnsupported as exc:
+            uprobe_multi.close_all(made)
+            if self._multi:
+                self._release(key)
+                raise PrivilegeError(f"cannot attach uprobes to {path} ({exc})") from exc
+            self._multi = False
+            for fn, _ret in groups:        # loaded for links: bcc loads them again for perf events
+                loaded = self.bpf.funcs.pop(fn.encode(), None)
+                if loaded is not None:
+                    os.close(loaded.fd)
+            return False
+        self._multi = True
+        self._links[key] = made
+        return True
 
     def _detach(self, short: bytes, sym: str) -> None:
         for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
@@ -371,9 +433,13 @@ class TlsProgram:
 
     def cleanup(self) -> None:
         self._stop.set()
+        self._ring.wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._ring.close()
+        links = [fd for fds in self._links.values() for fd in fds]
+        self._links.clear()
+        uprobe_multi.close_all(links)
         detach.cleanup(self.bpf)
         self._release_all()
 
@@ -605,6 +671,8 @@ class TlsBackend:
         j = self.joiner
         self._stop.set()
         self._ask.set()
+        if j is not None and j.program is not None:
+            j.program.more.set()      # the poll thread: now, not at the end of its idle second
         for thread in (self._thread, self._discovery):
             if thread is not None:
                 thread.join(timeout=5)
