@@ -156,6 +156,7 @@ class TlsJoiner:
         self._first: dict[tuple[int, int], float] = {}             # when its first orphan came
         # flows closed, held for late calls: sink key -> (conn, its fd, close time, let go at (monotonic ns))
         self._closing: dict[Hashable, tuple[_Conn, tuple[int, int], int | None, int]] = {}
+        self._closing_fd: dict[tuple[int, int], list[_Conn]] = {}     # the same, by fd
         self.flows: list[list[object]] = []                        # [flow, tls, reason, ciphertext bytes]
         self.counts = {"plaintext_flows": 0, "encrypted_flows": 0, "ciphertext_bytes_not_stored": 0,
                        "plaintext_bytes": 0, "orphan_bytes_dropped": 0, "late_plaintext_flows": 0,
@@ -289,26 +290,42 @@ class TlsJoiner:
         self.sink.rekey(c.key, held_key)
         c.key = held_key
         self._closing[held_key] = (c, fdkey, ts_ns, time.monotonic_ns() + _CLOSE_GRACE_NS)
+        self._closing_fd.setdefault(fdkey, []).append(c)
         if len(self._closing) > _CLOSING_MAX:
-            self._let_go(next(iter(self._closing)))
+            self._let_go([next(iter(self._closing))])
 
-    def _let_go(self, held_key: Hashable) -> None:
-        """A held flow's wait is over: its records still queued, its final positions, its close."""
-        c, fdkey, ts_ns, _deadline = self._closing[held_key]
-        mine = [rec for rec in self._ready if rec[1] == fdkey and self._owner(fdkey, rec[0], rec[7]) is c]
-        for rec in mine:
-            self._ready.remove(rec)
-            self._ready_bytes -= len(rec[3])
-            self._hand_on(*rec)
-        del self._closing[held_key]
-        self._settle(c)
-        self._finish(c)
-        self.sink.close_flow(held_key, ts_ns)
+    def _let_go(self, held_keys: list[Hashable]) -> None:
+        """Held flows whose wait is over: their records still queued, their final positions, their close."""
+        due = [self._closing.pop(k) for k in held_keys]
+        fds = {fdkey for _c, fdkey, _ts, _deadline in due}
+        if self._ready:
+            ours = {id(c) for c, _fd, _ts, _deadline in due}
+            mine = [rec for rec in self._ready
+                    if rec[1] in fds and id(self._owner(rec[1], rec[0], rec[7])) in ours]
+            if mine:
+                taken = {id(rec) for rec in mine}
+                self._ready = collections.deque(rec for rec in self._ready if id(rec) not in taken)
+                for rec in mine:
+                    self._ready_bytes -= len(rec[3])
+                    self._hand_on(*rec)
+        for c, fdkey, ts_ns, _deadline in due:
+            held = self._closing_fd[fdkey]
+            held.remove(c)
+            if not held:
+                del self._closing_fd[fdkey]
+            self._settle(c)
+            self._finish(c)
+            self.sink.close_flow(c.key, ts_ns)
 
     def _let_go_due(self, force: bool = False) -> None:
         now = time.monotonic_ns()
-        for held_key in [k for k, v in self._closing.items() if force or v[3] <= now]:
-            self._let_go(held_key)
+        due = []
+        for held_key, (_c, _fd, _ts, deadline) in self._closing.items():
+            if not force and deadline > now:
+                break           # held in the order they closed: the rest wait longer
+            due.append(held_key)
+        if due:
+            self._let_go(due)
 
     # ---- the TLS program's records ----
 
@@ -428,10 +445,9 @@ class TlsJoiner:
         key = self._by_fd.get(fdkey)
         c = self._conns.get(key) if key is not None else None
         best = c if c is not None and when >= c.opened_ns else None
-        if self._closing:
-            for held, hfd, _ts, _deadline in self._closing.values():
-                if hfd == fdkey and when >= held.opened_ns and (best is None or held.opened_ns > best.opened_ns):
-                    best = held
+        for held in self._closing_fd.get(fdkey, ()):
+            if when >= held.opened_ns and (best is None or held.opened_ns > best.opened_ns):
+                best = held
         return best
 
     def _plain(self, fdkey: tuple[int, int], is_write: int, ts: int, payload: bytes, span: int,
@@ -520,7 +536,7 @@ class TlsJoiner:
         self._lost = self.program.counters()[0]
         if self._lost > c.lost_mark:
             for direction in ("c2s", "s2c"):
-                self._lose(c, cast(Direction, direction), None)
+                self._lose(c, direction, None)
 
     def _ciphertext(self, c: _Conn, nbytes: int) -> None:
         c.cipher_bytes += nbytes
