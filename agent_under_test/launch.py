@@ -20,20 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from agent_under_test.errors import LaunchError
+from wire.process import spawn
 
 _PKG_ROOT = str(Path(__file__).resolve().parent.parent)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the parent dies (a crashed test leaves no agent behind)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux/glibc: the context manager still stops the child on a normal exit
-
 
 def serve_args(options: dict[str, Any]) -> list[str]:
     """CLI flags for `serve` from keyword options.
@@ -102,8 +91,8 @@ class AgentProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it; a file never blocks like a pipe
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            # a crashed test or harness leaves no agent behind (spawn's death signal)
+            self.proc = spawn(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         except OSError as exc:
             raise LaunchError(f"cannot start the agent ({exc}); is {sys.executable} runnable?") from exc
         finally:

@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from wire.process import free_port  # noqa: E402
+
 CONF = """
 daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log warn;
 events {{ worker_connections 256; }}
@@ -35,13 +37,6 @@ http {{
 }}
 """
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wrk(address: str, seconds: float, connections: int) -> tuple[float, float, float]:
@@ -73,7 +68,7 @@ def main() -> int:
     from faults.proxy import proxy as proxy_mod
 
     d = Path(tempfile.mkdtemp(prefix="tapcost-"))
-    port = _free_port()
+    port = free_port()
     (d / "nginx.conf").write_text(CONF.format(d=d, port=port))
     nginx = subprocess.Popen(["nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

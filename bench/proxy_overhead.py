@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from wire.process import free_port  # noqa: E402
 from wire.stats import percentiles  # noqa: E402
 
 
@@ -160,18 +161,13 @@ def _create(url: str, upstream_port: int) -> int:
         return int(json.loads(r.read())["listen"].rsplit(":", 1)[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _toxiproxy(echo_port: int) -> tuple[subprocess.Popen[bytes], int] | None:
     """toxiproxy-server on a free port with a proxy to the echo server; None when it is not installed."""
     exe = shutil.which("toxiproxy-server")
     if exe is None:
         return None
-    api = _free_port()
+    api = free_port()
     proc = subprocess.Popen([exe, "-host", "127.0.0.1", "-port", str(api)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -186,7 +182,7 @@ def _toxiproxy(echo_port: int) -> tuple[subprocess.Popen[bytes], int] | None:
             time.sleep(0.05)
     # Toxiproxy answers with the listen address it was given: ask for a free port, not port 0
     req = urllib.request.Request(f"http://127.0.0.1:{api}/proxies", method="POST", data=json.dumps(
-        {"name": "bench", "listen": f"127.0.0.1:{_free_port()}", "upstream": f"127.0.0.1:{echo_port}"}).encode())
+        {"name": "bench", "listen": f"127.0.0.1:{free_port()}", "upstream": f"127.0.0.1:{echo_port}"}).encode())
     with urllib.request.urlopen(req) as r:
         return proc, int(json.loads(r.read())["listen"].rsplit(":", 1)[1])
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil  # noqa: E402
 
 from capture.recording import Recording  # noqa: E402
+from wire.process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = """
@@ -68,11 +69,6 @@ http {{
 }}
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_nginx(d: Path) -> tuple[subprocess.Popen[bytes], int, int]:

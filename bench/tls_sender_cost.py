@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from capture.recording import Call, Flow, Message, RecordingWriter  # noqa: E402
 from replay.testing import write_unary_recording  # noqa: E402
+from wire.process import free_port  # noqa: E402
 
 CLIENT = textwrap.dedent("""
     import json, sys, time
@@ -115,11 +116,6 @@ def http_recording(path: Path, rate: int, duration: float, flows: int = 4) -> No
                             requests=[Message("c2s", 0, ts, b'{"order": %d}' % i)]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 10
@@ -165,7 +161,7 @@ def main() -> None:
                                                     for i in range(int(args.rate * args.duration))], flows=4)
             nginx = shutil.which("nginx") or "/usr/sbin/nginx"
             if Path(nginx).exists():
-                ports = _free_port(), _free_port()
+                ports = free_port(), free_port()
                 (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, plain=ports[0], tls=ports[1], cert=cert, key=key))
                 web = subprocess.Popen([nginx, "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.DEVNULL)
                 procs.append(web)

@@ -20,7 +20,6 @@ import itertools
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from faults.errors import CpuFaultError
-from faults.process import _comm, die_with_parent, kill_recorded
+from faults.process import _comm, kill_recorded, spawn
 from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -129,8 +128,7 @@ def cpu_contention(target_pid: int | None = None, workers: int | None = None, lo
         procs = []
         for argv in METHODS[name].argv(n, load_pct, cpu_list, max_seconds):
             try:
-                p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     process_group=0, preexec_fn=die_with_parent)  # noqa: PLW1509
+                p = spawn(argv, session=False)   # the target's session: see spawn
             except OSError as exc:
                 raise CpuFaultError(f"cannot start {argv[0]}: {exc} (install stress-ng or use method='builtin')") from exc
             procs.append({"pid": p.pid, "start": proc_start_time(p.pid), "group": True, "comm": _comm(p.pid)})

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from faults.errors import GpuUnavailableError
-from faults.process import _comm, die_with_parent, kill_recorded
+from faults.process import _comm, kill_recorded, spawn
 from faults.state import FaultRegistry, default_registry, proc_start_time
 
 
@@ -53,8 +53,7 @@ def gpu_contention(device: int = 0, duty_pct: int = 100, size: int = 4096, max_s
             "--size", str(size), "--seconds", str(max_seconds)]
     with reg.hold("process", lambda e: kill_recorded(e.get("procs", []), signal.SIGKILL),
                   purpose="gpu_contention", procs=[]) as entry_id:
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509
+        p = spawn(argv, stdout=subprocess.PIPE, text=True)
         reg.update(entry_id, procs=[{"pid": p.pid, "start": proc_start_time(p.pid), "group": True,
                                      "comm": _comm(p.pid)}])
         assert p.stdout is not None

@@ -8,7 +8,6 @@ kernel reused for an unrelated process is never signalled. A pause is watched by
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 from faults.errors import ProcessFaultError
 from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
+from wire.process import die_with_parent, end_child, free_port, spawn  # noqa: F401 - faults.process's names too
 
 
 def signal_if_same(pid: int, start: int | None, sig: int) -> bool:
@@ -79,36 +79,6 @@ def undo_processes(entry: dict[str, Any]) -> None:
 def undo_pause(entry: dict[str, Any]) -> None:
     """Undo a "paused" entry: SIGCONT the process if it is still the same one."""
     signal_if_same(int(entry["pid"]), entry.get("start"), signal.SIGCONT)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a child server that cannot take port 0 itself (it may be
-    taken again before the child binds it: callers retry)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def end_child(proc: subprocess.Popen[Any], term_s: float = 10.0, kill_s: float = 5.0) -> None:
-    """End a child we started: SIGTERM, then SIGKILL if it has not exited within `term_s`; reaped."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(term_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(kill_s)
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """preexec_fn: PR_SET_PDEATHSIG, so a helper never outlives the thread that spawned it."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
 
 
 # The keeper: a tiny stdlib-only process that holds a pause on the harness's behalf. It watches
@@ -306,8 +276,10 @@ class OwnedProcess:
         if self._entry is None:
             self._entry = self.registry.register("process", argv=self.argv[:8], procs=[])
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self.stdout,
-                                         stderr=subprocess.DEVNULL, process_group=0)
+            # the harness's session, no death signal: a restart may come from a thread that then ends;
+            # the registry entry ends it after a crash
+            self.proc = spawn(self.argv, env=self.env, cwd=self.cwd, stdout=self.stdout, session=False,
+                              death_signal=None)
         except OSError as exc:
             raise ProcessFaultError(f"cannot start {self.argv[0]}: {exc}") from exc
         rec = {"pid": self.proc.pid, "start": proc_start_time(self.proc.pid), "group": True,

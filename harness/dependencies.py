@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults.process import die_with_parent, end_child, free_port
 from harness.errors import RunError
 from harness.prom import log_tail
 from harness.scenario import DependencySpec, Scenario
+from wire.process import end_child, free_port, spawn
 
 PREFIX = "shadowtest-redis-"
 _READY_TIMEOUT_S = 15.0
@@ -93,11 +93,10 @@ class RedisServer:
         for _ in range(3):
             port = free_port()
             with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen(
+                self.proc = spawn(
                     [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                      "--dir", self.folder, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=die_with_parent)
+                    stdout=log, stderr=subprocess.STDOUT)
             Path(self.folder, "redis.pid").write_text(str(self.proc.pid))
             if self._wait_ready(port):
                 self.address = f"127.0.0.1:{port}"

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,10 +28,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from faults.process import free_port
 from harness.errors import RunError
 from harness.scenario import PrometheusSpec
 from harness.yamlnodes import Node
+from wire.process import free_port, spawn
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 1.0
 MAX_RULE_FILES = 32
@@ -129,12 +128,11 @@ class PrometheusServer:
             port = free_port()
             self.url = f"http://127.0.0.1:{port}"
             with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen(
+                self.proc = spawn(
                     [self.binary, f"--config.file={folder / 'prometheus.yml'}",
                      f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                      "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=_die_with_parent)
+                    stdout=log, stderr=subprocess.STDOUT)
             if self._wait_ready():
                 self._wait_first_scrape()
                 return
@@ -232,14 +230,6 @@ def _intervals(times: list[float], step: float, end_wall: float, wall_at_t0: flo
         elif end is not None:
             iv[1] = round(end + step, 3)     # it stopped firing by the next evaluation
     return out
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the harness dies, even by kill -9 (it outlives nothing)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def sweep_stale(prefix: str) -> list[str]:

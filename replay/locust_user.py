@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.stats import RunStats, percentiles_ms, percentiles_us
+from wire.process import spawn
 
 CHUNK = 1 << 20
 SENDERS = ("auto", "h2", "grpc", "http1", "tcp")
@@ -474,7 +475,7 @@ class _Shard:
         child = [sys.executable, "-m", "replay.locust_child"]
         root = str(Path(__file__).resolve().parents[1])   # where the replay package is, installed or not
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = proc = subprocess.Popen(child, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = proc = spawn(child, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write((json.dumps(cfg) + "\n").encode())
         proc.stdin.flush()

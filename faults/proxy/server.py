@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from faults.proxy.api import serve_connection
 from faults.proxy.collection import ProxyCollection
 from faults.proxy.model import ApiError
 from faults.state import FaultRegistry, default_registry
+from wire.process import spawn
 
 T = TypeVar("T")
 
@@ -273,12 +273,6 @@ class EmbeddedToxiproxy:
         return self.call(run)
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the proxy subprocess never outlives the run that started it
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class ProxyProcess:
     """A proxy API server in a child process (`python -m faults.proxy.main`)."""
 
@@ -312,8 +306,7 @@ def spawn_proxy_server(host: str = "127.0.0.1", port: int = 0, seed: int = 0, ti
     """
     cmd = [sys.executable, "-m", "faults.proxy.main", "--host", host, "--port", str(port), "--seed", str(seed)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - only sets the death signal
+    proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)   # never outlives the run that started it
     assert proc.stdout is not None
     line = proc.stdout.readline()  # "listening http://HOST:PORT"
     if not line.startswith("listening "):
