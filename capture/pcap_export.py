@@ -74,7 +74,7 @@ def _ip_tcp(src: tuple[str, int], dst: tuple[str, int], seq: int, ack: int, flag
 
 
 def _checksum(data: bytes) -> int:
-    total = sum(struct.unpack(f">{len(data) // 2}H", data))
+    total: int = sum(struct.unpack(f">{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF

@@ -46,7 +46,7 @@ class HeaderRule:
 
     def matches(self, name: str) -> bool:
         # Called for every header of every call: remember each name's verdict.
-        cache = self.__dict__.setdefault("_cache", {})
+        cache: dict[str, bool] = self.__dict__.setdefault("_cache", {})
         hit = cache.get(name)
         if hit is None:
             low = name.lower()

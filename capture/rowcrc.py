@@ -144,9 +144,9 @@ def row_matches(table: str, row: sqlite3.Row) -> bool:
         return True
     try:
         if table == "calls":
-            return call_crc(*(row[c] for c in CALL_COLUMNS)) == stored
+            return bool(call_crc(*(row[c] for c in CALL_COLUMNS)) == stored)
         if table == "chunks":
-            return chunk_crc(*(row[c] for c in CHUNK_COLUMNS)) == stored
-        return message_crc(*(row[c] for c in MESSAGE_COLUMNS)) == stored
+            return bool(chunk_crc(*(row[c] for c in CHUNK_COLUMNS)) == stored)
+        return bool(message_crc(*(row[c] for c in MESSAGE_COLUMNS)) == stored)
     except (TypeError, ValueError, OverflowError, struct.error):
         return False

@@ -63,7 +63,8 @@ class Descriptors:
             return None
         if desc is None:
             return None
-        return message_factory.GetMessageClass(desc.output_type if output else desc.input_type)
+        cls: type[Any] = message_factory.GetMessageClass(desc.output_type if output else desc.input_type)
+        return cls
 
 
 def descriptors_from_modules(*modules: str) -> Descriptors:
@@ -151,7 +152,7 @@ def _with_deadline(channel: Any, timeout_s: float, metadata: tuple[tuple[str, st
     and carry `metadata` besides their own."""
     import grpc
 
-    class Deadline(grpc.StreamStreamClientInterceptor):
+    class Deadline(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]  # grpc has no types
         def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
             md = tuple(details.metadata or ()) + tuple(metadata)
             return continuation(_CallDetails(details.method, timeout_s, md or None, details.credentials,

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from replay import report as report_mod
 from replay.clock import Clock, TimerfdClock, real_clock, run_ticks
@@ -348,7 +348,7 @@ class ReplayRun:
             pending = next(self._plan, None)
         self._pending = pending
 
-    def _count_unsent(self, heap: list, pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
+    def _count_unsent(self, heap: list[Any], pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
         for _, _, item, msg in heap:
             if isinstance(item, PlannedCall):
                 self._not_sent(item, "stopped")
@@ -358,7 +358,7 @@ class ReplayRun:
             self.stats.scheduled += 1
             self._not_sent(item, "stopped")
 
-    def _start(self, planned: PlannedCall, heap: list) -> None:
+    def _start(self, planned: PlannedCall, heap: list[Any]) -> None:
         if _unnamed(planned):  # never sent blind (module docstring)
             self._not_sent(planned, "unknown_method")
             return
@@ -451,7 +451,7 @@ class ReplayRun:
                 live.timed_out = True
                 self._abort(live)
 
-    def _release(self, live: _Live, msg: PlannedMessage | None, heap: list) -> None:
+    def _release(self, live: _Live, msg: PlannedMessage | None, heap: list[Any]) -> None:
         assert live.queue is not None
         live.queue.put_nowait(msg)
         if msg is live.planned.messages[-1]:

@@ -68,7 +68,7 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-@events.init_command_line_parser.add_listener
+@events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's hooks are untyped
 def _add_arguments(parser: Any) -> None:
     g = parser.add_argument_group("shadowtest replay", "replay a shadowtest recording with its original timing")
     g.add_argument("--shadow-recording", default="", metavar="FILE",
@@ -601,7 +601,7 @@ class _Worker:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@events.init.add_listener
+@events.init.add_listener  # type: ignore[untyped-decorator]
 def _on_init(environment: Any, runner: Any, **_: Any) -> None:
     if environment.parsed_options is None or runner is None:
         return  # used as a library: nothing to set up

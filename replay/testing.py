@@ -55,13 +55,15 @@ def snapshot_bytes(seq: int, symbol: str = "ACME") -> bytes:
     from agent_under_test.proto import agent_pb2
     snap = agent_pb2.MarketSnapshot(sequence_id=seq, symbol=symbol, ts_ns=seq * 1000, position=1.0)
     snap.levels.add(bid_price=100.0, bid_size=1.0, ask_price=100.5, ask_size=2.0)
-    return snap.SerializeToString()
+    data: bytes = snap.SerializeToString()
+    return data
 
 
 def decision_bytes(seq: int, symbol: str = "ACME", latency_ns: int = 0) -> bytes:
     from agent_under_test.proto import agent_pb2
-    return agent_pb2.Decision(sequence_id=seq, symbol=symbol, side=agent_pb2.BUY, price=100.0, size=1.0, tier="full",
-                              server_latency_ns=latency_ns).SerializeToString()
+    data: bytes = agent_pb2.Decision(sequence_id=seq, symbol=symbol, side=agent_pb2.BUY, price=100.0, size=1.0,
+                                     tier="full", server_latency_ns=latency_ns).SerializeToString()
+    return data
 
 
 def write_unary_recording(path: str | Path, times_ns: Iterable[int], *, flows: int = 1,

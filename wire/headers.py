@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import hpack
-from hpack.hpack import decode_huffman, decode_integer, encode_integer
+from hpack.hpack import decode_integer, encode_integer
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
 
 from wire.h2 import ErrorCode, H2Error

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import cast
 
 from capture.decode.base import RawDecoder, StreamDecoder
 from capture.decode.h2grpc import H2Decoder
@@ -104,7 +103,7 @@ def detect_flow(first: dict[str, bytearray], joined: bool, direction: Direction,
     verdicts: dict[str, str | None] = {}
     for d in ("c2s", "s2c"):
         if first[d]:
-            verdicts[d] = detect(cast(Direction, d), bytes(first[d]), joined, chunk if d == direction else b"")
+            verdicts[d] = detect(d, bytes(first[d]), joined, chunk if d == direction else b"")
     for d in ("c2s", "s2c"):
         v = verdicts.get(d)
         if v is not None and v != "tcp":

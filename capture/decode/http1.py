@@ -250,7 +250,7 @@ class Http1Decoder:
         return done
 
     def _bodyless(self) -> bool:
-        if self.resp.buf[9:13] == b"200 " and self.resp.buf[:9] in (b"HTTP/1.1 ", b"HTTP/1.0 "):
+        if self.resp.buf[9:13] == b"200 " and ((v := self.resp.buf[:9]) == b"HTTP/1.1 " or v == b"HTTP/1.0 "):
             return False                 # the usual answer, without the split
         head = bytes(self.resp.buf[:16]).split(b" ")
         return len(head) > 1 and head[1].isdigit() and (int(head[1]) in _BODYLESS_STATUS

@@ -430,7 +430,7 @@ class EbpfBackend:
         while q:
             raw = q.popleft()
             if raw.__class__ is int:
-                self._caught_up(cast(int, raw))
+                self._caught_up(raw)
             else:
                 record = cast(bytes, raw)
                 self._dequeued += len(record)
@@ -565,7 +565,7 @@ class EbpfBackend:
         self._streams.close(key, None)          # its last syscalls go to the old flow, if any
         if self.sink.has_flow(key):
             for direction in ("c2s", "s2c"):
-                self.sink.gap(key, cast(Direction, direction), None)
+                self.sink.gap(key, direction, None)
 
     def _close_accepted(self, key: tuple[int, int], h: EvHdr) -> None:
         """CLOSE of an accept with no address (sent at close's exit: the fd may be reused already)."""

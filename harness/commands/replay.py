@@ -124,7 +124,8 @@ def _error_report(exc: Exception, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _sampling_factor(file: Path) -> float:
     """100 / the share of connections a sampled recording kept (--scale-to-full); a usage error otherwise."""
-    from capture.recording import Recording, RecordingError
+    from capture.errors import RecordingError
+    from capture.recording import Recording
 
     try:
         with Recording(file) as rec:

@@ -110,7 +110,8 @@ class GrpcSender:
         the awaitable completes when the channel is READY (it never fails: bound its wait)."""
         ch = self._channel(connection)
         ch.get_state(try_to_connect=True)
-        return ch.channel_ready()
+        ready: Awaitable[None] = ch.channel_ready()
+        return ready
 
     async def call(self, planned: PlannedCall, requests: AsyncIterator[PlannedMessage], timeout_s: float) -> SendOutcome:
         ch = self._channel(planned.connection)

@@ -41,7 +41,7 @@ import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from replay.senders.base import ERROR, OK, SendOutcome, http_outcome
 from replay.senders.h2frames import connection_failed, outcome
@@ -206,7 +206,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         self.got_preface = False  # the server's first frame (which must be SETTINGS) arrived
         self.ping_budget = Budget(PING_BURST, PING_PER_S)
         self.settings_budget = Budget(SETTINGS_BURST, SETTINGS_PER_S)
-        self.blocked: deque[list] = deque()  # [stream, memoryview, end_stream] waiting for window
+        self.blocked: deque[list[Any]] = deque()  # [stream, memoryview, end_stream] waiting for window
         self.slot_waiters: deque[asyncio.Future[None]] = deque()
 
     @property
