@@ -1,5 +1,12 @@
-"""Shared test set-up: capability-based skips for the `root`, `ebpf` and `gpu` markers, and the Go
-toolchain fixtures (`host_goarch`, `go_version`, `build`) of the tests that build Go peers.
+"""Shared test set-up: capability-based skips for the `root`, `ebpf` and `gpu` markers, the Go
+toolchain fixtures (`host_goarch`, `go_version`, `build`) of the tests that build Go peers, and the
+fixtures several test files share:
+
+    state_dir    SHADOWTEST_STATE_DIR in the test's own tmp dir (a module uses it with
+                 `pytest.mark.usefixtures("state_dir")`): no test reads or leaves another's fault state
+    echo         faults.testing.EchoServer on 127.0.0.1:0
+    tp           the embedded Toxiproxy-compatible proxy, seeded by the module's TP_SEED (default 5)
+    light_agent  the agent (light tier) in a process of its own, one per module
 
 A marked test skips only with a reason that names the missing capability and how to get it.
 """
@@ -8,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +86,34 @@ def build(tmp_path_factory: pytest.TempPathFactory, host_goarch: str) -> Callabl
         return built[name]
 
     return _build
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def echo() -> Iterator[Any]:
+    from faults.testing import EchoServer
+
+    with EchoServer() as e:
+        yield e
+
+
+@pytest.fixture
+def tp(request: pytest.FixtureRequest) -> Iterator[Any]:
+    from faults.proxy import EmbeddedToxiproxy
+
+    with EmbeddedToxiproxy(seed=getattr(request.module, "TP_SEED", 5)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def light_agent() -> Iterator[Any]:
+    from agent_under_test.launch import AgentProcess
+
+    with AgentProcess(tier="light") as agent:
+        yield agent

@@ -37,29 +37,23 @@ DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
 STREAM = "/shadowtest.agent.v1.TradingAgent/DecideStream"
 
 
-def _port(agent: AgentProcess) -> int:
-    return int(agent.grpc_address.rsplit(":", 1)[1])
+def _port(light_agent: AgentProcess) -> int:
+    return int(light_agent.grpc_address.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
-def agent() -> AgentProcess:
-    with AgentProcess(tier="light") as a:
-        yield a
-
-
-@pytest.fixture(scope="module")
-def run(agent: AgentProcess, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def run(light_agent: AgentProcess, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Record 3 s of traffic with eBPF while tcpdump captures the same port."""
     d = tmp_path_factory.mktemp("ebpf")
     out, log, pcap = d / "prod.rec", d / "sent.jsonl", d / "prod.pcap"
     tcpdump = None
     if shutil.which("tcpdump"):
-        tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(agent)}"],
+        tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(light_agent)}"],
                                    stderr=subprocess.DEVNULL)
     # the default --max-bytes (8 MiB per syscall): gRPC's batched reads under bursts are kept whole
-    rec = Recorder(RecordOptions(output=str(out), port=_port(agent))).start()
+    rec = Recorder(RecordOptions(output=str(out), port=_port(light_agent))).start()
     try:
-        report = run_traffic(agent.grpc_address, 250, 3.0, seed=3, stream_share=0.2, log_sent=str(log))
+        report = run_traffic(light_agent.grpc_address, 250, 3.0, seed=3, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)   # the last responses' syscalls reach the ring buffer
     finally:
         stats = rec.stop()
@@ -124,10 +118,10 @@ def test_tcpdump_capture_of_the_same_traffic_imports_as_the_same_calls(run: dict
 
 
 @pytest.mark.skipif(shutil.which("tshark") is None, reason="needs tshark (apt-get install tshark)")
-def test_export_is_dissected_by_tshark_as_the_same_grpc_calls(run: dict, agent: AgentProcess,
+def test_export_is_dissected_by_tshark_as_the_same_grpc_calls(run: dict, light_agent: AgentProcess,
                                                               tmp_path: Path) -> None:
     export_file(str(run["out"]), str(tmp_path / "prod.pcapng"))
-    out = subprocess.run(["tshark", "-r", str(tmp_path / "prod.pcapng"), "-d", f"tcp.port=={_port(agent)},http2",
+    out = subprocess.run(["tshark", "-r", str(tmp_path / "prod.pcapng"), "-d", f"tcp.port=={_port(light_agent)},http2",
                           "-Y", "http2.headers.path", "-T", "fields", "-e", "http2.headers.path"],
                          capture_output=True, text=True, timeout=120, check=True)
     paths = Counter(p for line in out.stdout.splitlines() for p in line.split(",") if p)
@@ -135,16 +129,16 @@ def test_export_is_dissected_by_tshark_as_the_same_grpc_calls(run: dict, agent: 
         assert paths == Counter(c.method for c in rec.calls())
 
 
-def test_connection_open_before_capture_is_joined_marked_and_counted(agent: AgentProcess, tmp_path: Path) -> None:
+def test_connection_open_before_capture_is_joined_marked_and_counted(light_agent: AgentProcess, tmp_path: Path) -> None:
     import grpc
 
-    channel = grpc.insecure_channel(agent.grpc_address)
+    channel = grpc.insecure_channel(light_agent.grpc_address)
     decide = channel.unary_unary(DECIDE)
     snap = agent_pb2.MarketSnapshot(sequence_id=1, symbol="X", levels=[agent_pb2.BookLevel(
         bid_price=99.9, bid_size=1, ask_price=100.1, ask_size=1)])
     try:
         decide(snap.SerializeToString(), timeout=10)          # the connection exists before capture
-        with Recorder(RecordOptions(output=str(tmp_path / "j.rec"), port=_port(agent))) as rec:
+        with Recorder(RecordOptions(output=str(tmp_path / "j.rec"), port=_port(light_agent))) as rec:
             for i in range(2, 7):
                 snap.sequence_id = i
                 decide(snap.SerializeToString(), timeout=10)
@@ -163,15 +157,15 @@ def test_connection_open_before_capture_is_joined_marked_and_counted(agent: Agen
     assert rec.result["unknown_method_calls"] == sum(c.method_unknown for c in calls)
 
 
-def test_pid_filter_keeps_other_processes_out_in_kernel(agent: AgentProcess, tmp_path: Path) -> None:
-    with Recorder(RecordOptions(output=str(tmp_path / "p.rec"), port=_port(agent), pid=1)) as rec:
-        run_traffic(agent.grpc_address, 100, 0.5, seed=1, stream_share=0.0)
+def test_pid_filter_keeps_other_processes_out_in_kernel(light_agent: AgentProcess, tmp_path: Path) -> None:
+    with Recorder(RecordOptions(output=str(tmp_path / "p.rec"), port=_port(light_agent), pid=1)) as rec:
+        run_traffic(light_agent.grpc_address, 100, 0.5, seed=1, stream_share=0.0)
     assert rec.result["flows"] == 0 and rec.result["bytes"] == 0
 
 
-def test_payload_over_max_bytes_is_counted_as_truncated_never_silent(agent: AgentProcess, tmp_path: Path) -> None:
-    with Recorder(RecordOptions(output=str(tmp_path / "t.rec"), port=_port(agent), max_bytes=1024)) as rec:
-        run_traffic(agent.grpc_address, 50, 0.5, seed=1, stream_share=0.0, levels=40, ticks=100)
+def test_payload_over_max_bytes_is_counted_as_truncated_never_silent(light_agent: AgentProcess, tmp_path: Path) -> None:
+    with Recorder(RecordOptions(output=str(tmp_path / "t.rec"), port=_port(light_agent), max_bytes=1024)) as rec:
+        run_traffic(light_agent.grpc_address, 50, 0.5, seed=1, stream_share=0.0, levels=40, ticks=100)
         time.sleep(0.3)
     assert rec.result["truncated_events"] > 0
     with Recording(tmp_path / "t.rec") as r:
@@ -198,9 +192,9 @@ def _record_cli(port: int, out: Path) -> subprocess.Popen[bytes]:
     raise AssertionError("record did not start within 60 s")
 
 
-def test_record_command_stops_cleanly_on_sigint_and_survives_sigkill(agent: AgentProcess, tmp_path: Path) -> None:
-    proc = _record_cli(_port(agent), tmp_path / "int.rec")
-    first = run_traffic(agent.grpc_address, 100, 0.5, seed=2, stream_share=0.0)
+def test_record_command_stops_cleanly_on_sigint_and_survives_sigkill(light_agent: AgentProcess, tmp_path: Path) -> None:
+    proc = _record_cli(_port(light_agent), tmp_path / "int.rec")
+    first = run_traffic(light_agent.grpc_address, 100, 0.5, seed=2, stream_share=0.0)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=30)
@@ -208,8 +202,8 @@ def test_record_command_stops_cleanly_on_sigint_and_survives_sigkill(agent: Agen
     with Recording(tmp_path / "int.rec") as r:
         assert "stopped_wall_ns" in r.meta and r.count("calls") == first.sent
 
-    proc = _record_cli(_port(agent), tmp_path / "kill.rec")
-    report = run_traffic(agent.grpc_address, 100, 1.0, seed=4, stream_share=0.0)
+    proc = _record_cli(_port(light_agent), tmp_path / "kill.rec")
+    report = run_traffic(light_agent.grpc_address, 100, 1.0, seed=4, stream_share=0.0)
     time.sleep(1.2)               # everything sent is more than a second old at the kill
     proc.kill()
     proc.wait(10)
@@ -218,10 +212,10 @@ def test_record_command_stops_cleanly_on_sigint_and_survives_sigkill(agent: Agen
         assert r.count("calls") == report.sent
 
 
-def test_client_side_records_the_callers_connections_with_both_ends(agent: AgentProcess, tmp_path: Path) -> None:
+def test_client_side_records_the_callers_connections_with_both_ends(light_agent: AgentProcess, tmp_path: Path) -> None:
     log = tmp_path / "sent.jsonl"
-    with Recorder(RecordOptions(output=str(tmp_path / "c.rec"), port=_port(agent), side="client")) as rec:
-        run_traffic(agent.grpc_address, 100, 1.0, seed=5, stream_share=0.2, log_sent=str(log))
+    with Recorder(RecordOptions(output=str(tmp_path / "c.rec"), port=_port(light_agent), side="client")) as rec:
+        run_traffic(light_agent.grpc_address, 100, 1.0, seed=5, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)
     sent = Counter((s["method"], base64.b64decode(s["request_b64"]))
                    for s in map(json.loads, log.read_text().splitlines()))
@@ -229,13 +223,13 @@ def test_client_side_records_the_callers_connections_with_both_ends(agent: Agent
     with Recording(tmp_path / "c.rec") as r:
         (flow,) = list(r.flows())
     assert flow.pid == os.getpid() and flow.src[0] == "127.0.0.1" and flow.src[1] > 0
-    assert flow.dst == ("127.0.0.1", _port(agent))
+    assert flow.dst == ("127.0.0.1", _port(light_agent))
 
 
-def test_decode_at_stop_records_every_sent_call_with_identical_bytes(agent: AgentProcess, tmp_path: Path) -> None:
+def test_decode_at_stop_records_every_sent_call_with_identical_bytes(light_agent: AgentProcess, tmp_path: Path) -> None:
     out, log = tmp_path / "stop.rec", tmp_path / "sent.jsonl"
-    with Recorder(RecordOptions(output=str(out), port=_port(agent), decode="at-stop")) as rec:
-        run_traffic(agent.grpc_address, 150, 1.0, seed=6, stream_share=0.2, log_sent=str(log))
+    with Recorder(RecordOptions(output=str(out), port=_port(light_agent), decode="at-stop")) as rec:
+        run_traffic(light_agent.grpc_address, 150, 1.0, seed=6, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)
         assert rec.stats.calls == 0          # nothing decoded while recording
     sent = [json.loads(line) for line in log.read_text().splitlines()]
@@ -243,13 +237,13 @@ def test_decode_at_stop_records_every_sent_call_with_identical_bytes(agent: Agen
     assert rec.result["calls"] > 0 and rec.result["lost_events"] == 0
 
 
-def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(agent: AgentProcess,
+def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(light_agent: AgentProcess,
                                                                              tmp_path: Path) -> None:
     from capture.record import finish_recording
 
     out, log = tmp_path / "later.rec", tmp_path / "sent.jsonl"
-    with Recorder(RecordOptions(output=str(out), port=_port(agent), decode="later")) as rec:
-        run_traffic(agent.grpc_address, 150, 1.0, seed=7, stream_share=0.2, log_sent=str(log))
+    with Recorder(RecordOptions(output=str(out), port=_port(light_agent), decode="later")) as rec:
+        run_traffic(light_agent.grpc_address, 150, 1.0, seed=7, stream_share=0.2, log_sent=str(log))
         time.sleep(0.3)
     assert rec.result["calls"] == 0 and rec.result["lost_events"] == 0 and rec.result["calls_decoded"] is False
     with Recording(out) as r:                       # stop decoded nothing: chunks, flows and counters only
@@ -258,7 +252,6 @@ def test_decode_later_leaves_chunks_that_finish_decodes_into_every_sent_call(age
     assert finish_recording(str(out))["calls"] > 0
     sent = [json.loads(line) for line in log.read_text().splitlines()]
     assert _requests(out) == Counter((s["method"], base64.b64decode(s["request_b64"])) for s in sent)
-
 
 
 _UVLOOP_ECHO = """

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,12 +212,6 @@ def _assert_replayed_all_ok(report: dict[str, Any], calls: int, no_problems: boo
 
 # ---- 1. grpcio ------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def agent() -> Iterator[AgentProcess]:
-    """The recorded agent: TradingAgent (Decide, DecideStream), grpc health and server reflection."""
-    with AgentProcess(tier="light") as a:
-        yield a
-
 
 class GrpcioClient:
     """One grpcio channel (one HTTP/2 connection) that logs every call it makes."""
@@ -254,15 +247,15 @@ class GrpcioClient:
 
 
 def test_grpcio_connection_joined_mid_stream_gets_every_method_right_and_replays_ok(
-        agent: AgentProcess, tmp_path: Path) -> None:
+        light_agent: AgentProcess, tmp_path: Path) -> None:
     out = tmp_path / "grpcio.rec"
-    client = GrpcioClient(agent.grpc_address)
+    client = GrpcioClient(light_agent.grpc_address)
     recorder = None
     try:
         client.decide(1)                    # before the recorder: :path of both methods enters HPACK's table
         client.stream(2)
         client.decide(6)
-        recorder = _start_recorder(_port(agent.grpc_address), out)
+        recorder = _start_recorder(_port(light_agent.grpc_address), out)
         client.phase = "after"
         client.decide(10)
         client.stream(20)
@@ -279,7 +272,7 @@ def test_grpcio_connection_joined_mid_stream_gets_every_method_right_and_replays
 
     code, data = _inspect(out)
     assert code == 0, data["problems"]
-    _assert_named_by_reflection(data, client.log, agent.grpc_address, methods=6)
+    _assert_named_by_reflection(data, client.log, light_agent.grpc_address, methods=6)
     groups = len(data["method_groups"])
     assert f"methods: {groups} of {groups} groups of unknown calls named" in stdout, stdout
     _assert_calls_match_the_client_log(out, client.log)
@@ -326,7 +319,7 @@ def _json_line(proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
 @pytest.mark.skipif(_node_problem() is not None,
                     reason=f"grpc-js: {_node_problem()}; run `make test` (scripts/setup.sh installs them: npm ci)")
 def test_grpcjs_connection_joined_mid_stream_gets_every_method_right_and_replays_ok(
-        agent: AgentProcess, tmp_path: Path) -> None:
+        light_agent: AgentProcess, tmp_path: Path) -> None:
     """grpc-js speaks HTTP/2 through Node's http2 module (nghttp2), which puts its other request headers
     into the dynamic table but never indexes :path: every call made after the join keeps its method,
     its pre-join headers are lost (the calls have a method_ref but are in no group), and the file is
@@ -342,7 +335,7 @@ def test_grpcjs_connection_joined_mid_stream_gets_every_method_right_and_replays
     plan.write_text(json.dumps({"before": before, "after": after}))
     out = tmp_path / "grpcjs.rec"
     assert NODE is not None
-    node = subprocess.Popen([NODE, "joined_client.js", "--target", agent.grpc_address, "--plan", str(plan),
+    node = subprocess.Popen([NODE, "joined_client.js", "--target", light_agent.grpc_address, "--plan", str(plan),
                              "--watchdog-ms", "30000"],
                             cwd=NODE_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -350,7 +343,7 @@ def test_grpcjs_connection_joined_mid_stream_gets_every_method_right_and_replays
     try:
         first = _json_line(node, time.monotonic() + 30)
         assert first == {"phase": "before", "done": len(before)}, first
-        recorder = _start_recorder(_port(agent.grpc_address), out)
+        recorder = _start_recorder(_port(light_agent.grpc_address), out)
         node_out, node_err = node.communicate("go\n", timeout=30)   # the second batch, on the same connection
         stdout = _stop_recorder(recorder)
     finally:

@@ -45,6 +45,8 @@ from harness.live import LiveView
 from harness.runner import Runner, RunOptions
 from harness.scenario_load import load_scenario_text
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 SCENARIO = """\
 name: broken
 seed: 11
@@ -72,13 +74,6 @@ expect:
   - {alert_rule: {}}
   - {percentiles_distinct: {min_periods: 4}}
 """
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
 
 
 def _run(tmp_path: Path, *defects: str, alerts: bool = True, extra_fault: str = "", quota: int = 30) -> dict[str, Any]:

@@ -17,8 +17,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,24 +33,9 @@ from harness.faultrun import FaultSession, NetworkProxy
 from harness.scenario import CheckSpec, FaultSpec
 from harness.timeline import CallResult, FaultWindow, Timeline
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 PHASES = [("baseline", 0.0, 5.0), ("fault", 5.0, 10.0), ("recovery", 10.0, 15.0)]
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
-
-
-@pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as e:
-        yield e
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=5) as server:
-        yield server
 
 
 def round_trips(listen: str, n: int, size: int = 64) -> None:

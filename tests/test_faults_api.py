@@ -7,7 +7,6 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,17 +16,7 @@ from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 from faults.proxy import EmbeddedToxiproxy
 from faults.testing import EchoServer, connect, read_exactly
 
-
-@pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as e:
-        yield e
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=1) as server:
-        yield server
+TP_SEED = 1   # the tp fixture's (tests/conftest.py) toxics' randomness
 
 
 @pytest.fixture

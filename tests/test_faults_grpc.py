@@ -11,6 +11,8 @@ import pytest
 
 from faults.proxy import EmbeddedToxiproxy
 
+TP_SEED = 11   # the tp fixture's (tests/conftest.py) toxics' randomness
+
 
 def _echo(request: bytes, context: grpc.ServicerContext) -> bytes:
     return request
@@ -27,12 +29,6 @@ def grpc_server() -> Iterator[str]:
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(0)
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=11) as server:
-        yield server
 
 
 @pytest.fixture

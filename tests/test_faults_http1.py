@@ -46,12 +46,6 @@ def nginx(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         yield port, d / "access.log"
 
 
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=5) as server:
-        yield server
-
-
 def _served(log: Path) -> list[tuple[str, str]]:
     return [tuple(line.split("|")) for line in log.read_text().splitlines()]  # type: ignore[misc]
 

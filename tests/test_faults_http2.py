@@ -56,12 +56,6 @@ def nginx(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         yield port, d / "access.log"
 
 
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=5) as server:
-        yield server
-
-
 def _served(log: Path) -> list[str]:
     """The URIs nginx served, from its access log."""
     return [line.split("|")[0] for line in log.read_text().splitlines()]

@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,18 +26,6 @@ from faults.testing import EchoServer, connect, read_exactly
 from tests.polling import wait_for
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=5) as server:
-        yield server
-
-
-@pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as e:
-        yield e
 
 
 class OneShotServer:

@@ -10,7 +10,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,17 +21,7 @@ from faults.proxy.channel import DATA, EOF, Chunk
 from faults.proxy.toxics import REGISTRY, slice_offsets
 from faults.testing import EchoServer, VirtualStub, connect, read_exactly, wait_closed
 
-
-@pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as e:
-        yield e
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=3) as server:
-        yield server
+TP_SEED = 3   # the tp fixture's (tests/conftest.py) toxics' randomness
 
 
 def raw_http(tp: EmbeddedToxiproxy, request: bytes, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:

@@ -7,7 +7,6 @@ import random
 import socket
 import statistics
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,17 +14,7 @@ from faults.proxy import EmbeddedToxiproxy
 from faults.proxy.toxics import latency_delay, slice_offsets
 from faults.testing import EchoServer, check_toxic_conformance, connect, read_exactly, wait_closed
 
-
-@pytest.fixture
-def echo() -> Iterator[EchoServer]:
-    with EchoServer() as e:
-        yield e
-
-
-@pytest.fixture
-def tp() -> Iterator[EmbeddedToxiproxy]:
-    with EmbeddedToxiproxy(seed=3) as server:
-        yield server
+TP_SEED = 3   # the tp fixture's (tests/conftest.py) toxics' randomness
 
 
 def rtt(s: socket.socket, payload: bytes = b"x" * 10) -> float:

@@ -14,13 +14,9 @@ from harness.demo import record_production, run_demo
 from harness.scenario_load import load_scenario
 from harness.session import run_scenario
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
 
 
 @pytest.mark.root

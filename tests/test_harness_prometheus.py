@@ -21,6 +21,8 @@ from harness.scenario import CheckSpec
 from harness.scenario_load import load_scenario, load_scenario_text
 from harness.timeline import CallResult, Event, Timeline
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (apt-get install "
@@ -34,13 +36,6 @@ phases: [{name: only, duration: 2s}]
 %s
 expect: [{no_loss: {}}]
 """
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
 
 
 def test_the_prometheus_key_is_validated_with_file_and_line(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ from harness.report import write_reports
 from harness.runner import Runner, RunOptions
 from harness.scenario_load import load_scenario_text
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 QUOTA = """\
@@ -47,13 +49,6 @@ expect:
   - {degrades: {phase: fault, within_periods: 3}}
   - {no_loss: {}}
 """
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
 
 
 def _run(text: str, tmp_path: Path):  # type: ignore[no-untyped-def]

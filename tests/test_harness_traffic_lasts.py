@@ -33,6 +33,8 @@ from harness.scenario_load import load_scenario_text, scenario_warnings
 from harness.timeline import CallResult, Timeline
 from harness.traffic import coverage, recording_span
 
+pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 ECHO = "/test.Bytes/Echo"
 BASE = 10_000_000_000
@@ -148,13 +150,6 @@ def echo_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
 
 
 RUN = """\

@@ -24,7 +24,7 @@ from tests.nginx import NGINX, running_nginx
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "deploy" / "http-example" / "nginx.conf"
 SCENARIO = ROOT / "scenarios" / "http-faults.yaml"
-pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")
+pytestmark = [pytest.mark.usefixtures("state_dir"), pytest.mark.skipif(NGINX is None, reason="needs nginx (apt-get install nginx; scripts/setup.sh does)")]
 
 
 @contextlib.contextmanager
@@ -52,13 +52,6 @@ def changed_web(tmp_path: Path) -> Iterator[str]:
     """The example service after a change that breaks its answers: orders come back 'queued'."""
     with _example(tmp_path / "web2", EXAMPLE.read_text().replace('"state": "accepted"', '"state": "queued"')) as port:
         yield f"127.0.0.1:{port}"
-
-
-@pytest.fixture(autouse=True)
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
 
 
 def _run(tmp_path: Path, text: str, name: str) -> tuple[int, str, Path]:
