@@ -16,7 +16,8 @@
  *       returned, tagged with the socket and their position in its plaintext stream (positions[]:
  *       bytes read and written so far), so user space sees exactly which bytes a full ring lost;
  *       a call whose socket closed while it was in flight (another thread or goroutine closed it)
- *       comes F_LATE, with the birth of the stream it started on instead of a position
+ *       comes F_LATE, with no position; every PLAIN record carries the birth of the stream it
+ *       belongs to, so user space never gives a record to the fd's next connection
  *   SSL_free entry --> ssl_fd entry removed
  *   close entry on a socket with positions --> CLOSE record with the final positions (bytes lost
  *       at the end of a connection are a gap too), positions entry removed
@@ -62,7 +63,7 @@ struct tls_hdr {          /* every record starts with this */
     u64 ts_ns;
     u64 pos;              /* PLAIN: position of the call's first byte in its direction's stream;
                              CLOSE: plaintext bytes read in all */
-    u64 pos2;             /* CLOSE: plaintext bytes written in all; F_LATE PLAIN: the stream's birth */
+    u64 pos2;             /* CLOSE: plaintext bytes written in all; PLAIN: the birth of its stream */
     u32 tgid;
     u32 fd;
     u32 len;              /* plaintext bytes in this record */
@@ -165,12 +166,13 @@ static __always_inline u64 stream_born(u64 key) {
 
 /* Where the call's bytes start in its direction's stream; advances the stream. NULL-safe: a socket
  * the LRU evicted starts again at 0 (user space sees a position behind its own and says so). */
-static __always_inline u64 advance(u64 key, u8 is_write, u64 n) {
+static __always_inline u64 advance(u64 key, u8 is_write, u64 n, u64 *born) {
     struct stream_pos fresh = {.born = bpf_ktime_get_ns()};
     positions.insert(&key, &fresh);
     struct stream_pos *p = positions.lookup(&key);
     if (!p)
         return 0;
+    *born = p->born;
     /* one thread moves one direction of a socket at a time: no atomic needed */
     u64 start = is_write ? p->wr : p->rd;
     if (is_write)
@@ -249,8 +251,9 @@ int ssl_free_enter(struct pt_regs *ctx) {
  * records of at most CHUNK bytes. `born`: the socket's stream as the call met it when it started (0:
  * unknown). A call whose socket was closed meanwhile (Go closes a conn from one goroutine while
  * another's Write is returning; the close(2) may even run inside that Write, at its last unref) is
- * F_LATE: its bytes went out (or in) before the close, but no position was kept for them; its record
- * carries the birth instead, and user space puts the bytes at the end of that connection. */
+ * F_LATE: its bytes went out (or in) before the close, but no position was kept for them, and user
+ * space puts them at the end of that connection. Every record carries its stream's birth (pos2): a
+ * connection held open in user space after its close is never given the fd's next connection's bytes. */
 static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u64 n, u64 born) {
     u64 key = sock_key(tgid, fd);
     u64 start = 0;
@@ -261,7 +264,7 @@ static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u6
     } else {
         if (!born && !socks.lookup(&key))
             return 0;         /* not a recorded connection: nothing to copy */
-        start = advance(key, is_write, n);
+        start = advance(key, is_write, n, &born);
     }
     u32 cpu = bpf_get_smp_processor_id();
     struct tls_buf *b = scratch.lookup(&cpu);
@@ -270,10 +273,9 @@ static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u6
     __builtin_memset(&b->h, 0, sizeof(b->h));
     b->h.ts_ns = bpf_ktime_get_ns();
     b->h.pos = start;
-    if (late) {
+    b->h.pos2 = born;
+    if (late)
         b->h.flags = F_LATE;
-        b->h.pos2 = born;
-    }
     b->h.tgid = tgid;
     b->h.fd = fd;
     b->h.type = EV_PLAIN;

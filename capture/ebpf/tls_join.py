@@ -88,7 +88,13 @@ _HANDSHAKE = 0x16
 # connection closed (see the module docstring), and at most this many flows wait at once (the oldest
 # is let go first).
 _CLOSE_GRACE_NS = 500_000_000
+# The TLS program's CLOSE record is written in the same close(2) as the recorder's, microseconds later:
+# a CLOSE later than this after a held flow's close is a later connection's on the fd
+_CLOSE_SLACK_NS = 200_000
 _CLOSING_MAX = 8192
+
+
+_Rec = tuple[int, tuple[int, int], int, bytes, int, int, int, int, bool]   # a record in the ready queue
 
 
 def looks_like_tls(data: bytes) -> bool:
@@ -101,7 +107,7 @@ class _Conn:
 
     __slots__ = ("key", "flow_id", "file_index", "pid", "opened_ns", "mode", "reason", "cipher_bytes",
                  "plain_bytes", "expect", "lost_bytes", "unknown_losses", "final", "lost_mark", "late_dropped",
-                 "held", "held_bytes", "late_start")
+                 "held", "held_bytes", "late_start", "closed_ns")
 
     def __init__(self, key: Hashable, flow_id: int, flow: Flow, lost_mark: int, file_index: int | None = None) -> None:
         self.key = key
@@ -120,6 +126,7 @@ class _Conn:
         self.final: tuple[int, int] | None = None   # the CLOSE record's final positions (read, written)
         # a late call (F_LATE) in a direction: where it starts in the stream (the flow's end when it came)
         self.late_start: dict[str, int] = {}
+        self.closed_ns: int | None = None   # held after its close (TlsJoiner._hold_close): the close's time
         self.lost_mark = lost_mark  # the program's lost-record count when the flow opened
         self.late_dropped = 0      # plaintext of an encrypted flow, dropped
         self.held: list[tuple[Direction, int, bytes]] = []   # "hold": the copied handshake bytes, undecided
@@ -142,12 +149,11 @@ class TlsJoiner:
         self._by_fd: dict[tuple[int, int], Hashable] = {}
         self._watermark = 0
         self._lost = 0                                             # the program's lost records, last read
-        # (ts, fdkey, is_write (_CLOSE: a CLOSE), payload, span, position, x, born) waiting for the
+        # (ts, fdkey, is_write (_CLOSE: a CLOSE), payload, span, position, x, born, late) waiting for the
         # watermark: plaintext `payload` at stream `position`, standing for `span` bytes of which x were
-        # cut by --max-bytes; a late call (born: its stream's birth, else 0): position within the call;
-        # a CLOSE: position = bytes read in all, x = bytes written in all
-        self._ready: collections.deque[tuple[int, tuple[int, int], int, bytes, int, int, int, int]] = \
-            collections.deque()
+        # cut by --max-bytes, of the stream born at `born` (0: unknown); a late call: position within
+        # the call; a CLOSE: position = bytes read in all, x = bytes written in all
+        self._ready: collections.deque[_Rec] = collections.deque()
         self._ready_bytes = 0
         self._waiting = False             # records in the ready queue wait for the recorder's marks
         self._partial: dict[tuple[int, int, int], list[Any]] = {}  # one call's records, reassembled
@@ -289,6 +295,7 @@ class TlsJoiner:
         held_key = ("closing", *fdkey, c.flow_id, c.opened_ns)
         self.sink.rekey(c.key, held_key)
         c.key = held_key
+        c.closed_ns = ts_ns
         self._closing[held_key] = (c, fdkey, ts_ns, time.monotonic_ns() + _CLOSE_GRACE_NS)
         self._closing_fd.setdefault(fdkey, []).append(c)
         if len(self._closing) > _CLOSING_MAX:
@@ -301,7 +308,7 @@ class TlsJoiner:
         if self._ready:
             ours = {id(c) for c, _fd, _ts, _deadline in due}
             mine = [rec for rec in self._ready
-                    if rec[1] in fds and id(self._owner(rec[1], rec[0], rec[7])) in ours]
+                    if rec[1] in fds and id(self._owner(rec[1], rec[0], rec[7], rec[8], rec[2] == _CLOSE)) in ours]
             if mine:
                 taken = {id(rec) for rec in mine}
                 self._ready = collections.deque(rec for rec in self._ready if id(rec) not in taken)
@@ -365,13 +372,13 @@ class TlsJoiner:
         self._waiting = bool(ready)
 
     def _hand_on(self, ts: int, fdkey: tuple[int, int], is_write: int, payload: bytes, span: int,
-                 pos: int, x: int, born: int) -> None:
+                 pos: int, x: int, born: int, late: bool) -> None:
         if is_write == _CLOSE:
-            c = self._owner(fdkey, ts, 0)
+            c = self._owner(fdkey, ts, 0, close=True)
             if c is not None:
                 c.final = (pos, x)     # applied when the flow is let go (a late call may come first)
         else:
-            self._plain(fdkey, is_write, ts, payload, span, pos, x, born)
+            self._plain(fdkey, is_write, ts, payload, span, pos, x, born, late)
 
     def _take_close(self, fdkey: tuple[int, int]) -> None:
         """The CLOSE record of the connection closing on `fdkey`, if it waits behind the watermark
@@ -384,7 +391,7 @@ class TlsJoiner:
                     self._hand_on(*rec)
                 return
 
-    def _queue(self, rec: tuple[int, tuple[int, int], int, bytes, int, int, int, int]) -> None:
+    def _queue(self, rec: _Rec) -> None:
         self._ready.append(rec)
         self._ready_bytes += len(rec[3])
 
@@ -396,22 +403,22 @@ class TlsJoiner:
         for raw in raws:
             ts, pos, pos2, tgid, fd, length, total, offset, etype, is_write, _trunc, flags = _HDR.unpack_from(raw)
             if etype == EV_PLAIN:
-                born = pos2 if flags & F_LATE else 0
-                self._on_record(ts, tgid, fd, is_write, offset, total, pos, raw[HDR_SIZE:HDR_SIZE + length], born)
+                self._on_record(ts, tgid, fd, is_write, offset, total, pos, raw[HDR_SIZE:HDR_SIZE + length], pos2,
+                                bool(flags & F_LATE))
             elif etype == EV_CLOSE:
                 for pk in [k for k in self._partial if k[:2] == (tgid, fd)]:
                     self._flush_partial(pk)   # its calls are over: what came of them goes first
-                self._queue((ts, (tgid, fd), _CLOSE, b"", 0, pos, pos2, 0))
+                self._queue((ts, (tgid, fd), _CLOSE, b"", 0, pos, pos2, 0, False))
         return len(raws)
 
     def _on_record(self, ts: int, tgid: int, fd: int, is_write: int, offset: int, total: int, pos: int,
-                   payload: bytes, born: int = 0) -> None:
+                   payload: bytes, born: int = 0, late: bool = False) -> None:
         """One record of an SSL call (a call over CHUNK bytes comes as several, all with the call's
         time and position). Whole calls go to the ready queue; pieces are joined, and a record lost
         inside a call splits it into pieces at their own positions, so the hole becomes a gap."""
         pk = (tgid, fd, is_write)
         if offset == 0 and len(payload) >= min(total, self._max_bytes) and pk not in self._partial:
-            self._queue((ts, (tgid, fd), is_write, payload, total, pos, total - len(payload), born))
+            self._queue((ts, (tgid, fd), is_write, payload, total, pos, total - len(payload), born, late))
             return
         p = self._partial.get(pk)
         if p is not None and p[0] == ts and offset >= p[4] + len(p[1]):
@@ -421,8 +428,8 @@ class TlsJoiner:
         else:
             if p is not None:
                 self._flush_partial(pk)
-            # [time, bytes, the call's position, the call's length, offset of bytes[0] in the call, born]
-            p = self._partial[pk] = [ts, bytearray(), pos, total, offset, born]
+            # [time, bytes, the call's position, the call's length, offset of bytes[0] in the call, born, late]
+            p = self._partial[pk] = [ts, bytearray(), pos, total, offset, born, late]
         p[1] += payload
         if p[4] + len(p[1]) >= min(total, self._max_bytes):
             self._flush_partial(pk)
@@ -433,28 +440,37 @@ class TlsJoiner:
     def _piece(self, pk: tuple[int, int, int], p: list[Any], final: bool) -> None:
         """Queue what `p` holds at its stream position; the call's last piece accounts for the
         rest of the call (what did not come of it is a gap after it)."""
-        ts, buf, call_pos, call_total, off, born = p
+        ts, buf, call_pos, call_total, off, born, late = p
         span = call_total - off if final else len(buf)
         truncated = max(0, call_total - self._max_bytes) if final else 0
-        self._queue((ts, pk[:2], pk[2], bytes(buf), span, call_pos + off, truncated, born))
+        self._queue((ts, pk[:2], pk[2], bytes(buf), span, call_pos + off, truncated, born, late))
 
-    def _owner(self, fdkey: tuple[int, int], ts: int, born: int) -> _Conn | None:
+    def _owner(self, fdkey: tuple[int, int], ts: int, born: int, late: bool = False,
+               close: bool = False) -> _Conn | None:
         """The connection on `fdkey` a record belongs to: the latest one opened before it (its time; a
-        late call's: the birth of its stream), the fd's open flow or one held closed."""
-        when = born or ts
+        late call's: the birth of its stream), the fd's open flow or one held closed; a held one only
+        if the record's stream was born before it closed, or a CLOSE came with its close (the fd's
+        next connection may not have opened yet: its bytes wait as orphans and its final positions
+        are dropped, never given to the connection before it)."""
+        start = born if late else ts
         key = self._by_fd.get(fdkey)
         c = self._conns.get(key) if key is not None else None
-        best = c if c is not None and when >= c.opened_ns else None
+        best = c if c is not None and start >= c.opened_ns else None
         for held in self._closing_fd.get(fdkey, ()):
-            if when >= held.opened_ns and (best is None or held.opened_ns > best.opened_ns):
+            if start < held.opened_ns:
+                continue
+            if held.closed_ns is not None and (ts > held.closed_ns + _CLOSE_SLACK_NS if close
+                                               else (born or ts) > held.closed_ns):
+                continue
+            if best is None or held.opened_ns > best.opened_ns:
                 best = held
         return best
 
     def _plain(self, fdkey: tuple[int, int], is_write: int, ts: int, payload: bytes, span: int,
-               pos: int, truncated: int, born: int = 0) -> None:
-        c = self._owner(fdkey, ts, born)
+               pos: int, truncated: int, born: int = 0, late: bool = False) -> None:
+        c = self._owner(fdkey, ts, born, late)
         if c is None:
-            if born:     # its connection was let go (or never recorded): never another's
+            if late:     # its connection was let go (or never recorded): never another's
                 self.counts["late_call_bytes_dropped"] += len(payload)
                 return
             self._orphan(fdkey, ts, is_write, payload, span, pos, truncated)
@@ -471,7 +487,7 @@ class TlsJoiner:
                 self.counts["late_plaintext_flows"] += 1   # STARTTLS: bytes before it stay as they were
             c.mode = "tls"
         direction: Direction = "s2c" if bool(is_write) == self._server_side else "c2s"
-        if born:
+        if late:
             # a late call: its bytes come after all the connection's others in this direction (one call
             # at a time moves a direction of a connection); `pos` is within the call
             if direction not in c.late_start:
