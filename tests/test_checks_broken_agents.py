@@ -154,7 +154,7 @@ def test_an_inert_toxic_beside_a_quota_fails_fault_effective(tmp_path: Path) -> 
 @pytest.mark.root
 @pytest.mark.slow
 def test_an_alert_that_fires_on_one_breaching_period_fails_the_bundled_short_spike(tmp_path: Path) -> None:
-    # The scenario as it ships: a 0.4 s CPU stall the agent sees in one or two periods, under a rule that
+    # The scenario as it ships: a 0.8 s CPU stall the agent sees in one or two periods, under a rule that
     # needs three in a row. The defective agent pages on the spike; alert_rule names the period.
     from harness.scenario_load import load_scenario
 
