@@ -55,13 +55,6 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def proxy_server() -> Iterator[ProxyProcess]:
     with EchoServer() as echo, spawn_proxy_server() as server:
         req = urllib.request.Request(server.url + "/proxies", method="POST",
@@ -85,10 +78,10 @@ def toxics(server: ProxyProcess) -> list[dict]:
 
 
 def start_holder(tmp_path: Path, server: ProxyProcess, sleepers: list[subprocess.Popen[bytes]],
-                 state: Path) -> tuple[subprocess.Popen[str], list[int], str]:
+                 state_dir: Path) -> tuple[subprocess.Popen[str], list[int], str]:
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
-    env = dict(os.environ, SHADOWTEST_STATE_DIR=str(state), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
     holder = subprocess.Popen([PY, str(script), server.url, str(sleepers[0].pid), str(sleepers[1].pid)],
                               stdout=subprocess.PIPE, text=True, env=env)
     assert holder.stdout is not None
@@ -98,20 +91,20 @@ def start_holder(tmp_path: Path, server: ProxyProcess, sleepers: list[subprocess
 
 
 @pytest.mark.root
-def test_sigkill_then_faults_clear_leaves_nothing(tmp_path: Path, state: Path, proxy_server: ProxyProcess,
+def test_sigkill_then_faults_clear_leaves_nothing(tmp_path: Path, state_dir: Path, proxy_server: ProxyProcess,
                                                   sleepers: list[subprocess.Popen[bytes]]) -> None:
     quota_pid, pause_pid = sleepers[0].pid, sleepers[1].pid
     cgroup_before = Path(f"/proc/{quota_pid}/cgroup").read_text()
-    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state)
+    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state_dir)
     assert [t["name"] for t in toxics(proxy_server)] == ["latency_downstream"]
     assert state_of(pause_pid) == "T" and Path(cg).is_dir()
     holder.send_signal(signal.SIGKILL)
     holder.wait()
 
-    left = check_leftovers(state)
+    left = check_leftovers(state_dir)
     assert sorted(x.entry["kind"] for x in left) == ["cgroup", "paused", "process", "toxic"]
     out = subprocess.run([PY, "-m", "harness.cli", "faults", "clear", "--json"], capture_output=True, text=True,
-                         env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)), cwd=ROOT, timeout=60)
+                         env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)), cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["cleared"]) == 4
     assert toxics(proxy_server) == []  # toxic gone (through the API's reset)
@@ -119,14 +112,14 @@ def test_sigkill_then_faults_clear_leaves_nothing(tmp_path: Path, state: Path, p
     assert state_of(pause_pid) != "T"  # resumed
     time.sleep(0.2)
     assert not any(alive(p) for p in stress_pids)  # no stress process remains
-    assert check_leftovers(state) == [] and list(state.glob("holder-*.json")) == []
+    assert check_leftovers(state_dir) == [] and list(state_dir.glob("holder-*.json")) == []
 
 
 @pytest.mark.root
-def test_sigterm_undoes_everything_without_clear(tmp_path: Path, state: Path, proxy_server: ProxyProcess,
+def test_sigterm_undoes_everything_without_clear(tmp_path: Path, state_dir: Path, proxy_server: ProxyProcess,
                                                  sleepers: list[subprocess.Popen[bytes]]) -> None:
     cgroup_before = Path(f"/proc/{sleepers[0].pid}/cgroup").read_text()
-    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state)
+    holder, stress_pids, cg = start_holder(tmp_path, proxy_server, sleepers, state_dir)
     holder.send_signal(signal.SIGTERM)
     assert holder.wait(timeout=30) == 128 + signal.SIGTERM
     assert toxics(proxy_server) == []
@@ -134,38 +127,38 @@ def test_sigterm_undoes_everything_without_clear(tmp_path: Path, state: Path, pr
     assert state_of(sleepers[1].pid) != "T"
     time.sleep(0.2)
     assert not any(alive(p) for p in stress_pids)
-    assert list(state.glob("holder-*.json")) == []
+    assert list(state_dir.glob("holder-*.json")) == []
 
 
-def test_reused_pid_is_never_killed(state: Path) -> None:
+def test_reused_pid_is_never_killed(state_dir: Path) -> None:
     victim = subprocess.Popen(["sleep", "30"])
     try:
         start = proc_start_time(victim.pid)
         assert start is not None
-        state.mkdir(parents=True, mode=0o700)
+        state_dir.mkdir(parents=True, mode=0o700)
         # A dead run recorded this PID with another start time: the PID now belongs to someone else.
-        (state / "holder-999999-1.json").write_text(json.dumps({
+        (state_dir / "holder-999999-1.json").write_text(json.dumps({
             "holder": {"pid": 999999, "start": 1},
             "entries": {"process-1": {"kind": "process", "procs": [{"pid": victim.pid, "start": start + 1,
                                                                     "group": True, "comm": "sleep"}]}}}))
-        result = clear_leftovers(state)
+        result = clear_leftovers(state_dir)
         assert result.ok and len(result.cleared) == 1
         assert victim.poll() is None  # still running
-        assert list(state.glob("holder-*.json")) == []
+        assert list(state_dir.glob("holder-*.json")) == []
     finally:
         victim.kill()
         victim.wait()
 
 
-def test_live_runs_are_not_leftovers(state: Path) -> None:
-    reg = FaultRegistry(state)
+def test_live_runs_are_not_leftovers(state_dir: Path) -> None:
+    reg = FaultRegistry(state_dir)
     with reg.hold("paused", lambda e: None, pid=1, start=0):
         assert reg.path.exists() and oct(reg.path.stat().st_mode & 0o777) == "0o600"
-        assert check_leftovers(state) == []  # this process is alive: its faults are not leftovers
+        assert check_leftovers(state_dir) == []  # this process is alive: its faults are not leftovers
     assert not reg.path.exists()
 
 
-def test_pause_resumes_after_duration_and_on_exit(state: Path) -> None:
+def test_pause_resumes_after_duration_and_on_exit(state_dir: Path) -> None:
     p = subprocess.Popen(["sleep", "30"])
     try:
         with paused(p.pid, duration_s=0.3) as info:
@@ -184,8 +177,8 @@ def test_pause_resumes_after_duration_and_on_exit(state: Path) -> None:
         p.wait()
 
 
-def test_owned_process_kill_and_restart(state: Path) -> None:
-    reg = FaultRegistry(state)
+def test_owned_process_kill_and_restart(state_dir: Path) -> None:
+    reg = FaultRegistry(state_dir)
     with OwnedProcess(["sleep", "30"], registry=reg) as proc:
         first = proc.pid
         proc.restart(downtime_s=0.1)
@@ -197,9 +190,9 @@ def test_owned_process_kill_and_restart(state: Path) -> None:
 
 # ---- the state directory is private, and what it holds is never trusted blindly -------------------
 
-def _cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PY, "-m", "harness.cli", "faults", *args], capture_output=True, text=True,
-                          env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)), cwd=ROOT, timeout=60)
+                          env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)), cwd=ROOT, timeout=60)
 
 
 def _one_line_refusal(out: subprocess.CompletedProcess[str], words: str) -> None:
@@ -208,65 +201,65 @@ def _one_line_refusal(out: subprocess.CompletedProcess[str], words: str) -> None
     assert len(lines) == 1 and words in lines[0], out.stderr
 
 
-def test_state_dir_is_created_private_whatever_the_umask(state: Path) -> None:
+def test_state_dir_is_created_private_whatever_the_umask(state_dir: Path) -> None:
     old = os.umask(0)
     try:
-        reg = FaultRegistry(state)
+        reg = FaultRegistry(state_dir)
         with reg.hold("paused", lambda e: None, pid=1, start=0):
-            assert oct(state.stat().st_mode & 0o777) == "0o700" and state.stat().st_uid == os.geteuid()
+            assert oct(state_dir.stat().st_mode & 0o777) == "0o700" and state_dir.stat().st_uid == os.geteuid()
             assert oct(reg.path.stat().st_mode & 0o777) == "0o600"
     finally:
         os.umask(old)
 
 
 @pytest.mark.parametrize("how", ["mode 0777", "symlink", "other owner"])
-def test_an_unsafe_state_dir_is_refused_with_one_line(tmp_path: Path, state: Path, how: str) -> None:
+def test_an_unsafe_state_dir_is_refused_with_one_line(tmp_path: Path, state_dir: Path, how: str) -> None:
     if how == "other owner" and os.geteuid() != 0:
         pytest.skip("needs root to give the directory away")
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     if how == "mode 0777":
-        state.mkdir()
-        state.chmod(0o777)
+        state_dir.mkdir()
+        state_dir.chmod(0o777)
     elif how == "symlink":
-        state.symlink_to(real)
+        state_dir.symlink_to(real)
     else:
-        state.mkdir(mode=0o700)
-        os.chown(state, 65534, 65534)
+        state_dir.mkdir(mode=0o700)
+        os.chown(state_dir, 65534, 65534)
     words = {"mode 0777": "has mode 0777; it must be private (0700)", "symlink": "is a symlink",
              "other owner": "is owned by uid 65534"}[how]
     with pytest.raises(StateError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        FaultRegistry(state).register("paused", pid=1, start=0)
+        FaultRegistry(state_dir).register("paused", pid=1, start=0)
     for command in ("clear", "list"):
-        _one_line_refusal(_cli(state, command), words)
-    assert list(real.iterdir()) == [] and list(Path(state).iterdir() if not state.is_symlink() else []) == []
+        _one_line_refusal(_cli(state_dir, command), words)
+    assert list(real.iterdir()) == [] and list(Path(state_dir).iterdir() if not state_dir.is_symlink() else []) == []
 
 
-def test_symlinks_in_the_state_dir_are_never_followed(tmp_path: Path, state: Path) -> None:
+def test_symlinks_in_the_state_dir_are_never_followed(tmp_path: Path, state_dir: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    reg = FaultRegistry(state)
-    state.mkdir(mode=0o700)
-    (state / f".{reg.name}.tmp").symlink_to(victim)          # planted where the atomic write starts
+    reg = FaultRegistry(state_dir)
+    state_dir.mkdir(mode=0o700)
+    (state_dir / f".{reg.name}.tmp").symlink_to(victim)          # planted where the atomic write starts
     with reg.hold("paused", lambda e: None, pid=1, start=0):
         assert json.loads(reg.path.read_text())["entries"]   # written, through a fresh file
     assert victim.read_text() == "precious\n"
-    (state / "holder-999999-1.json").symlink_to(victim)
+    (state_dir / "holder-999999-1.json").symlink_to(victim)
     with pytest.raises(StateError, match="is a symlink; refusing to follow it"):
-        check_leftovers(state)
-    _one_line_refusal(_cli(state, "clear"), "is a symlink")
+        check_leftovers(state_dir)
+    _one_line_refusal(_cli(state_dir, "clear"), "is a symlink")
     assert victim.read_text() == "precious\n"
 
 
-def _plant(state: Path, entries: dict[str, dict], holder_start: int = 1) -> Path:
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = state / f"holder-999999-{holder_start}.json"
+def _plant(state_dir: Path, entries: dict[str, dict], holder_start: int = 1) -> Path:
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = state_dir / f"holder-999999-{holder_start}.json"
     path.write_text(json.dumps({"holder": {"pid": 999999, "start": holder_start}, "entries": entries}))
     return path
 
 
 @pytest.mark.root
-def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path, state: Path) -> None:
+def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path, state_dir: Path) -> None:
     victim, victim_dir = tmp_path / "victim", tmp_path / "victim-dir"
     victim.write_text("precious\n")
     victim_dir.mkdir()
@@ -276,7 +269,7 @@ def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path
         os.kill(foreign.pid, signal.SIGSTOP)
         older_start, foreign_start = proc_start_time(older.pid), proc_start_time(foreign.pid)
         assert older_start is not None and foreign_start is not None
-        planted = _plant(state, {
+        planted = _plant(state_dir, {
             "cgroup-0": {"kind": "cgroup", "version": 2, "files": [{"path": str(victim), "original": "max"}]},
             "cgroup-1": {"kind": "cgroup", "version": 2,
                          "files": [{"path": "/sys/fs/cgroup/cgroup.subtree_control", "original": "max"}]},
@@ -291,7 +284,7 @@ def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path
             "toxic-9": {"kind": "toxic", "api": f"file://{victim}", "proxy": "p", "toxic": "t"},
         }, holder_start=older_start + 1)
         before = planted.read_text()
-        result = clear_leftovers(state)
+        result = clear_leftovers(state_dir)
         assert result.cleared == [] and len(result.failed) == 10
         assert all("refused, nothing touched" in why for _, why in result.failed), result.failed
         reasons = " | ".join(why for _, why in result.failed)
@@ -304,7 +297,7 @@ def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path
         assert older.poll() is None and foreign.poll() is None
         assert Path(f"/proc/{foreign.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"  # not resumed
         assert json.loads(planted.read_text()) == json.loads(before)   # kept for a human to look at
-        out = _cli(state, "clear")
+        out = _cli(state_dir, "clear")
         assert out.returncode == 1 and "could NOT undo" in out.stdout and "refused" in out.stdout
     finally:
         for p in (older, foreign):

@@ -48,10 +48,10 @@ expect:
 def state_of(pid: int) -> str | None:
     """The process state letter (T: stopped), or None when it is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
-    return None if state == "Z" else state
+    return None if letter == "Z" else letter
 
 
 def wait_for(pred: Callable[[], bool], within_s: float) -> float | None:
@@ -71,13 +71,6 @@ def kill_if_same(pid: int, start: int | None) -> None:
 
 
 @pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "state"
-    monkeypatch.setenv("SHADOWTEST_STATE_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def target() -> Iterator[subprocess.Popen[bytes]]:
     p = subprocess.Popen(["sleep", "120"])
     yield p
@@ -85,18 +78,18 @@ def target() -> Iterator[subprocess.Popen[bytes]]:
     p.wait()
 
 
-def test_sigkill_of_the_holder_resumes_the_target(tmp_path: Path, state: Path,
+def test_sigkill_of_the_holder_resumes_the_target(tmp_path: Path, state_dir: Path,
                                                   target: subprocess.Popen[bytes]) -> None:
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
     holder = subprocess.Popen([PY, str(script), str(target.pid)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state), PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT)))
     assert holder.stdout is not None
     words = holder.stdout.readline().split()
     assert words and words[0] == "ready", "the holder could not pause"
     keeper = int(words[1])
     assert state_of(target.pid) == "T" and state_of(keeper) is not None
-    recorded = json.loads(next(state.glob("holder-*.json")).read_text())["entries"]
+    recorded = json.loads(next(state_dir.glob("holder-*.json")).read_text())["entries"]
     assert [e["keeper"]["pid"] for e in recorded.values()] == [keeper]   # `faults list` shows it
 
     holder.kill()
@@ -107,8 +100,8 @@ def test_sigkill_of_the_holder_resumes_the_target(tmp_path: Path, state: Path,
     assert wait_for(lambda: state_of(keeper) is None, 5.0) is not None    # the keeper did its job and left
 
 
-def test_normal_exit_resumes_once_and_reaps_the_keeper(state: Path, target: subprocess.Popen[bytes]) -> None:
-    reg = FaultRegistry(state)
+def test_normal_exit_resumes_once_and_reaps_the_keeper(state_dir: Path, target: subprocess.Popen[bytes]) -> None:
+    reg = FaultRegistry(state_dir)
     with paused(target.pid, registry=reg) as held:
         assert state_of(target.pid) == "T"
         keeper = held.keeper
@@ -121,21 +114,21 @@ def test_normal_exit_resumes_once_and_reaps_the_keeper(state: Path, target: subp
         assert state_of(target.pid) == "T"
 
 
-def test_a_terminated_keeper_resumes_rather_than_strands(state: Path, target: subprocess.Popen[bytes]) -> None:
-    with paused(target.pid, registry=FaultRegistry(state)) as held:
+def test_a_terminated_keeper_resumes_rather_than_strands(state_dir: Path, target: subprocess.Popen[bytes]) -> None:
+    with paused(target.pid, registry=FaultRegistry(state_dir)) as held:
         assert held.keeper is not None
         os.kill(held.keeper, signal.SIGTERM)          # e.g. someone cleaning up processes by PID
         assert wait_for(lambda: state_of(target.pid) not in ("T", "t"), RESUME_BOUND_S) is not None
     assert state_of(target.pid) not in ("T", "t")
 
 
-def test_kill_9_of_chaos_run_during_a_pause_resumes_the_agent(tmp_path: Path, state: Path) -> None:
+def test_kill_9_of_chaos_run_during_a_pause_resumes_the_agent(tmp_path: Path, state_dir: Path) -> None:
     scenario = tmp_path / "pause.yaml"
     scenario.write_text(SCENARIO)
     run = subprocess.Popen([PY, "-m", "harness.cli", "chaos", "run", str(scenario), "--report-dir",
                             str(tmp_path / "out"), "--no-png"], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True,
-                           env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)))
+                           env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)))
     lines: list[str] = []
     agent, agent_start, keeper = 0, None, 0
     try:
@@ -146,7 +139,7 @@ def test_kill_9_of_chaos_run_during_a_pause_resumes_the_agent(tmp_path: Path, st
             if "took effect" in line or time.monotonic() > deadline:
                 break
         assert any("process:pause" in x and "took effect" in x for x in lines), "".join(lines)
-        entry = next(e for f in state.glob("holder-*.json")
+        entry = next(e for f in state_dir.glob("holder-*.json")
                      for e in json.loads(f.read_text())["entries"].values() if e["kind"] == "paused")
         agent, agent_start, keeper = entry["pid"], entry["start"], entry["keeper"]["pid"]
         assert state_of(agent) == "T"
@@ -161,7 +154,7 @@ def test_kill_9_of_chaos_run_during_a_pause_resumes_the_agent(tmp_path: Path, st
         assert wait_for(lambda: state_of(keeper) is None, 5.0) is not None
         cleared = subprocess.run([PY, "-m", "harness.cli", "faults", "clear", "--json"], cwd=ROOT, timeout=60,
                                  capture_output=True, text=True,
-                                 env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state)))
+                                 env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)))
         assert cleared.returncode == 0, cleared.stdout + cleared.stderr
     finally:
         if run.poll() is None:
