@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from faults.errors import CpuFaultError
-from faults.process import _comm, kill_recorded, spawn
+from faults.process import _comm, kill_recorded
 from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
+from wire.process import spawn
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ids = itertools.count(1)

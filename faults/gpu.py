@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from faults.errors import GpuUnavailableError
-from faults.process import _comm, kill_recorded, spawn
+from faults.process import _comm, kill_recorded
 from faults.state import FaultRegistry, default_registry, proc_start_time
+from wire.process import spawn
 
 
 @functools.cache

@@ -18,9 +18,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from faults.errors import ProxyApiError, ProxyUnavailableError
-from faults.process import OwnedProcess, free_port
+from faults.process import OwnedProcess
 from faults.proxy.server import EmbeddedToxiproxy
 from faults.state import FaultRegistry, default_registry
+from wire.process import free_port
 
 
 def _wait_listening(host: str, port: int, timeout: float) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 from faults.errors import ProcessFaultError
 from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
-from wire.process import die_with_parent, end_child, free_port, spawn  # noqa: F401 - faults.process's names too
+from wire.process import spawn
 
 
 def signal_if_same(pid: int, start: int | None, sig: int) -> bool:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from faults.process import free_port
 from harness.errors import RunError
+from wire.process import free_port
 
 BACKENDS = ("ebpf", "pcap", "proxy")
 

@@ -31,7 +31,7 @@ from typing import Any
 from harness.errors import RunError
 from harness.scenario import PrometheusSpec
 from harness.yamlnodes import Node
-from wire.process import free_port, spawn
+from wire.process import end_child, free_port, spawn
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 1.0
 MAX_RULE_FILES = 32
@@ -201,8 +201,6 @@ class PrometheusServer:
         return {"alerts": alerts, "step_s": step, "url": self.url, "rules": list(self.spec.rules)}
 
     def _stop_proc(self) -> None:
-        from faults.process import end_child
-
         proc, self.proc = self.proc, None
         if proc is not None:
             end_child(proc)

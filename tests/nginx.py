@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from faults.process import free_port
+from wire.process import free_port
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 

@@ -52,7 +52,7 @@ from agent_under_test.market import MarketSim, make_snapshot
 from agent_under_test.protection import ProtectionGuard
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
 from agent_under_test.snapshot import parse_snapshot
-from faults.process import free_port
+from wire.process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broken_agent import broken  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Recording
-from faults.process import free_port
+from wire.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, eBPF)")]

@@ -40,8 +40,8 @@ from capture.pcap_export import export_file
 from capture.record import Recorder
 from capture.recording import Call, Recording, call_damage
 from capture.summary import summarize
-from faults.process import free_port
 from tests.nginx import PREAMBLE, TEMP_PATHS, make_cert, running_nginx
+from wire.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,

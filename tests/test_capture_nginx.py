@@ -29,7 +29,7 @@ from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
-from faults.process import free_port
+from wire.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("wrk") is None,

@@ -32,8 +32,8 @@ from capture.ebpf.tls import find_libssl
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
-from faults.process import free_port
 from tests.nginx import make_cert
+from wire.process import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,

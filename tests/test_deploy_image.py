@@ -27,10 +27,10 @@ import yaml
 from capture import privileges
 from capture.ebpf.tls import find_libssl
 from capture.recording import Recording
-from faults.process import free_port
 from tests.polling import recording_meta, wait_for
 from tests.test_capture_bounded import ALERT, _post
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _curl
+from wire.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "deploy" / "recorder" / "daemonset.yaml"

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from capture.recording import Call, Flow, RecordingWriter
-from faults.process import free_port
 from harness.commands.locust import locustfile
 from replay.testing import EchoServer, write_unary_recording
+from wire.process import free_port
 
 MS = 1_000_000
 ROOT = Path(__file__).resolve().parents[1]

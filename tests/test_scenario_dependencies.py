@@ -32,9 +32,9 @@ from typing import Any
 
 import pytest
 
-from faults.process import free_port
 from harness.errors import ScenarioError
 from harness.scenario_load import load_scenario, load_scenario_text
+from wire.process import free_port
 
 REDIS = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed")

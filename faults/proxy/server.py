@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from faults.proxy.api import serve_connection
 from faults.proxy.collection import ProxyCollection
 from faults.proxy.model import ApiError
 from faults.state import FaultRegistry, default_registry
-from wire.process import spawn
+from wire.process import end_child, spawn
 
 T = TypeVar("T")
 
@@ -284,13 +283,7 @@ class ProxyProcess:
         return f"http://{self.host}:{self.port}"
 
     def stop(self, timeout: float = 5) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_child(self.proc, term_s=timeout)
 
     def __enter__(self) -> ProxyProcess:
         return self
