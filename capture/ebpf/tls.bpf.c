@@ -154,32 +154,21 @@ static __always_inline u64 wake_flag(u32 size) {
     return BPF_RB_FORCE_WAKEUP;
 }
 
-/* The birth of recorded socket `key`'s plaintext stream, made now if it has none. A call notes it
- * when it starts: a socket closed (its entry removed) or closed and reused (a new entry) while the
- * call was in flight is told from its own by it at the call's return. */
-static __always_inline u64 stream_born(u64 key) {
+/* Recorded socket `key`'s plaintext stream, made now (born now, at 0 and 0) if it has none. NULL
+ * only if the map cannot take it. A socket the LRU evicted starts again at 0 (user space sees a
+ * position behind its own and says so). */
+static __always_inline struct stream_pos *stream_of(u64 key) {
     struct stream_pos fresh = {.born = bpf_ktime_get_ns()};
     positions.insert(&key, &fresh);
-    struct stream_pos *p = positions.lookup(&key);
-    return p ? p->born : 0;
+    return positions.lookup(&key);
 }
 
-/* Where the call's bytes start in its direction's stream; advances the stream. NULL-safe: a socket
- * the LRU evicted starts again at 0 (user space sees a position behind its own and says so). */
-static __always_inline u64 advance(u64 key, u8 is_write, u64 n, u64 *born) {
-    struct stream_pos fresh = {.born = bpf_ktime_get_ns()};
-    positions.insert(&key, &fresh);
-    struct stream_pos *p = positions.lookup(&key);
-    if (!p)
-        return 0;
-    *born = p->born;
-    /* one thread moves one direction of a socket at a time: no atomic needed */
-    u64 start = is_write ? p->wr : p->rd;
-    if (is_write)
-        p->wr = start + n;
-    else
-        p->rd = start + n;
-    return start;
+/* The birth of the stream: a call notes it when it starts, so that a socket closed (its entry
+ * removed) or closed and reused (a new entry) while the call was in flight is told from its own at
+ * the call's return. */
+static __always_inline u64 stream_born(u64 key) {
+    struct stream_pos *p = stream_of(key);
+    return p ? p->born : 0;
 }
 
 static __always_inline int call_enter(struct pt_regs *ctx, u8 kind, u8 ex) {
@@ -264,7 +253,16 @@ static __always_inline int emit_plain(u32 tgid, u32 fd, u8 is_write, u64 buf, u6
     } else {
         if (!born && !socks.lookup(&key))
             return 0;         /* not a recorded connection: nothing to copy */
-        start = advance(key, is_write, n, &born);
+        if (!p)
+            p = stream_of(key);
+        if (p) {              /* where the call's bytes start; one thread moves a direction at a time */
+            born = p->born;
+            start = is_write ? p->wr : p->rd;
+            if (is_write)
+                p->wr = start + n;
+            else
+                p->rd = start + n;
+        }
     }
     u32 cpu = bpf_get_smp_processor_id();
     struct tls_buf *b = scratch.lookup(&cpu);

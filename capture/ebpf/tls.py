@@ -197,7 +197,7 @@ class TlsProgram:
             self.bpf[b"tls_events"].open_ring_buffer(self._on_event)
             self._ring = RingReader(self.bpf, b"tls_events")
         except Exception as exc:  # noqa: BLE001 - attach errors are plain Exception
-            uprobe_multi.close_all([fd for fds in self._links.values() for fd in fds])
+            self._close_links()
             self.bpf.cleanup()
             self._release_all()
             raise PrivilegeError(str(exc)) from exc
@@ -357,6 +357,11 @@ class TlsProgram:
         self._links[key] = made
         return True
 
+    def _close_links(self) -> None:
+        links = [fd for fds in self._links.values() for fd in fds]
+        self._links.clear()
+        uprobe_multi.close_all(links)
+
     def _detach(self, short: bytes, sym: str) -> None:
         for how in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
             try:
@@ -437,9 +442,7 @@ class TlsProgram:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._ring.close()
-        links = [fd for fds in self._links.values() for fd in fds]
-        self._links.clear()
-        uprobe_multi.close_all(links)
+        self._close_links()
         detach.cleanup(self.bpf)
         self._release_all()
 

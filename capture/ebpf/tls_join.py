@@ -160,8 +160,8 @@ class TlsJoiner:
         self._orphans: dict[tuple[int, int], list[tuple[int, int, bytes, int, int, int]]] = {}   # no flow yet
         self._orphan_bytes = 0
         self._first: dict[tuple[int, int], float] = {}             # when its first orphan came
-        # flows closed, held for late calls: sink key -> (conn, its fd, close time, let go at (monotonic ns))
-        self._closing: dict[Hashable, tuple[_Conn, tuple[int, int], int | None, int]] = {}
+        # flows closed, held for late calls: sink key -> (conn, its fd, let go at (monotonic ns))
+        self._closing: dict[Hashable, tuple[_Conn, tuple[int, int], int]] = {}
         self._closing_fd: dict[tuple[int, int], list[_Conn]] = {}     # the same, by fd
         self.flows: list[list[object]] = []                        # [flow, tls, reason, ciphertext bytes]
         self.counts = {"plaintext_flows": 0, "encrypted_flows": 0, "ciphertext_bytes_not_stored": 0,
@@ -296,7 +296,7 @@ class TlsJoiner:
         self.sink.rekey(c.key, held_key)
         c.key = held_key
         c.closed_ns = ts_ns
-        self._closing[held_key] = (c, fdkey, ts_ns, time.monotonic_ns() + _CLOSE_GRACE_NS)
+        self._closing[held_key] = (c, fdkey, time.monotonic_ns() + _CLOSE_GRACE_NS)
         self._closing_fd.setdefault(fdkey, []).append(c)
         if len(self._closing) > _CLOSING_MAX:
             self._let_go([next(iter(self._closing))])
@@ -304,9 +304,9 @@ class TlsJoiner:
     def _let_go(self, held_keys: list[Hashable]) -> None:
         """Held flows whose wait is over: their records still queued, their final positions, their close."""
         due = [self._closing.pop(k) for k in held_keys]
-        fds = {fdkey for _c, fdkey, _ts, _deadline in due}
+        fds = {fdkey for _c, fdkey, _deadline in due}
         if self._ready:
-            ours = {id(c) for c, _fd, _ts, _deadline in due}
+            ours = {id(c) for c, _fd, _deadline in due}
             mine = [rec for rec in self._ready
                     if rec[1] in fds and id(self._owner(rec[1], rec[0], rec[7], rec[8], rec[2] == _CLOSE)) in ours]
             if mine:
@@ -315,19 +315,19 @@ class TlsJoiner:
                 for rec in mine:
                     self._ready_bytes -= len(rec[3])
                     self._hand_on(*rec)
-        for c, fdkey, ts_ns, _deadline in due:
+        for c, fdkey, _deadline in due:
             held = self._closing_fd[fdkey]
             held.remove(c)
             if not held:
                 del self._closing_fd[fdkey]
             self._settle(c)
             self._finish(c)
-            self.sink.close_flow(c.key, ts_ns)
+            self.sink.close_flow(c.key, c.closed_ns)
 
     def _let_go_due(self, force: bool = False) -> None:
         now = time.monotonic_ns()
         due = []
-        for held_key, (_c, _fd, _ts, deadline) in self._closing.items():
+        for held_key, (_c, _fd, deadline) in self._closing.items():
             if not force and deadline > now:
                 break           # held in the order they closed: the rest wait longer
             due.append(held_key)
