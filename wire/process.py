@@ -65,7 +65,7 @@ def spawn(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
     End it with `end_child` (SIGTERM, then SIGKILL). OSError when it cannot run: the caller says what to
     install in its own words. The pause keeper is the one process started otherwise (it must outlive
     the thread that paused, and watches the whole process instead)."""
-    sig = death_signal
     return subprocess.Popen(list(argv), env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                             start_new_session=session, process_group=None if session else 0,
-                            preexec_fn=None if sig is None else lambda: die_with_parent(sig))  # noqa: PLW1509
+                            preexec_fn=None if death_signal is None
+                            else lambda: die_with_parent(death_signal))  # noqa: PLW1509
