@@ -22,7 +22,8 @@ process by `BrokenAgent` (an AgentProcess whose command runs this file). The def
     flapping           the tier flips at forward passes, up to 5 times a second
     lose_counts        every 25th finished call is missing from agent_requests_total
     errors             every 8th batch fails (INTERNAL) instead of running
-    slow               every 4th call stalls the event loop for 30 ms
+    slow               the event loop stalls for 60 ms every 200 ms (at a call's admission): 30 % of the loop
+                       whatever the host's speed or the call rate
     cache_blocks       Redis lookups wait without any timeout: a call blocks on a slow or stopped Redis
     circuit_stuck      once open, the Redis circuit never half-opens, so it never closes again
     dependency_alert_never  DependencySlow never fires (the Redis P99 and circuit are judged, never acted on)
@@ -221,7 +222,7 @@ class BrokenGuard(protection.ProtectionGuard):
         self._finished = 0
         self._kept: list[bytes] = []
         self._batches = 0
-        self._admitted = 0
+        self._stalled_at = 0.0
 
     # The recorder is replaced at every tick; a P95-for-P99 recorder replaces it each time.
     @property
@@ -239,9 +240,10 @@ class BrokenGuard(protection.ProtectionGuard):
 
     def admit(self, method: str) -> float | None:
         if "slow" in self.defects:
-            self._admitted += 1
-            if self._admitted % 4 == 0:
-                time.sleep(0.03)           # on the event loop: every call behind it waits too
+            now = time.monotonic()
+            if now - self._stalled_at >= 0.2:
+                self._stalled_at = now
+                time.sleep(0.06)           # on the event loop: every call behind it waits too
         return super().admit(method)
 
     def finish(self, method: str, latency_s: float, outcome: str) -> None:
