@@ -29,7 +29,8 @@ from harness.runner import Runner, RunOptions  # noqa: E402
 from harness.scenario import GeneratorTraffic  # noqa: E402
 from harness.scenario_load import load_scenario_text  # noqa: E402
 from harness.traffic import generator_plan  # noqa: E402
-from replay.engine import ReplayOptions, ReplayRun  # noqa: E402
+from replay.engine import ReplayRun  # noqa: E402
+from replay.options import ReplayOptions  # noqa: E402
 from wire.stats import percentile  # noqa: E402
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay.engine import ReplayOptions, ReplayRun  # noqa: E402
+from replay.engine import ReplayRun  # noqa: E402
+from replay.options import ReplayOptions  # noqa: E402
 from replay.plan import plan_from_recording  # noqa: E402
 from replay.schedule import ScheduleOptions  # noqa: E402
 from replay.senders.grpc import GrpcSender  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replay.engine import ReplayOptions  # noqa: E402
+from replay.options import ReplayOptions  # noqa: E402
 from replay.testing import DECIDE, write_unary_recording  # noqa: E402
 from replay.workers import WorkerPool  # noqa: E402
 

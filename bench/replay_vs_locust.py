@@ -32,7 +32,8 @@ from replay.testing import write_unary_recording  # noqa: E402
 
 OURS = textwrap.dedent("""
     import json, sys, time
-    from replay.engine import ReplayOptions, ReplayRun
+    from replay.engine import ReplayRun
+    from replay.options import ReplayOptions
     run = ReplayRun(sys.argv[1], sys.argv[2], ReplayOptions(sender=sys.argv[3]))
     cpu = time.process_time()
     rep = run.run()

@@ -38,7 +38,8 @@ from wire.process import free_port  # noqa: E402
 
 CLIENT = textwrap.dedent("""
     import json, sys, time
-    from replay.engine import ReplayOptions, ReplayRun
+    from replay.engine import ReplayRun
+    from replay.options import ReplayOptions
     from replay.senders.tls import TlsConfig
     path, target, sender, ca = sys.argv[1:5]
     run = ReplayRun(path, target, ReplayOptions(sender=sender, tls=TlsConfig(ca=ca) if ca != "-" else None))

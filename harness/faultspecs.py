@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from harness.checks.base import Param
-from harness.durations import MAX_DURATION_S
 from harness.yamlnodes import Bound
+from wire.durations import MAX_DURATION_S
 
 _STREAM = Param("choice:upstream,downstream", help="direction the toxic acts on (default downstream)")
 _TOXICITY = Param("number", help="share of connections affected, 0..1 (default 1)")

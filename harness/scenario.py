@@ -90,8 +90,15 @@ class RecordingTraffic:
     loop: int | str = 1
     methods: tuple[str, ...] = ()
     window: tuple[float, float] | None = None   # seconds into the recording
+    flows: tuple[int, ...] = ()
+    method_map: tuple[str, ...] = ()            # [FLOW:]REF=METHOD, as `replay --method-map`
     line: int | None = None
     timeout_ms: float | None = None             # each call's deadline; None: the runner's default
+
+    def replay_values(self, **more: object) -> dict[str, object]:
+        """The replay options (replay/options.py) this traffic sets, with `more` (loop, seed)."""
+        return {"speed": self.speed, "window": self.window, "methods": self.methods, "flows": self.flows,
+                "method_map": self.method_map, **more}
 
     @property
     def until_end(self) -> bool:

@@ -14,7 +14,6 @@ from typing import Any
 from agent_under_test.config import ServeOptions
 from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
-from harness.durations import MAX_DURATION_S, format_duration, parse_duration
 from harness.errors import ScenarioError
 from harness.faultspecs import (
     CALL_FAULTS,
@@ -42,6 +41,7 @@ from harness.scenario import (
 )
 from harness.yamlnodes import Bound, Node, compose
 from replay.schedule import MAX_SPEED, MIN_SPEED
+from wire.durations import MAX_DURATION_S, format_duration
 
 # Options of the bundled agent the runner passes to AgentProcess, with their types.
 AGENT_OPTIONS: dict[str, Param] = {
@@ -165,6 +165,9 @@ def typed(node: Node, param: Param, what: str, phases: set[str] | None = None,
         return node.boolean(what)
     if kind == "strlist":
         return node.strings(what)
+    if kind == "list":    # strings or whole numbers (a replay option's list: methods, flows)
+        items = node.sequence(what) if isinstance(node.value(), list) else [node]
+        return tuple(str(n.scalar(what)) for n in items)
     if kind == "phases":
         names = node.strings(what)
         for name in names:
@@ -461,32 +464,36 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
                                                  "from (default 200)")}
         return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
                                                bounds=TRAFFIC_BOUNDS))
-    spec = {"recording": Param("str", required=True), "speed": Param("number"),
-            "loop": Param("loop", help=f"passes, or {UNTIL_END}"), "methods": Param("strlist"),
-            "window": Param("str"), "timeout_ms": _TIMEOUT}
+    from replay.options import SCENARIO, OptionError, offered, schedule_options
+
+    spec = {"recording": Param("str", required=True),
+            **{o.name: Param(_PARAM_KINDS[o.kind], help=o.help) for o in offered(SCENARIO)},
+            "loop": Param("loop", help=f"passes, or {UNTIL_END}"),
+            "timeout_ms": _TIMEOUT}   # the older spelling of `timeout`
     values = typed_params(node, spec, "traffic", bounds=TRAFFIC_BOUNDS)
+    if "timeout" in values and "timeout_ms" in values:
+        entries["timeout_ms"].fail("traffic: give one of timeout and timeout_ms (the older spelling)")
+    if "timeout" in values:
+        values["timeout_ms"] = values.pop("timeout") * 1000
+        if not values["timeout_ms"] > 0:
+            entries["timeout"].fail("traffic.timeout: must be above 0 (each call's deadline)")
     path = Path(values.pop("recording"))
     values["path"] = str(path if path.is_absolute() else base / path)
-    if "window" in values:
-        values["window"] = _window(entries["window"])
+    try:
+        sched = schedule_options({k: v for k, v in values.items() if k in _SCHEDULED})
+    except OptionError as exc:
+        where = entries.get(exc.option.name) if exc.option else None
+        (where or node).fail(exc.spelled(SCENARIO))
+    values.update(window=sched.window, flows=tuple(sorted(sched.flows)))
     # Where a warning that the traffic ends early points: the `loop` entry, else the traffic itself.
     values["line"] = entries["loop"].line if "loop" in entries else node.line
     return RecordingTraffic(**values)
 
 
-def _window(node: Node) -> tuple[float, float]:
-    text = node.string("traffic.window")
-    parts = text.split(":")
-    if len(parts) != 2:
-        node.fail(f"traffic.window: expected START:END like 0s:30s, got {text!r}")
-    try:
-        start, end = parse_duration(parts[0]), parse_duration(parts[1])
-    except ValueError as exc:
-        node.fail(f"traffic.window: {exc}")
-    if not start < end <= MAX_DURATION_S:
-        node.fail(f"traffic.window {text} must have START before END, and END at most "
-                  f"{format_duration(MAX_DURATION_S)} into the recording")
-    return start, end
+# How a scenario types each kind of replay option (replay/options.py), and the keys that shape the schedule.
+_SCHEDULED = ("speed", "window", "methods", "flows", "method_map")
+_PARAM_KINDS = {"number": "number", "int": "int", "list": "list", "window": "str", "duration": "duration",
+                "choice": "str", "flag": "bool", "text": "str", "file": "str"}
 
 
 _WATCH_BOUNDS = {"pid": Bound(1, 1 << 22, whole=True, note="(a process id)")}

@@ -164,7 +164,8 @@ def recording_span(traffic: RecordingTraffic) -> RecordingSpan:
     from capture.deferred import calls_pending, pending_message
     from capture.recording import Recording
     from replay.errors import PlanError
-    from replay.schedule import ScheduleOptions, build_plan
+    from replay.options import schedule_options
+    from replay.schedule import build_plan
     from replay.source import tcp_calls, tcp_flow_starts
 
     rec = Recording(traffic.path)
@@ -176,8 +177,7 @@ def recording_span(traffic: RecordingTraffic) -> RecordingSpan:
             calls = (c for c in rec.calls(with_messages=False) if c.protocol != "tcp")
             return heapq.merge(calls, tcp_calls(rec, tcp_flow_starts(rec)), key=lambda c: c.request_ts_ns)
 
-        options = ScheduleOptions(speed=traffic.speed, window=traffic.window, loop=2,
-                                  methods=frozenset(traffic.methods))
+        options = schedule_options(traffic.replay_values(loop=2))
         first: int | None = None
         last: int | None = None
         second: int | None = None
@@ -280,8 +280,9 @@ class TrafficRun:
                  seed: int, timeout_s: float = 5.0, *, tls: Any = None, headers: Any = None,
                  compare: Any = None) -> None:
         from capture.errors import CaptureError
-        from replay.engine import ReplayOptions, ReplayRun
+        from replay.engine import ReplayRun
         from replay.errors import ReplayError
+        from replay.options import ReplayOptions, schedule_options
         from replay.schedule import ScheduleOptions
 
         self.t0_ns = t0_ns
@@ -305,8 +306,7 @@ class TrafficRun:
                 # until_end: as many passes as the phases consume (the plan is cut at the last phase).
                 self.loops = recording_span(traffic).loops_for(base_duration(profile)) if traffic.until_end \
                     else int(traffic.loop)
-                schedule = ScheduleOptions(speed=traffic.speed, window=traffic.window, loop=self.loops,
-                                           methods=frozenset(traffic.methods), seed=seed)
+                schedule = schedule_options(traffic.replay_values(loop=self.loops, seed=seed))
                 recording, plan = plan_from_recording(traffic.path, schedule)
                 self._recording: Any = recording
             else:

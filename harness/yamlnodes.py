@@ -15,8 +15,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from harness.durations import format_duration, parse_duration
 from harness.errors import ScenarioError
+from wire.durations import format_duration, parse_duration
 
 # YAML 1.2's float form. PyYAML (YAML 1.1) reads a plain `1e12` or `1.0e12` as a string; as a
 # number field's value it is meant as a number, so it is taken as one (and then range-checked).

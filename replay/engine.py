@@ -27,12 +27,13 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from replay import report as report_mod
 from replay.clock import Clock, TimerfdClock, real_clock, run_ticks
+from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
 from replay.senders.headers import HeaderPolicy
@@ -61,46 +62,6 @@ _PROTOCOL_SENDER = {"grpc": "h2", "http2": "h2", "http1": "http1", "tcp": "tcp"}
 _LEAN_SENDERS = frozenset({"h2", "http1", "tcp"})  # no grpcio: safe on uvloop
 _NAMED = frozenset({"grpc", "http2"})  # protocols whose calls need a method (:path) to be sent
 _BODYLESS = frozenset({"http1", "http2"})  # HTTP requests may have no body (GET); gRPC calls never do
-
-
-@dataclass
-class ReplayOptions:
-    """How to replay (the schedule options say what and when).
-
-    sender: a registered sender name for every call, or "auto" (by each call's protocol).
-    timeout_s: per call, after its last request message. max_in_flight: per connection (policy above).
-    lookahead_s: how far ahead of now the plan is read (bounds memory).
-    spin_us: the real clock spins this long before each send (accuracy vs client CPU; 0: never;
-        -1: the clock's default, none with a timerfd at 1 ns slack, 300 us without).
-    start_at_ns: t0 on the clock (workers pass a shared one); None: now.
-    compare: a `replay.compare.Comparer` (or a CompareSpec, built at start) to check responses
-        against recorded ones, or None.
-    event_loop: "auto", "asyncio" or "uvloop" (for `run()`). auto: uvloop when it is installed and
-        the run uses only the lean senders (h2, http1, tcp) without compare; grpcio's asyncio layer
-        (the grpc sender, reflection) stays on the standard loop it is tested with.
-    tls: speak TLS to the target (replay.senders.tls.TlsConfig: CA, client certificate, --insecure,
-        server name), every sender alike; None: cleartext.
-    headers: which recorded headers/metadata go out and what is added (replay.senders.headers.HeaderPolicy);
-        None: the default policy (recorded end-to-end headers, no trace context, the replay marker).
-    salvage: read a damaged recording's intact part (capture.integrity) and count the calls it lost
-        as not sent, "damaged_recording" (the CLI refuses a damaged file without --salvage).
-    """
-
-    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
-    sender: str = "auto"
-    sender_options: dict[str, object] = field(default_factory=dict)
-    timeout_s: float = 10.0
-    max_in_flight: int = 256
-    lookahead_s: float = 0.2
-    start_at_ns: int | None = None
-    stop_grace_s: float = 1.0
-    spin_us: int = -1
-    allow_targets: tuple[str, ...] = ()
-    compare: Comparer | CompareSpec | None = None
-    event_loop: str = "auto"
-    tls: TlsConfig | None = None
-    headers: HeaderPolicy | None = None
-    salvage: bool = False
 
 
 @dataclass(eq=False)  # identity hashing: live calls sit in a set

@@ -28,34 +28,20 @@ _PROGRESS_S = 0.5
 
 
 def _options(cfg: dict[str, Any]) -> Any:
-    from replay.engine import ReplayOptions
-    from replay.schedule import ScheduleOptions
-    from replay.shadow import ShadowValues
+    """The ReplayOptions of the master's option values (replay/options.py), for shard `cfg["shard"]`,
+    starting at the shared wall-clock `start_wall`; a bad value (a TLS file missing on this worker):
+    ValueError, one line spelled as Locust's options are."""
+    from dataclasses import replace
 
-    w, s = cfg.get("window"), cfg["shard"]
-    window = (float(w[0]), float(w[1])) if w else None
-    shadow = cfg.get("shadow") or {}
-    sched = ScheduleOptions(speed=float(cfg.get("speed", 1.0)), loop=int(cfg.get("loop", 1)), window=window,
-                            methods=frozenset(cfg.get("methods") or ()), shard=(int(s[0]), int(s[1])),
-                            shard_by=str(cfg.get("shard_by", "call")),
-                            shadow=ShadowValues(tuple((str(k), str(v)) for k, v in shadow.get("query", ())),
-                                                tuple((str(k), str(v)) for k, v in shadow.get("field", ()))))
+    from replay.options import LOCUST, OptionError, build, with_schedule
+
+    try:
+        opts = build(cfg["values"])
+    except OptionError as exc:
+        raise ValueError(exc.spelled(LOCUST)) from None
+    s = cfg["shard"]
     lead_ns = int((float(cfg["start_wall"]) - time.time()) * 1e9)
-    tls, headers = None, None
-    if cfg.get("tls"):
-        from replay.senders.tls import TlsConfig
-        tls = TlsConfig(**cfg["tls"])
-        tls.check()  # a file missing on this worker: one line to the master
-    if cfg.get("headers"):
-        from replay.senders.headers import HeaderPolicy
-        h = cfg["headers"]
-        headers = HeaderPolicy(tuple((str(k), str(v)) for k, v in h.get("set", ())), tuple(h.get("drop", ())),
-                               bool(h.get("marker", True)), bool(h.get("keep_trace_context", False)))
-    return ReplayOptions(tls=tls, headers=headers, schedule=sched, sender=str(cfg.get("sender", "auto")),
-                         timeout_s=float(cfg.get("timeout_s", 10.0)),
-                         max_in_flight=int(cfg.get("max_in_flight", 256)),
-                         allow_targets=tuple(cfg.get("allow_targets") or ()),
-                         start_at_ns=time.monotonic_ns() + max(0, lead_ns))
+    return replace(with_schedule(opts, shard=(int(s[0]), int(s[1]))), start_at_ns=time.monotonic_ns() + max(0, lead_ns))
 
 
 def main() -> int:

@@ -56,7 +56,6 @@ from replay.stats import RunStats, percentiles_ms, percentiles_us
 from wire.process import spawn
 
 CHUNK = 1 << 20
-SENDERS = ("auto", "h2", "grpc", "http1", "tcp")
 _RECORDING_WAIT_S = 60.0
 _HELLO_EVERY_S, _HELLO_TRIES = 0.5, 240
 _PREFIX = "shadowtest: "
@@ -75,47 +74,17 @@ def _add_arguments(parser: Any) -> None:
                    help="recording to replay; read by the master and sent to every worker")
     g.add_argument("--shadow-recording-on-workers", action="store_true", default=False,
                    help="do not send the recording: each worker opens --shadow-recording itself (same path)")
-    g.add_argument("--shadow-speed", type=float, default=1.0, help="time multiplier 0.1-100")
-    g.add_argument("--shadow-loop", type=int, default=1, help="play the recording N times")
-    g.add_argument("--shadow-timeout", type=float, default=10.0, help="per-call timeout in seconds")
     g.add_argument("--shadow-start-delay", type=float, default=2.0,
                    help="seconds after the test start at which every worker starts")
-    g.add_argument("--shadow-max-in-flight", type=int, default=256, help="per connection (drop-new)")
-    g.add_argument("--shadow-window", default="", metavar="A:B", help="only seconds A to B of the recording")
-    g.add_argument("--shadow-method", default="", help="only these methods (comma separated)")
-    g.add_argument("--shadow-sender", default="auto", choices=SENDERS,
-                   help="auto (by protocol; gRPC: the lean h2 sender), h2, grpc, http1 or tcp")
-    g.add_argument("--shadow-shard-by", default="call", choices=("call", "connection"),
-                   help="split the calls over the workers (even for one connection) or whole connections")
-    g.add_argument("--shadow-allow-target", action="append", default=[], metavar="HOST",
-                   help="allow this non-loopback host/CIDR as --host (repeatable)")
     g.add_argument("--shadow-max-recording-mb", type=int, default=256,
                    help="largest recording the master sends to workers")
     g.add_argument("--shadow-stop-grace", type=float, default=3.0,
                    help="seconds the master waits for the workers' final counts when the run time ends")
     g.add_argument("--shadow-json", default="", metavar="FILE", help="write shadowtest's accounting as JSON")
-    # TLS and headers, as `shadowtest replay`'s options; the files must exist at the same path on every worker.
-    g.add_argument("--shadow-tls", action="store_true", default=False,
-                   help="speak TLS to the target (verified with the system CAs or --shadow-ca)")
-    g.add_argument("--shadow-ca", default=None, metavar="FILE", help="TLS: trust only the CAs in this PEM file")
-    g.add_argument("--shadow-cert", default=None, metavar="FILE", help="TLS: client certificate (PEM) for mTLS")
-    g.add_argument("--shadow-key", default=None, metavar="FILE", help="TLS: the client certificate's key")
-    g.add_argument("--shadow-insecure", action="store_true", default=False,
-                   help="TLS without verifying the server's certificate or name")
-    g.add_argument("--shadow-server-name", default=None, metavar="NAME", help="TLS: the name sent as SNI and verified")
-    g.add_argument("--shadow-set-header", action="append", default=[], metavar="NAME=VALUE",
-                   help="add or replace this header / gRPC metadata on every call (repeatable)")
-    g.add_argument("--shadow-set-query", action="append", default=[], metavar="NAME=VALUE",
-                   help="HTTP calls: give query parameter NAME this value where recorded (a masked key; repeatable)")
-    g.add_argument("--shadow-set-field", action="append", default=[], metavar="PATH=VALUE",
-                   help="HTTP calls: give the JSON field at dotted PATH (or form field PATH) this value where "
-                        "recorded (repeatable)")
-    g.add_argument("--shadow-drop-header", action="append", default=[], metavar="GLOB",
-                   help="do not replay recorded headers whose name matches (repeatable)")
-    g.add_argument("--shadow-no-marker", action="store_true", default=False,
-                   help="do not add the header x-shadowtest-replay: 1")
-    g.add_argument("--shadow-keep-trace-context", action="store_true", default=False,
-                   help="replay traceparent, tracestate, b3, x-b3-*, uber-trace-id (stripped by default)")
+    # Every `shadowtest replay` option, as --shadow-NAME (replay/options.py: one declaration for both).
+    # TLS files must exist at the same path on every worker.
+    from replay.options import add_argparse
+    add_argparse(g)
 
 
 class ReplayFailure(Exception):
@@ -148,57 +117,11 @@ def _target(host: str | None) -> str:
     return text.rstrip("/")
 
 
-def _window(text: str) -> tuple[float, float] | None:
-    if not text:
-        return None
-    start, sep, end = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        return float(start or 0), float(end)
-    except ValueError:
-        raise ValueError(f"--shadow-window {text!r}: use START:END in seconds, e.g. 10:70") from None
-
-
 def _config(opts: Any, target: str) -> dict[str, Any]:
-    """What every shard needs (the schedule and sender options), JSON-able."""
-    return {"target": target, "speed": opts.shadow_speed, "loop": opts.shadow_loop,
-            "timeout_s": opts.shadow_timeout, "window": _window(opts.shadow_window),
-            "methods": [m for m in opts.shadow_method.split(",") if m], "max_in_flight": opts.shadow_max_in_flight,
-            "sender": opts.shadow_sender, "allow_targets": list(opts.shadow_allow_target), "shard_by": opts.shadow_shard_by,
-            "tls": _tls(opts), "headers": _headers(opts), "shadow": _shadow(opts)}
-
-
-def _tls(opts: Any) -> dict[str, Any] | None:
-    """The TLS options as JSON (paths: each worker reads the files itself); checked here, exit 2 when bad."""
-    from replay.senders.tls import TlsConfig
-    config = TlsConfig.from_options(opts.shadow_tls, opts.shadow_ca, opts.shadow_cert, opts.shadow_key,
-                                    opts.shadow_insecure, opts.shadow_server_name, opts.shadow_sender)
-    return None if config is None else {"ca": config.ca, "cert": config.cert, "key": config.key,
-                                        "insecure": config.insecure, "server_name": config.server_name}
-
-
-def _headers(opts: Any) -> dict[str, Any]:
-    from replay.senders.headers import HeaderPolicy
-    policy = HeaderPolicy.from_options(tuple(opts.shadow_set_header), tuple(opts.shadow_drop_header),
-                                       marker=not opts.shadow_no_marker,
-                                       keep_trace_context=opts.shadow_keep_trace_context)
-    return {"set": [list(kv) for kv in policy.set_headers], "drop": list(policy.drop), "marker": policy.marker,
-            "keep_trace_context": policy.keep_trace_context}
-
-
-def _shadow(opts: Any) -> dict[str, Any]:
-    """--shadow-set-query/--shadow-set-field as JSON; checked here (ShadowError is a ValueError: exit 2)."""
-    from replay.shadow import ShadowValues
-    values = ShadowValues.from_options(tuple(opts.shadow_set_query), tuple(opts.shadow_set_field))
-    return {"query": [list(kv) for kv in values.queries], "field": [list(kv) for kv in values.fields]}
-
-
-def _schedule(cfg: dict[str, Any]) -> Any:
-    from replay.schedule import ScheduleOptions
-    w = cfg["window"]
-    return ScheduleOptions(speed=cfg["speed"], loop=cfg["loop"], window=(w[0], w[1]) if w else None,
-                           methods=frozenset(cfg["methods"]))
+    """What every shard needs: the target and the replay option values (JSON; each worker builds the same
+    ReplayOptions from them, replay/options.py)."""
+    from replay.options import from_argparse, json_values
+    return {"target": target, "values": json_values(from_argparse(opts))}
 
 
 # ---- master (or a local run) ------------------------------------------------------------------
@@ -227,7 +150,8 @@ class _Master:
 
     def _validate(self, env: Any) -> dict[str, Any]:
         """Refuse bad options, a disallowed target or an unreadable recording with one line."""
-        from replay.errors import PlanError, SenderError, TargetNotAllowedError
+        from replay.errors import TargetNotAllowedError
+        from replay.options import LOCUST, OptionError, build, spell
         from replay.plan import estimate_total
         from replay.target import check_target
         opts = env.parsed_options
@@ -238,19 +162,14 @@ class _Master:
             _exit(2, "--host HOST:PORT (the replay target) is required")
         try:
             cfg = _config(opts, target)
-            check_target(target, cfg["allow_targets"])
-            sched = _schedule(cfg)
-            sched.validate()
+            replay_opts = build(cfg["values"])
+            check_target(target, replay_opts.allow_targets)
         except TargetNotAllowedError as exc:
-            _exit(2, str(exc).replace("--allow-target", "--shadow-allow-target"))
-        except (PlanError, ValueError, SenderError) as exc:  # SenderError: a TLS option (one line)
-            msg = str(exc)
-            for opt in ("tls", "ca", "cert", "key", "insecure", "server-name", "set-header", "drop-header",
-                        "set-query", "set-field"):
-                msg = msg.replace(f"--{opt} ", f"--shadow-{opt} ").replace(f"--{opt}/", f"--shadow-{opt}/")
-            _exit(2, msg)
+            _exit(2, spell(str(exc), LOCUST))
+        except OptionError as exc:
+            _exit(2, exc.spelled(LOCUST))
         try:
-            self.total = estimate_total(self.path, sched)
+            self.total = estimate_total(self.path, replay_opts.schedule)
         except Exception as exc:  # missing, damaged, not decoded yet: one line
             _exit(1, f"cannot read recording {self.path}: {' '.join(str(exc).split())}")
         if self.send:
@@ -469,7 +388,7 @@ class _Shard:
     def _run(self, cfg: dict[str, Any]) -> None:
         from replay.target import check_target
         i = cfg["index"]
-        check_target(cfg["target"], cfg["allow_targets"])
+        check_target(cfg["target"], cfg["values"].get("allow_targets") or ())
         if self.stopping:
             return
         child = [sys.executable, "-m", "replay.locust_child"]

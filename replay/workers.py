@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.report import ReplayReport, build, worker_share
 from replay.stats import CallResult, RunStats
 

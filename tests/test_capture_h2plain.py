@@ -38,7 +38,8 @@ from capture.ebpf.tls import find_libssl
 from capture.recording import BODY_NOT_CAPTURED, STATUS_HIDDEN, Call, Direction, Recording, call_damage
 from capture.summary import summarize
 from capture.testing import HpackConnection
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders import SendOutcome, get_sender
 from replay.senders.tls import TlsConfig

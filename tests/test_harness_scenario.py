@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.durations import format_duration, parse_duration
 from harness.errors import ScenarioError
 from harness.faultspecs import cpu_count
 from harness.scenario import AgentTarget, ExternalTarget, GeneratorTraffic, RecordingTraffic
 from harness.scenario_load import load_scenario, load_scenario_text
+from wire.durations import format_duration, parse_duration
 
 GOOD = """\
 name: jitter-and-cpu
@@ -174,7 +174,10 @@ _SEED = "a whole number between 0 and 9223372036854775807"
      "traffic.speed 1000 must be between 0.1 and 100 x the recorded pace"),
     ({"TRAFFIC": "recording: p.rec, loop: 2.5"}, 4, "traffic.loop 2.5 must be a whole number between 1 and 1000 times"),
     ({"TRAFFIC": "recording: p.rec, window: '30s:10s'"}, 4,
-     "traffic.window 30s:10s must have START before END, and END at most 24h into the recording"),
+     "traffic.window 30s:10s is empty; use START:END with START before END"),
+    ({"TRAFFIC": "recording: p.rec, window: '0s:25h'"}, 4,
+     "traffic.window: 90000 s is out of range (at most 86400 s)"),
+    ({"TRAFFIC": "recording: p.rec, flows: [x]"}, 4, "traffic.flows: 'x' is not a flow id (a whole number; inspect lists them)"),
     # phases
     ({"BASE": "0s"}, 6, "phases[0].duration 0s must be more than 0s and at most 24h"),
     ({"BASE": "25h"}, 6, "phases[0].duration 25h must be more than 0s and at most 24h"),

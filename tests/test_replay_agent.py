@@ -9,7 +9,8 @@ import pytest
 
 from capture.recording import Call, Flow, Message, RecordingWriter
 from replay.compare import CompareSpec
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.testing import DECIDE, DECIDE_STREAM, snapshot_bytes
 
 MS = 1_000_000

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from replay.compare import CompareSpec, field_diff
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
 from replay.errors import CompareError
+from replay.options import ReplayOptions
 from replay.testing import DECIDE, EchoServer, write_unary_recording
 
 MS = 1_000_000

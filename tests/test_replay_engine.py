@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from replay.clock import FakeClock
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
 from replay.errors import TargetNotAllowedError
+from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import SendOutcome, register
 from replay.stats import CallResult

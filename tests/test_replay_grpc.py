@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.schedule import ScheduleOptions
 from replay.testing import DECIDE_STREAM, EchoServer, write_stream_recording, write_unary_recording
 

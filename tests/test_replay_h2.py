@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders import SendOutcome, get_sender
 from replay.testing import DECIDE, DECIDE_STREAM, SERVICE, EchoServer, snapshot_bytes, write_unary_recording

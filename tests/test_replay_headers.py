@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from capture.recording import Call, Flow, Message, RecordingWriter
 from harness.cli import cli
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.senders.headers import HeaderError, HeaderPolicy
 from replay.testing import DECIDE, EchoServer, decision_bytes, snapshot_bytes, write_unary_recording
 

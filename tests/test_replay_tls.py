@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 from capture.recording import Call, Flow, Message, RecordingWriter
 from harness.cli import cli
-from replay.engine import ReplayOptions, ReplayRun
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig
 from replay.testing import SERVICE, write_unary_recording

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replay.engine import ReplayOptions
+from replay.options import ReplayOptions
 from replay.stats import CallResult, RunStats, percentiles_ms
 from replay.testing import EchoServer, write_unary_recording
 from replay.workers import WorkerPool

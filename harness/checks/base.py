@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Param:
     """One argument a check (or fault) accepts in a scenario file.
 
-    `type` is one of: phase, phases (a list of phase names), number, int, duration, str, bool, strlist, grpc_status (a code 1..16 or
+    `type` is one of: phase, phases (a list of phase names), number, int, duration, str, bool, strlist, list (strings or whole numbers, as strings), grpc_status (a code 1..16 or
     its name, e.g. UNAVAILABLE), loop (a whole number or `until_end`), rules (responses_valid's list of
     field rules), choice:A,B,...
     """

@@ -13,25 +13,15 @@ from typing import Any
 import click
 
 from harness.outputs import stamped, verdict_exit
+from replay.options import click_options
 
-SENDERS = ("auto", "h2", "grpc", "http1", "tcp")  # replay/senders: the registered ones, and auto
 _PCT = click.FloatRange(0, 100)
 _FILE = click.Path(dir_okay=False)
 
 
-# ---- TLS and header options (issue 16): shared with `traffic` ----------------------------------------
-def tls_options(f: Any) -> Any:
-    """--tls, --ca, --cert, --key, --insecure, --server-name (any of them turns TLS on)."""
-    for opt in reversed([
-        click.option("--tls", "tls", is_flag=True, help="speak TLS to the target (verified with the system CAs or --ca)"),
-        click.option("--ca", type=_FILE, metavar="FILE", help="TLS: trust only the CAs in this PEM file"),
-        click.option("--cert", type=_FILE, metavar="FILE", help="TLS: client certificate (PEM) for mTLS"),
-        click.option("--key", type=_FILE, metavar="FILE", help="TLS: the client certificate's key (default: in --cert)"),
-        click.option("--insecure", is_flag=True, help="TLS without verifying the server's certificate or name"),
-        click.option("--server-name", metavar="NAME", help="TLS: the name sent as SNI and verified (default: the host)"),
-    ]):
-        f = opt(f)
-    return f
+# ---- TLS and header options: the model's groups, shared with `traffic` and `capacity` -----------------
+tls_options = click_options("tls")          # --tls, --ca, --cert, --key, --insecure, --server-name
+header_options = click_options("headers")   # --set-header, --set-query, --set-field, --drop-header, ...
 
 
 def build_tls(tls: bool, ca: str | None, cert: str | None, key: str | None, insecure: bool,
@@ -43,60 +33,6 @@ def build_tls(tls: bool, ca: str | None, cert: str | None, key: str | None, inse
         return TlsConfig.from_options(tls, ca, cert, key, insecure, server_name, sender)
     except TlsConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-
-
-def header_options(f: Any) -> Any:
-    """--set-header, --set-query, --set-field, --drop-header, --no-marker, --keep-trace-context."""
-    for opt in reversed([
-        click.option("--set-header", "set_headers", multiple=True, metavar="NAME=VALUE",
-                     help="add or replace this header / gRPC metadata on every call, e.g. shadow credentials "
-                          "(repeatable)"),
-        click.option("--set-query", "set_queries", multiple=True, metavar="NAME=VALUE",
-                     help="HTTP calls: give query parameter NAME this value where the recording has it, e.g. "
-                          "'api_key=shadow-key' for a key the recorder masked to '*' (repeatable)"),
-        click.option("--set-field", "set_fields", multiple=True, metavar="PATH=VALUE",
-                     help="HTTP calls: give the JSON body field at dotted PATH (or the form field PATH) this value "
-                          "where the recording has it, e.g. 'user.password=shadow-pass' (repeatable)"),
-        click.option("--drop-header", "drop_headers", multiple=True, metavar="GLOB",
-                     help="do not replay recorded headers whose name matches (repeatable)"),
-        click.option("--no-marker", is_flag=True, help="do not add the header x-shadowtest-replay: 1"),
-        click.option("--keep-trace-context", is_flag=True,
-                     help="replay traceparent, tracestate, b3, x-b3-*, uber-trace-id (stripped by default)"),
-    ]):
-        f = opt(f)
-    return f
-
-
-def build_headers(set_headers: tuple[str, ...], drop_headers: tuple[str, ...], no_marker: bool,
-                  keep_trace_context: bool) -> Any:
-    """The HeaderPolicy of the header options; a bad value: click.BadParameter (exit 2)."""
-    from replay.senders.headers import HeaderError, HeaderPolicy
-
-    try:
-        return HeaderPolicy.from_options(set_headers, drop_headers, marker=not no_marker,
-                                         keep_trace_context=keep_trace_context)
-    except HeaderError as exc:
-        raise click.BadParameter(str(exc), param_hint="--set-header/--drop-header") from exc
-
-
-def build_shadow(set_queries: tuple[str, ...], set_fields: tuple[str, ...]) -> Any:
-    """The ShadowValues of --set-query/--set-field; a bad value: click.BadParameter (exit 2)."""
-    from replay.shadow import ShadowError, ShadowValues
-
-    try:
-        return ShadowValues.from_options(set_queries, set_fields)
-    except ShadowError as exc:
-        raise click.BadParameter(str(exc), param_hint="--set-query/--set-field") from exc
-
-
-def _window(_: click.Context, __: click.Parameter, value: str | None) -> tuple[float, float] | None:
-    if value is None:
-        return None
-    try:
-        a, b = value.split(":")
-        return float(a or 0), float(b)
-    except ValueError:
-        raise click.BadParameter("use START:END in seconds from the first call, e.g. 10:70") from None
 
 
 def _json_on_error(f: Any) -> Any:
@@ -143,30 +79,12 @@ def _sampling_factor(file: Path) -> float:
 @click.command("replay")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--target", required=True, metavar="HOST:PORT", help="where to send (loopback unless allowed)")
-@click.option("--speed", type=float, default=1.0, show_default=True, help="time multiplier, 0.1-100")
-@click.option("--loop", type=int, default=1, show_default=True, help="play the recording N times")
 @click.option("--workers", type=int, default=1, show_default=True,
               help="processes sharing the calls (round-robin by call; each opens its own connections)")
-@click.option("--shard-by", type=click.Choice(["call", "connection"]), default="call", show_default=True,
-              help="with --workers: split the calls (even for one connection) or give each worker whole connections")
-@click.option("--window", callback=_window, metavar="A:B", help="only seconds A to B of the recording")
-@click.option("--method", "methods", multiple=True, help="only this method (full or bare name; repeatable)")
-@click.option("--flow", "flows", type=int, multiple=True, help="only this recorded flow id (repeatable)")
-@click.option("--method-map", "method_map", multiple=True, metavar="[FLOW:]REF=METHOD",
-              help="name a group of calls whose method is unknown (inspect lists them), for this replay only; "
-                   "without FLOW, that ref on every flow (repeatable)")
-@click.option("--rate", type=float, default=1.0, show_default=True, help="flow multiplier (2 doubles, 0.5 thins)")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed for rate scaling")
 @click.option("--scale-to-full", is_flag=True,
               help="a sampled recording (record --sample PCT): multiply --rate by 100 / PCT, so the replay "
                    "sends full load with new connections shaped like the recorded ones")
-@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="per-call timeout, s")
-@click.option("--max-in-flight", type=int, default=256, show_default=True,
-              help="per connection; beyond it calls are not sent (counted)")
-@click.option("--sender", type=click.Choice(SENDERS), default="auto", show_default=True,
-              help="auto (by protocol; gRPC: h2), h2 (lean gRPC over HTTP/2), grpc (through grpcio), http1 or tcp")
-@click.option("--event-loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
-              help="auto: uvloop with the lean senders (h2, http1, tcp) when installed")
+@click_options("replay")
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
 @click.option("--descriptors", default="reflection", show_default=True,
               help="for --compare: reflection, bytes, FILE.protoset or module names")
@@ -178,9 +96,7 @@ def _sampling_factor(file: Path) -> float:
 @click.option("--salvage", is_flag=True,
               help="replay the intact part of a damaged recording; the calls lost count as not sent "
                    "(damaged_recording) and fail the run unless --max-not-sent-pct allows them")
-@click.option("--allow-target", "allow", multiple=True, help="allow this non-loopback host/CIDR")
-@tls_options
-@header_options
+@click_options("tls", "headers")
 @click.option("--dry-run", is_flag=True, help="print the plan and send nothing")
 @click.option("--json", "--json-out", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               is_flag=False, flag_value="-", help="--json: the report as JSON on stdout; --json-out FILE: to a file")
@@ -198,18 +114,11 @@ def _sampling_factor(file: Path) -> float:
 @click.option("--min-ok", type=click.IntRange(min=0), metavar="N",
               help="threshold: at least N calls ok  [default: 1 when any call is scheduled; 0: off]")
 @_json_on_error
-def command(file: Path, target: str, speed: float, loop: int, workers: int, shard_by: str,
-            window: tuple[float, float] | None,
-            methods: tuple[str, ...], flows: tuple[int, ...], method_map: tuple[str, ...], rate: float, seed: int,
-            scale_to_full: bool, timeout_s: float,
-            max_in_flight: int, sender: str, event_loop: str, compare: bool, descriptors: str, ignore: tuple[str, ...],
-            allow: tuple[str, ...], dry_run: bool, json_out: Path | None, max_error_pct: float | None,
-            max_rejected_pct: float | None, max_not_sent_pct: float | None, max_p99_ms: float | None,
-            max_lag_p99_us: float | None, min_ok: int | None, max_mismatch_pct: float | None, salvage: bool,
-            tls: bool, ca: str | None, cert: str | None,
-            key: str | None, insecure: bool, server_name: str | None, set_headers: tuple[str, ...],
-            set_queries: tuple[str, ...], set_fields: tuple[str, ...],
-            drop_headers: tuple[str, ...], no_marker: bool, keep_trace_context: bool) -> None:
+def command(file: Path, target: str, workers: int, scale_to_full: bool, compare: bool, descriptors: str,
+            ignore: tuple[str, ...], max_mismatch_pct: float | None, salvage: bool, dry_run: bool,
+            json_out: Path | None, max_error_pct: float | None, max_rejected_pct: float | None,
+            max_not_sent_pct: float | None, max_p99_ms: float | None, max_lag_p99_us: float | None,
+            min_ok: int | None, **values: Any) -> None:
     """Replay FILE to --target with its original timing (open loop), then summarise.
 
     Exit 0 when the run passed; 99 when it ran and a threshold failed: one given by a --max-* option
@@ -245,42 +154,31 @@ def command(file: Path, target: str, speed: float, loop: int, workers: int, shar
     body fields the recorder masked go out as the recorded run of '*' unless --set-query/--set-field
     give them a value.
     """
+    from dataclasses import replace
+
+    from capture.rotate import as_one
     from replay.compare import CompareSpec
-    from replay.engine import ReplayOptions
-    from replay.errors import PlanError, TargetNotAllowedError
-    from replay.method_map import MethodMapError, parse_method_map
+    from replay.errors import TargetNotAllowedError
+    from replay.options import CLI, OptionError, build
     from replay.report import Thresholds, judge
-    from replay.schedule import ScheduleOptions
     from replay.target import check_target
 
     if workers < 1:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
-    try:
-        mapped = tuple((flow, ref, m) for (flow, ref), m in parse_method_map(method_map).items())
-    except MethodMapError as exc:
-        raise click.BadParameter(str(exc), param_hint="--method-map") from exc
-    from capture.rotate import as_one
-
     file = Path(as_one(file, salvage))   # a rotated set (a directory or a glob): one recording
     if scale_to_full:
-        rate *= _sampling_factor(file)
-    sched = ScheduleOptions(speed=speed, window=window, methods=frozenset(methods), flows=frozenset(flows),
-                            loop=loop, rate=rate, seed=seed, method_map=mapped, shard_by=shard_by,
-                            shadow=build_shadow(set_queries, set_fields))
-    found = refuse_damaged(file, salvage)   # a damaged file is refused (one line naming --salvage) or salvaged
-    tls_config = build_tls(tls, ca, cert, key, insecure, server_name, sender)
-    header_policy = build_headers(set_headers, drop_headers, no_marker, keep_trace_context)
-    opts = ReplayOptions(schedule=sched, sender=sender, timeout_s=timeout_s, max_in_flight=max_in_flight, event_loop=event_loop,
-                         allow_targets=allow,
-                         compare=CompareSpec(descriptors, ignore, tls_config, _reflection_metadata(header_policy))
-                         if compare else None,
-                         tls=tls_config, headers=header_policy, salvage=salvage)
-    try:  # bad option values and a refused target are usage errors: exit 2, nothing sent
-        sched.validate()
-        check_target(target, allow)
-    except (PlanError, TargetNotAllowedError) as exc:
+        values["rate"] *= _sampling_factor(file)
+    try:   # bad option values and a refused target are usage errors: exit 2, nothing sent
+        opts = build(values)
+        check_target(target, opts.allow_targets)
+    except OptionError as exc:
+        raise click.UsageError(exc.spelled(CLI)) from exc
+    except TargetNotAllowedError as exc:
         raise click.UsageError(str(exc)) from exc
-    opts = _infer_methods(file, target, allow, opts, found)   # groups still unknown: the target's reflection
+    found = refuse_damaged(file, salvage)   # a damaged file is refused (one line naming --salvage) or salvaged
+    opts = replace(opts, salvage=salvage, compare=CompareSpec(descriptors, ignore, opts.tls,
+                                                              _reflection_metadata(opts.headers)) if compare else None)
+    opts = _infer_methods(file, target, opts.allow_targets, opts, found)   # groups still unknown: the target's reflection
     sched = opts.schedule
     if dry_run:
         _dry_run(file, sched, json_out, found)
