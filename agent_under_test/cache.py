@@ -41,13 +41,15 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 
 from agent_under_test.clock import Clock, MonotonicClock
+from agent_under_test.config import CACHES
+from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
 
 if TYPE_CHECKING:
     from agent_under_test.config import ServeOptions
 
-CACHE_MODES = ("off", "local", "redis")
+CACHE_MODES = CACHES
 SOURCES = ("local", "redis", "stale")                  # Decision.cache on a hit ("" when computed now)
 RESULTS = ("hit_local", "hit_redis", "stale", "miss")  # agent_cache_total{result}
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
@@ -63,7 +65,7 @@ MAX_PENDING_WRITES = 256    # entries waiting for Redis; beyond that a write is 
 WRITE_BATCH = 16            # entries per write (one pipeline: LPUSH, LTRIM, EXPIRE per bucket)
 REDIS_CONNECTIONS = MAX_REDIS_READS + 1   # the pool (reads + the one writer): no operation waits for a connection
 KEY_PREFIX = "shadowtest:agent:cache:"
-_TIERS = ("full", "light")
+_TIERS = TIERS   # an entry stores its tier as an index into this (FULL 0, LIGHT 1)
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from agent_under_test.config import CACHES, DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, TIERS, ServeOptions
+from agent_under_test.arrivals import PATTERNS
+from agent_under_test.config import CACHES, DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, ServeOptions
+from agent_under_test.degrade import TIERS
 
 if TYPE_CHECKING:   # numpy: not imported at run time here (see above)
     from agent_under_test.traffic_report import TrafficReport
@@ -58,7 +60,7 @@ def _require_agent_extra(*modules: str) -> None:
 @_opt("--jit/--no-jit", default=_D.jit, help="TorchScript-trace the model on CPU")
 @_opt("--torch-threads", type=click.IntRange(0, 256), default=_D.torch_threads,
       help="torch intra-op threads on CPU (0: torch's default)")
-@_opt("--limiter", type=click.Choice(LIMITERS), default=_D.limiter, help="adaptive concurrency limiter")
+@_opt("--limiter", type=click.Choice(LIMITERS.names()), default=_D.limiter, help="adaptive concurrency limiter")
 @_opt("--p99-threshold-ms", type=float, default=_D.p99_threshold_ms, help="P99 alert threshold")
 @_opt("--alert-periods", type=int, default=_D.alert_periods, help="periods over threshold before firing")
 @_opt("--resolve-periods", type=int, default=_D.resolve_periods, help="periods under it before resolving")
@@ -139,7 +141,7 @@ def save_weights_command(path: str, seed: int) -> None:
 @click.option("--target", required=True, help="HOST:PORT of the agent")
 @click.option("--rate", type=click.FloatRange(0, min_open=True), required=True, help="mean calls/s (unary + stream messages)")
 @click.option("--duration", "duration_s", type=click.FloatRange(0, min_open=True), required=True, help="seconds to send")
-@click.option("--pattern", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True)
+@click.option("--pattern", type=click.Choice(PATTERNS.names()), default="poisson", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="fixes schedule, prices and mix")
 @click.option("--stream-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,
               help="fraction of calls sent on DecideStream")

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from agent_under_test.hooks import GuardConfig
+from wire.registry import Registry
 
 DEVICES = ("auto", "cpu", "cuda")
-TIERS = ("full", "light")
-LIMITERS = ("seed", "gradient", "off")
+# The limiters by name, imported when one is made (this module stays import-light: the CLI reads it).
+LIMITERS: Registry[str, Any] = Registry("limiter", {
+    "seed": "agent_under_test.limiter:SeedLimiter",
+    "gradient": "agent_under_test.limiter:GradientLimiter",
+    "off": "agent_under_test.limiter:OffLimiter",
+}, error=ValueError)
 SERVERS = ("h2", "grpcio")
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
-CACHES = ("off", "local", "redis")   # cache.CACHE_MODES (this module stays import-light)
+CACHES = ("off", "local", "redis")   # the response cache's modes (agent_under_test/cache.py)
 
 
 @dataclass

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from agent_under_test.degrade import FULL, LIGHT
 from agent_under_test.features import N_FEATURES
+from wire.registry import Registry
 
 N_OUTPUTS = 5  # logits for HOLD, BUY, SELL; price offset; size fraction
 
@@ -34,10 +36,10 @@ class TierSpec:
     d_ff: int
 
 
-TIERS: dict[str, TierSpec] = {
-    "full": TierSpec(d_model=64, heads=4, layers=5, d_ff=256),
-    "light": TierSpec(d_model=32, heads=2, layers=1, d_ff=64),
-}
+TIERS: Registry[str, TierSpec] = Registry("model tier", {
+    FULL: TierSpec(d_model=64, heads=4, layers=5, d_ff=256),
+    LIGHT: TierSpec(d_model=32, heads=2, layers=1, d_ff=64),
+}, error=ValueError)
 DEFAULT_WINDOW = 5
 DEFAULT_TAU_S = 0.25
 

@@ -56,7 +56,7 @@ class TrafficConfig:
         if self.rate <= 0 or self.duration_s <= 0:
             raise TrafficError(f"--rate and --duration must be positive (got {self.rate}, {self.duration_s})")
         if self.pattern not in PATTERNS:
-            raise TrafficError(f"--pattern {self.pattern!r}: choose one of {', '.join(PATTERNS)}")
+            raise TrafficError(f"--pattern {self.pattern!r}: choose one of {', '.join(PATTERNS.names())}")
         if not 0.0 <= self.stream_share <= 1.0:
             raise TrafficError(f"--stream-share {self.stream_share}: must be between 0 and 1")
         host, _, port = self.target.rpartition(":")

@@ -9,13 +9,15 @@ A backend pushes flows and bytes into a `FlowSink`; `Recorder` (capture/record.p
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from capture.errors import CaptureError
-from capture.sink import FlowSink
+from wire.registry import Registry
+
+if TYPE_CHECKING:   # the sink pulls in the decoders: not needed to list the backends (the CLI's --backend)
+    from capture.sink import FlowSink
 
 
 @dataclass
@@ -62,26 +64,12 @@ class Backend(Protocol):
         """Filters and settings, stored in the recording's meta."""
 
 
-_REGISTRY: dict[str, str] = {
-    "ebpf": "capture.ebpf.loader:EbpfBackend",
+BACKENDS: Registry[str, Callable[[RecordOptions], Backend]] = Registry("capture backend", {
+    "ebpf": "capture.ebpf.loader:EbpfBackend",   # imported only when used: bcc and scapy are heavy
     "pcap": "capture.pcap_live:PcapBackend",
     "proxy": "capture.proxy:ProxyBackend",
-}
-
-
-def register(name: str, target: str) -> None:
-    """Register a backend as 'module:Class' (imported only when used: bcc and scapy are heavy)."""
-    _REGISTRY[name] = target
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
+}, error=CaptureError)
 
 
 def create(options: RecordOptions) -> Backend:
-    target = _REGISTRY.get(options.backend)
-    if target is None:
-        raise CaptureError(f"unknown capture backend {options.backend!r}: choose one of {', '.join(names())}")
-    module, _, cls = target.partition(":")
-    factory: Callable[[RecordOptions], Backend] = getattr(importlib.import_module(module), cls)
-    return factory(options)
+    return BACKENDS.get(options.backend)(options)

@@ -30,6 +30,7 @@ from faults.cpu import undo_cgroup
 from faults.errors import StateError
 from faults.process import undo_pause, undo_processes
 from faults.state import HOLDER_RE, open_state_dir, proc_start_time, same_process
+from wire.registry import Registry
 
 MAX_ENTRIES = 1000                # per holder file; a real run holds a handful
 MAX_PROCS = 1024                  # per entry
@@ -49,12 +50,12 @@ def undo_toxic_leftover(entry: dict[str, Any]) -> None:
         raise
 
 
-UNDO: dict[str, Callable[[dict[str, Any]], None]] = {
+UNDO: Registry[str, Callable[[dict[str, Any]], None]] = Registry("fault kind", {
     "toxic": undo_toxic_leftover,
     "cgroup": undo_cgroup,
     "process": undo_processes,
     "paused": undo_pause,
-}
+}, error=StateError)
 
 
 @dataclass

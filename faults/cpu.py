@@ -31,6 +31,7 @@ from faults.errors import CpuFaultError
 from faults.process import _comm, kill_recorded
 from faults.state import FaultRegistry, default_registry, proc_start_time, same_process
 from wire.process import spawn
+from wire.registry import Registry
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ids = itertools.count(1)
@@ -54,7 +55,8 @@ class Builtin:
                  "--seconds", str(seconds)] for i in range(workers)]
 
 
-METHODS: dict[str, ContentionMethod] = {"stress-ng": StressNg(), "builtin": Builtin()}
+METHODS: Registry[str, ContentionMethod] = Registry("contention method", {"stress-ng": StressNg(), "builtin": Builtin()},
+                                                   error=CpuFaultError)
 
 
 def pick_method(method: str = "auto") -> str:
@@ -62,7 +64,7 @@ def pick_method(method: str = "auto") -> str:
     if method == "auto":
         return "stress-ng" if shutil.which("stress-ng") else "builtin"
     if method not in METHODS:
-        raise CpuFaultError(f"unknown contention method {method!r}; use one of auto, {', '.join(METHODS)}")
+        raise CpuFaultError(f"unknown contention method {method!r}; use one of auto, {', '.join(METHODS.names())}")
     return method
 
 

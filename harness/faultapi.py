@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from harness.errors import RunError
 from harness.scenario import FaultSpec
+from wire.registry import Registry
 
 
 @dataclass
@@ -32,12 +34,9 @@ class Applier(Protocol):
         """A context manager that holds the fault while entered; entering returns a one-line detail."""
 
 
-APPLIERS: dict[tuple[str, str], Applier] = {}
+APPLIERS: Registry[tuple[str, str], Applier] = Registry("fault", error=RunError)   # by (family, kind)
 
 
 def register(family: str, *kinds: str) -> Callable[[Applier], Applier]:
-    def deco(fn: Applier) -> Applier:
-        for kind in kinds:
-            APPLIERS[(family, kind)] = fn
-        return fn
-    return deco
+    """Decorator: the applier of faults `family: kind` for each of `kinds` (APPLIERS.register by key)."""
+    return APPLIERS.register(*((family, kind) for kind in kinds))

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agent_under_test.config import ServeOptions
+from agent_under_test.arrivals import PATTERNS
+from agent_under_test.config import CACHES, DEVICES, LIMITERS, ServeOptions
+from agent_under_test.degrade import TIERS
 from harness.checks import CHECKS, Param
 from harness.checks.rule import declare_rule
 from harness.errors import ScenarioError
@@ -45,9 +47,9 @@ from wire.durations import MAX_DURATION_S, format_duration
 
 # Options of the bundled agent the runner passes to AgentProcess, with their types.
 AGENT_OPTIONS: dict[str, Param] = {
-    "limiter": Param("choice:seed,gradient,off"), "p99_threshold_ms": Param("number"),
+    "limiter": Param("choice:" + ",".join(LIMITERS.names())), "p99_threshold_ms": Param("number"),
     "alert_periods": Param("int"), "resolve_periods": Param("int"), "period_s": Param("number"),
-    "tier": Param("choice:full,light"), "device": Param("choice:auto,cpu,cuda"),
+    "tier": Param("choice:" + ",".join(TIERS)), "device": Param("choice:" + ",".join(DEVICES)),
     "hpack_table_size": Param("int"), "max_connection_age_s": Param("number"),
     "initial_rate": Param("number"), "min_rate": Param("number"), "max_rate": Param("number"),
     "batch_window_ms": Param("number"), "batch_window": Param("choice:adaptive,fixed"), "max_batch": Param("int"),
@@ -58,7 +60,7 @@ AGENT_OPTIONS: dict[str, Param] = {
     "queue_light_depth": Param("int"),   # 0: only the P99 alert degrades (no queue-driven light tier)
     # The response cache (agent_under_test/cache.py). `cache: redis` comes with `dependencies: {redis: {}}`,
     # whose proxy's address the runner hands the agent as redis_url (so redis_url is not an option here).
-    "cache": Param("choice:off,local,redis"), "cache_threshold": Param("number"),
+    "cache": Param("choice:" + ",".join(CACHES)), "cache_threshold": Param("number"),
     "cache_local_ttl_s": Param("number"), "cache_redis_ttl_s": Param("number"),
     "redis_timeout_ms": Param("number"), "circuit_failures": Param("int"), "circuit_open_s": Param("number"),
     "dependency_threshold_ms": Param("number"),
@@ -456,7 +458,7 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
     if "generator" in entries:
         _unknown(entries, {"generator"}, "traffic")
         spec = {"rate": Param("number", required=True, help="calls/s"),
-                "pattern": Param("choice:poisson,bursty,constant"), "seed": Param("int"),
+                "pattern": Param("choice:" + ",".join(PATTERNS.names())), "seed": Param("int"),
                 "stream_share": Param("number"), "timeout_ms": _TIMEOUT,
                 "repeat_pct": Param("number", help="share of calls that send again a snapshot sent before "
                                                    "(what a response cache hits), 0..100 (default 0)"),

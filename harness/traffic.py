@@ -16,7 +16,6 @@ phases consume (their durations x load), and `loop: until_end` turns into as man
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
 import random
@@ -46,9 +45,7 @@ def generator_plan(traffic: GeneratorTraffic, duration_s: float, seed: int) -> I
 
     rng = random.Random(traffic.seed if traffic.seed is not None else seed)
     sim = MarketSim(random.Random(rng.random()))
-    pattern = arrivals.bursty if traffic.pattern == "bursty" else arrivals.poisson
-    times = _constant(traffic.rate, duration_s) if traffic.pattern == "constant" else \
-        pattern(traffic.rate, duration_s, rng)
+    times = arrivals.PATTERNS.get(traffic.pattern)(traffic.rate, duration_s, rng)
     repeats = _Repeats(traffic, rng) if traffic.repeat_pct > 0 else None
     for index, offset in enumerate(times):
         stream = rng.random() < traffic.stream_share
@@ -252,14 +249,6 @@ def coverage(scenario: Scenario, span: RecordingSpan | None = None, slack_s: flo
         least = max(1, math.ceil(needs / span.pass_s))
         enough = least if run_s - run_time(span.lasts_s(least), profile) <= slack else least + 1
     return Coverage(lasts, needs, ends, run_s, phase, how, enough)
-
-
-def _constant(rate: float, duration_s: float) -> Iterator[float]:
-    for i in itertools.count():
-        t = i / rate
-        if t >= duration_s:
-            return
-        yield t
 
 
 class TrafficRun:

@@ -7,7 +7,7 @@ use the pure parts without pulling in the asyncio engine):
     replay.workers    WorkerPool                                 --workers N processes, merged HDRs
     replay.schedule   ScheduleOptions, PlannedCall, build_plan   the pure plan
     replay.plan       plan_from_recording, estimate_total        recording file -> plan
-    replay.senders    Sender, SendOutcome, register, get_sender  grpc | http1 | tcp by name
+    replay.senders    Sender, SendOutcome, SENDERS, get_sender  grpc | h2 | http1 | tcp by name
     replay.compare    CompareSpec, Comparer                      the shadow check
     replay.clock      Clock, TimerfdClock, MonotonicClock, FakeClock
     replay.stats      CallResult, RunStats;  replay.report: ReplayReport

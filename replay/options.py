@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from replay.errors import PlanError, SenderError
 from replay.schedule import MAX_SPEED, MIN_SPEED, SHARD_BY, ScheduleOptions
+from replay.senders import SENDERS
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig
 from replay.shadow import ShadowValues
@@ -36,7 +37,7 @@ from wire.durations import MAX_DURATION_S, parse_duration
 if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
     from replay.compare import Comparer, CompareSpec
 
-SENDERS = ("auto", "h2", "grpc", "http1", "tcp")   # replay/senders: the registered ones, and auto
+SENDER_CHOICES = ("auto", *SENDERS.names())   # auto: by each call's protocol
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 CLI, LOCUST, SCENARIO = "cli", "locust", "scenario"
 _EVERYWHERE = frozenset({CLI, LOCUST, SCENARIO})
@@ -141,7 +142,7 @@ OPTIONS: tuple[Option, ...] = (
            surfaces=_EVERYWHERE),
     Option("max_in_flight", "int", 256, "per connection; beyond it calls are not sent (counted)"),
     Option("sender", "choice", "auto", "auto (by protocol; gRPC: h2), h2 (lean gRPC over HTTP/2), grpc (through "
-           "grpcio), http1 or tcp", choices=SENDERS),
+           "grpcio), http1 or tcp", choices=SENDER_CHOICES),
     Option("event_loop", "choice", "auto", "auto: uvloop with the lean senders (h2, http1, tcp) when installed",
            choices=EVENT_LOOPS),
     Option("allow_targets", "list", (), "allow this non-loopback host/CIDR (repeatable)", flag="allow-target",

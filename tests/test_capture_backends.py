@@ -115,7 +115,7 @@ def test_pcap_backend_captures_live_from_loopback(server: int, tmp_path: Path) -
 
 
 def test_unknown_backend_and_missing_output_are_usage_errors(tmp_path: Path) -> None:
-    with pytest.raises(CaptureError, match="choose one of ebpf, pcap, proxy"):
+    with pytest.raises(CaptureError, match="expected one of: ebpf, pcap, proxy"):
         Recorder(RecordOptions(output=str(tmp_path / "x.rec"), backend="netflow"))
     res = CliRunner().invoke(cli, ["record", "--port", "1"])
     assert res.exit_code == 2 and "-o/--output" in res.output

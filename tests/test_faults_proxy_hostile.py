@@ -18,7 +18,7 @@ from toxiproxy.exceptions import InvalidToxic
 
 from faults.proxy import EmbeddedToxiproxy
 from faults.proxy.channel import DATA, EOF, Chunk
-from faults.proxy.toxics import REGISTRY, slice_offsets
+from faults.proxy.toxics import TOXICS, slice_offsets
 from faults.testing import EchoServer, VirtualStub, connect, read_exactly, wait_closed
 
 TP_SEED = 3   # the tp fixture's (tests/conftest.py) toxics' randomness
@@ -215,7 +215,7 @@ def test_slicer_pipe_delivers_what_was_sent_even_past_validation() -> None:
     for _ in range(200):
         data = rng.randbytes(rng.randrange(1, 5000))
         attrs = {"average_size": rng.randrange(1, 300), "size_variation": rng.randrange(0, 2000), "delay": 0}
-        toxic = REGISTRY["slicer"](attrs)   # built directly: the API would refuse variation >= average
+        toxic = TOXICS["slicer"](attrs)   # built directly: the API would refuse variation >= average
         stub = VirtualStub([Chunk(data, 0.0), Chunk(b"", 0.0, EOF)], seed=rng.getrandbits(32))
         asyncio.run(toxic.pipe(stub))
         assert b"".join(d for _, d, k in stub.sent if k == DATA) == data, attrs

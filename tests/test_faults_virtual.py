@@ -6,12 +6,12 @@ import asyncio
 import random
 
 from faults.proxy.channel import CLOSE, DATA, EOF, RESET, Chunk
-from faults.proxy.toxics import REGISTRY, parse_attributes, slice_offsets
+from faults.proxy.toxics import TOXICS, parse_attributes, slice_offsets
 from faults.testing import VirtualStub
 
 
 def run(toxic_type: str, attrs: dict, chunks: list[Chunk], seed: int = 0) -> list[tuple[float, bytes, int]]:
-    toxic = REGISTRY[toxic_type](parse_attributes(toxic_type, attrs))
+    toxic = TOXICS[toxic_type](parse_attributes(toxic_type, attrs))
     stub = VirtualStub(chunks, seed=seed, state=toxic.new_state())
     asyncio.run(toxic.pipe(stub))
     return stub.sent

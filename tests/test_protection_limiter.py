@@ -87,7 +87,7 @@ def test_bucket_keeps_earned_tokens_but_never_above_the_new_burst():
 def test_off_admits_everything_and_unknown_names_are_refused():
     off = make_limiter("off", LimiterSettings())
     assert all(off.try_acquire(0.0) is None for _ in range(10_000)) and math.isinf(off.rate)
-    with pytest.raises(ValueError, match="gradient, off, seed"):
+    with pytest.raises(ValueError, match="unknown limiter .nope.; expected one of: seed, gradient, off"):
         make_limiter("nope", LimiterSettings())
 
 

@@ -14,7 +14,7 @@ from replay.engine import ReplayRun
 from replay.errors import TargetNotAllowedError
 from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
-from replay.senders import SendOutcome, register
+from replay.senders import SENDERS, SendOutcome
 from replay.stats import CallResult
 from replay.testing import FakeSender, write_stream_recording, write_unary_recording
 
@@ -22,7 +22,7 @@ MS = 1_000_000
 
 
 def _run(path: Path, clock: FakeClock, sender: object, **kw: object) -> tuple[ReplayRun, list[CallResult]]:
-    register("fake", lambda target, **_: sender)  # type: ignore[arg-type,return-value]
+    SENDERS.add("fake", lambda target, **_: sender)  # type: ignore[arg-type,return-value]
     results: list[CallResult] = []
     sched = ScheduleOptions(**{k: v for k, v in kw.items() if k in ScheduleOptions.__dataclass_fields__})
     rest = {k: v for k, v in kw.items() if k not in ScheduleOptions.__dataclass_fields__}
@@ -108,7 +108,7 @@ def test_stop_from_another_thread_counts_the_rest_as_not_sent(tmp_path: Path) ->
         results.append(r)
         if len(results) == 5:
             seen.set()
-    register("fake", lambda target, **_: FakeSender(clock))  # type: ignore[arg-type,return-value]
+    SENDERS.add("fake", lambda target, **_: FakeSender(clock))  # type: ignore[arg-type,return-value]
     from replay.clock import MonotonicClock
     clock = MonotonicClock()
     run = ReplayRun(tmp_path / "r.rec", "127.0.0.1:1", ReplayOptions(sender="fake"), on_result=on_result)
@@ -155,7 +155,7 @@ def test_plan_is_read_lazily_within_the_lookahead() -> None:
     """Bounded memory: a call is read from the plan no earlier than lookahead before it is due."""
     clock = FakeClock(start_ns=0)
     fake = FakeSender(clock)
-    register("fake", lambda target, **_: fake)  # type: ignore[arg-type,return-value]
+    SENDERS.add("fake", lambda target, **_: fake)  # type: ignore[arg-type,return-value]
     pulled: list[tuple[int, int]] = []
 
     def plan() -> object:
@@ -177,7 +177,7 @@ def test_slow_plan_reads_never_delay_a_due_send() -> None:
     (Filling the whole 50 ms lookahead before sending would make the first send ~15 ms late.)"""
     clock = FakeClock(start_ns=0)
     fake = FakeSender(clock)
-    register("fake", lambda target, **_: fake)  # type: ignore[arg-type,return-value]
+    SENDERS.add("fake", lambda target, **_: fake)  # type: ignore[arg-type,return-value]
 
     def plan() -> object:
         for i in range(400):

@@ -19,13 +19,14 @@ from capture.decode.tls import TlsDecoder
 from capture.recording import Call, Direction
 from wire.h2 import PREFACE
 from wire.h2 import frame_lengths_plausible as plausible_frames
+from wire.registry import Registry
 
-DECODERS: dict[str, Callable[[int | None, bool], StreamDecoder]] = {
+DECODERS: Registry[str, Callable[[int | None, bool], StreamDecoder]] = Registry("protocol decoder", {
     "http2": lambda flow_id, joined: H2Decoder(flow_id, joined),
     "http1": lambda flow_id, joined: Http1Decoder(flow_id, joined),
     "tcp": lambda flow_id, joined: RawDecoder(),
     "tls": lambda flow_id, joined: TlsDecoder(),
-}
+})
 
 _HTTP1_REQ = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n?")
 _HTTP1_RESP = re.compile(rb"^HTTP/1\.[01] \d{3}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from faults.proxy.toxics import REGISTRY, Toxic, parse_attributes
+from faults.proxy.toxics import TOXICS, Toxic, parse_attributes
 
 
 class ApiError(Exception):
@@ -64,13 +64,13 @@ def spec_from_json(body: Any) -> ToxicSpec:
     ttype = body.get("type") or ""
     toxicity = _number(body.get("toxicity", 1.0), "ToxicWrapper.toxicity")
     name = body.get("name") or f"{ttype}_{stream}"
-    if not isinstance(ttype, str) or ttype not in REGISTRY:
+    if not isinstance(ttype, str) or ttype not in TOXICS:
         raise ERR_INVALID_TOXIC_TYPE
     try:
         attrs = parse_attributes(ttype, body.get("attributes"))
     except ValueError as exc:
         raise ERR_BAD_REQUEST_BODY.joined(str(exc)) from exc
-    return ToxicSpec(str(name), ttype, stream.lower(), toxicity, attrs, REGISTRY[ttype](attrs))
+    return ToxicSpec(str(name), ttype, stream.lower(), toxicity, attrs, TOXICS.get(ttype)(attrs))
 
 
 def spec_updated(old: ToxicSpec, body: Any) -> ToxicSpec:
@@ -82,4 +82,4 @@ def spec_updated(old: ToxicSpec, body: Any) -> ToxicSpec:
         attrs = parse_attributes(old.type, body.get("attributes"), base=old.attributes)
     except ValueError as exc:
         raise ERR_BAD_REQUEST_BODY.joined(str(exc)) from exc
-    return ToxicSpec(old.name, old.type, old.stream, toxicity, attrs, REGISTRY[old.type](attrs))
+    return ToxicSpec(old.name, old.type, old.stream, toxicity, attrs, TOXICS.get(old.type)(attrs))

@@ -14,6 +14,7 @@ import random
 from typing import Any, ClassVar, Protocol
 
 from faults.proxy.channel import CLOSE, DATA, EOF, RESET, Chunk
+from wire.registry import Registry
 
 
 class Stub(Protocol):
@@ -124,17 +125,7 @@ class ToxicEffect:
                 "calls_failed": self.calls_failed, "calls_cut": self.calls_cut}
 
 
-REGISTRY: dict[str, type[Toxic]] = {}
-
-
-def register(name: str) -> Any:
-    """Class decorator: make a toxic available to the API under `name`."""
-
-    def deco(cls: type[Toxic]) -> type[Toxic]:
-        REGISTRY[name] = cls
-        return cls
-
-    return deco
+TOXICS: Registry[str, type[Toxic]] = Registry("toxic type")   # filled by @TOXICS.register(name) below
 
 
 def parse_attributes(toxic_type: str, given: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -143,7 +134,7 @@ def parse_attributes(toxic_type: str, given: Any, base: dict[str, Any] | None = 
     Unknown keys are ignored; a value of the wrong JSON type raises ValueError with Go's wording.
     `base` holds current values (PATCH keeps what the body does not name).
     """
-    cls = REGISTRY[toxic_type]
+    cls = TOXICS.get(toxic_type)
     out = dict(cls.ATTRS if base is None else base)
     if given is None:
         return out
@@ -186,7 +177,7 @@ async def _forward_end(stub: Stub, c: Chunk) -> None:
     await stub.send(c)
 
 
-@register("noop")
+@TOXICS.register("noop")
 class NoopToxic(Toxic):
     GO_NAME = "NoopToxic"
 
@@ -199,7 +190,7 @@ def latency_delay(rng: random.Random, latency_ms: int, jitter_ms: int) -> float:
     return delay / 1000.0
 
 
-@register("latency")
+@TOXICS.register("latency")
 class LatencyToxic(Toxic):
     """Each chunk leaves `latency +/- jitter` ms after it ARRIVED (delay - age): no backlog, no reordering."""
 
@@ -219,7 +210,7 @@ class LatencyToxic(Toxic):
             await stub.send(c)
 
 
-@register("bandwidth")
+@TOXICS.register("bandwidth")
 class BandwidthToxic(Toxic):
     """Limits the rate to `rate` KB/s (1 KB = 1000 bytes, as Toxiproxy); big chunks go in 100 ms slices."""
 
@@ -249,7 +240,7 @@ class BandwidthToxic(Toxic):
             await stub.send(Chunk(data, c.t))
 
 
-@register("slow_close")
+@TOXICS.register("slow_close")
 class SlowCloseToxic(Toxic):
     """Passes data; delays the close (EOF) by `delay` ms."""
 
@@ -266,7 +257,7 @@ class SlowCloseToxic(Toxic):
             await stub.send(c)
 
 
-@register("timeout")
+@TOXICS.register("timeout")
 class TimeoutToxic(Toxic):
     """Stops all data; closes the connection after `timeout` ms (never, when 0)."""
 
@@ -287,7 +278,7 @@ class TimeoutToxic(Toxic):
                 return await _forward_end(stub, Chunk(b"", c.t, CLOSE))
 
 
-@register("reset_peer")
+@TOXICS.register("reset_peer")
 class ResetPeerToxic(Toxic):
     """On the first chunk, waits `timeout` ms and then resets the connection (TCP RST)."""
 
@@ -326,7 +317,7 @@ def slice_offsets(rng: random.Random, size: int, average: int, variation: int) -
     return cuts
 
 
-@register("slicer")
+@TOXICS.register("slicer")
 class SlicerToxic(Toxic):
     """Slices each chunk into pieces of about `average_size` +/- `size_variation` bytes, `delay` us apart."""
 
@@ -365,7 +356,7 @@ class _Sent:
         self.n = 0
 
 
-@register("limit_data")
+@TOXICS.register("limit_data")
 class LimitDataToxic(Toxic):
     """Closes the connection once `bytes` bytes have passed (counted per connection, across updates)."""
 
@@ -394,7 +385,7 @@ class LimitDataToxic(Toxic):
                 return await stub.send(Chunk(b"", stub.now(), CLOSE))
 
 
-@register("grpc_delay")
+@TOXICS.register("grpc_delay")
 class GrpcDelayToxic(Toxic):
     """Call-level (HTTP/2): delays `share` of the calls (optionally only `method`) by `delay` +/- `jitter` ms."""
 
@@ -404,7 +395,7 @@ class GrpcDelayToxic(Toxic):
     stage = False
 
 
-@register("grpc_error")
+@TOXICS.register("grpc_error")
 class GrpcErrorToxic(Toxic):
     """Call-level (HTTP/2): fails `share` of the calls (optionally only `method`) with gRPC `status`."""
 
@@ -414,7 +405,7 @@ class GrpcErrorToxic(Toxic):
     stage = False
 
 
-@register("http_delay")
+@TOXICS.register("http_delay")
 class HttpDelayToxic(Toxic):
     """Call-level (HTTP/1.x, HTTP/2): holds `share` of the requests (optionally only those of HTTP
     `method`, a `path` prefix or glob, a `header`) `delay` +/- `jitter` ms before they go upstream
@@ -426,7 +417,7 @@ class HttpDelayToxic(Toxic):
     stage = False
 
 
-@register("http_error")
+@TOXICS.register("http_error")
 class HttpErrorToxic(Toxic):
     """Call-level (HTTP/1.x, HTTP/2): answers `share` of the requests (filters as http_delay) with HTTP
     `status` and `body` itself; the server never sees them."""
@@ -437,5 +428,5 @@ class HttpErrorToxic(Toxic):
     stage = False
 
 
-__all__ = ["REGISTRY", "Toxic", "ToxicEffect", "Stub", "register", "parse_attributes", "latency_delay", "slice_offsets",
+__all__ = ["TOXICS", "Toxic", "ToxicEffect", "Stub", "parse_attributes", "latency_delay", "slice_offsets",
            "DATA", "EOF", "CLOSE", "RESET"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harness.checks import alerts, answers, dependency, limiter, memory, rule, service, tier  # noqa: F401  (register the checks)
-from harness.checks.base import CHECKS, Check, Param, Verdict, no_calls, register, verdict
+from harness.checks.base import CHECKS, Check, Param, Verdict, no_calls, verdict
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from harness.scenario import CheckSpec
     from harness.timeline import Timeline
 
-__all__ = ["CHECKS", "Check", "Param", "Verdict", "register", "verdict", "evaluate_all"]
+__all__ = ["CHECKS", "Check", "Param", "Verdict", "verdict", "evaluate_all"]
 
 
 def evaluate_all(timeline: Timeline, specs: Iterable[CheckSpec]) -> list[Verdict]:

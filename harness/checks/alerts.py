@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, phase_window, verdict
 from harness.checks.truth import LEG_TOLERANCE, leg_periods
 from harness.scenario import CheckSpec
 from harness.timeline import Timeline
@@ -312,4 +312,4 @@ class Restores:
 
 
 for _check in (AlertFires(), AlertSilent(), Degrades(), Restores()):
-    register(_check)
+    CHECKS.add(_check.name, _check)

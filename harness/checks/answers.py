@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, phase_window, verdict
 from harness.matching import MAX_SAMPLES, MatchSpec, bare, path_of
 from harness.responses import INVALID, ResponseRules
 from harness.scenario import CheckSpec
@@ -167,5 +167,5 @@ def _field_counts(bad: list[tuple[float, str, list[str]]]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:20])
 
 
-register(ResponsesValid())
-register(ResponsesMatch())
+for _check in (ResponsesValid(), ResponsesMatch()):
+    CHECKS.add(_check.name, _check)

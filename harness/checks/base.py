@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from harness.timeline import Timeline
+from wire.registry import Registry
+
 if TYPE_CHECKING:
     from harness.scenario import CheckSpec
-    from harness.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,7 @@ class Check(Protocol):
         """Judge the timeline; never raises for missing data (that is a failed verdict saying so)."""
 
 
-CHECKS: dict[str, Check] = {}
-
-
-def register(check: Check) -> Check:
-    """Add a check to the registry under its `name` (used as a decorator on an instance's class)."""
-    CHECKS[check.name] = check
-    return check
+CHECKS: Registry[str, Check] = Registry("check")   # each module adds its checks: CHECKS.add(check.name, check)
 
 
 def phase_window(tl: Timeline, spec: CheckSpec) -> tuple[float, float]:

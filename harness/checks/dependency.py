@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.checks.alerts import _SOURCE, alert_intervals
-from harness.checks.base import Param, Verdict, nothing_to_judge, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import FaultWindow, Timeline
 from wire.stats import percentile
@@ -383,4 +383,4 @@ class CircuitRecovers:
 
 
 for _check in (FallbackServes(), CacheEffective(), DependencyAlert(), CircuitRecovers()):
-    register(_check)
+    CHECKS.add(_check.name, _check)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, phase_window, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import Timeline
 
@@ -215,4 +215,4 @@ class LimiterStable:
 
 
 for _check in (LimiterReduces(), LimiterRecovers(), LimiterObeys(), LimiterStable()):
-    register(_check)
+    CHECKS.add(_check.name, _check)

@@ -15,7 +15,7 @@ first ones. A flat agent is never traced (tracing costs it ~50 % more CPU a call
 
 from __future__ import annotations
 
-from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, phase_window, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import Timeline
 
@@ -97,4 +97,5 @@ class MemoryFlat:
                        "of growth)", **evidence)
 
 
-register(MemoryFlat())
+for _check in (MemoryFlat(),):
+    CHECKS.add(_check.name, _check)

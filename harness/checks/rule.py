@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness.checks.base import Param, Verdict, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, verdict
 from harness.scenario import AgentTarget, CheckSpec, ExternalTarget
 from harness.timeline import Event, Timeline
 
@@ -322,4 +322,4 @@ class PercentilesDistinct:
 
 
 for _check in (AlertRule(), PercentilesDistinct()):
-    register(_check)
+    CHECKS.add(_check.name, _check)

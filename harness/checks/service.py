@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks.base import Param, Verdict, nothing_to_judge, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, nothing_to_judge, phase_window, verdict
 from harness.checks.truth import leg_values, proxy_legs, sched_rates
 from harness.scenario import CheckSpec
 from harness.timeline import FaultWindow, Timeline
@@ -574,4 +574,4 @@ class DeadlinesHonored:
 
 
 for _check in (Slo(), ErrorRate(), NoLoss(), FaultEffective(), DeadlinesHonored()):
-    register(_check)
+    CHECKS.add(_check.name, _check)

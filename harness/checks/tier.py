@@ -9,7 +9,7 @@ judge and does not pass.
 
 from __future__ import annotations
 
-from harness.checks.base import Param, Verdict, phase_window, register, verdict
+from harness.checks.base import CHECKS, Param, Verdict, phase_window, verdict
 from harness.scenario import CheckSpec
 from harness.timeline import Timeline
 
@@ -86,4 +86,5 @@ class NoFlapping:
                        f"within any {per_s:g}s (limit {limit})", **evidence)
 
 
-register(NoFlapping())
+for _check in (NoFlapping(),):
+    CHECKS.add(_check.name, _check)

@@ -15,6 +15,9 @@ from typing import Any
 
 import click
 
+from agent_under_test.arrivals import PATTERNS
+from agent_under_test.config import LIMITERS
+from agent_under_test.degrade import TIERS
 from harness.commands.replay import build_tls, tls_options
 from harness.outputs import verdict_exit
 
@@ -55,9 +58,9 @@ def _parse_expect(v: str) -> Any:
 @click.command("capacity")
 @click.argument("recording", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--agent", is_flag=True, help="start the bundled agent (stopped at the end) and measure it")
-@click.option("--tier", type=click.Choice(["full", "light"]), default="full", show_default=True,
+@click.option("--tier", type=click.Choice(TIERS), default="full", show_default=True,
               help="with --agent: the model tier it serves")
-@click.option("--limiter", type=click.Choice(["seed", "gradient", "off"]), default="seed", show_default=True,
+@click.option("--limiter", type=click.Choice(LIMITERS.names()), default="seed", show_default=True,
               help="with --agent: its adaptive limiter (refuses with RESOURCE_EXHAUSTED)")
 @click.option("--target", metavar="HOST:PORT", help="your service instead (loopback unless allowed)")
 @click.option("--allow-target", "allow", multiple=True, metavar="HOST", help="allow this non-loopback host/CIDR")
@@ -76,7 +79,7 @@ def _parse_expect(v: str) -> Any:
 @click.option("--slo", "slos", multiple=True, callback=_parsed(_parse_slo), metavar="OBJECTIVE",
               help="what a step must meet: pNN<LATENCY (from the intended send), errors<P%, rejected<P% "
                    "(repeatable)  [default: p99<20ms, errors<0.5%]")
-@click.option("--pattern", type=click.Choice(["poisson", "constant", "bursty"]), default="poisson",
+@click.option("--pattern", type=click.Choice(PATTERNS.names()), default="poisson",
               show_default=True, help="the generator's arrivals (without RECORDING)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generator's arrivals")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.01, 60), default=2.0, show_default=True,

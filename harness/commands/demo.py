@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from capture.backends import BACKENDS
 from harness.outputs import verdict_exit
 
 
@@ -17,7 +18,7 @@ from harness.outputs import verdict_exit
 @click.option("--rate", type=click.FloatRange(1, 2000), default=60.0, show_default=True,
               help="production calls per second")
 @click.option("--seed", type=int, default=7, show_default=True, help="seeds traffic, jitter and every choice")
-@click.option("--backend", "backends", multiple=True, type=click.Choice(["ebpf", "pcap", "proxy"]),
+@click.option("--backend", "backends", multiple=True, type=click.Choice(BACKENDS.names()),
               help="capture backends to try in order (default: ebpf, then pcap, then proxy)")
 def command(report_dir: str, record_s: float, rate: float, seed: int, backends: tuple[str, ...]) -> None:
     """The whole story on one machine in about 80 seconds.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from capture.backends import BACKENDS
 from harness.console import progress
 from harness.outputs import stamped
 
@@ -43,7 +44,7 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
                    "or HTTP body written at once; more is recorded up to it and counted as truncated")
 @click.option("--side", type=click.Choice(["server", "client"]), default="server", show_default=True,
               help="which end's syscalls to record (eBPF); server avoids recording loopback twice")
-@click.option("--backend", type=click.Choice(["ebpf", "pcap", "proxy"]), default="ebpf", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS.names()), default="ebpf", show_default=True)
 @click.option("--interface", default="lo", show_default=True, help="network interface (pcap backend)")
 @click.option("--listen-port", type=click.IntRange(0, 65535), default=0,
               help="proxy backend: where clients connect (it forwards to --port)")

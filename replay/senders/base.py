@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,6 +9,7 @@ from typing import Protocol
 from replay.errors import SenderError
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders.headers import DEFAULT_POLICY, GRPC_OWN, REDACTION_MARKERS, HeaderPolicy
+from wire.registry import Registry
 
 # Outcome names every sender uses; the engine adds not_sent itself.
 OK, REJECTED, ERROR, TIMEOUT, CONNECTION_ERROR = "ok", "rejected", "error", "timeout", "connection_error"
@@ -68,31 +68,17 @@ class Starter(Protocol):
 
 
 SenderFactory = Callable[..., Sender]
-_REGISTRY: dict[str, str | SenderFactory] = {
-    "grpc": "replay.senders.grpc:GrpcSender",
+SENDERS: Registry[str, SenderFactory] = Registry("sender", {
+    "grpc": "replay.senders.grpc:GrpcSender",     # imported on first use: grpcio is heavy
+    "h2": "replay.senders.h2:H2Sender",
     "http1": "replay.senders.http1:Http1Sender",
     "tcp": "replay.senders.tcp:TcpSender",
-}
-
-
-def register(name: str, factory: SenderFactory) -> None:
-    """Register a sender factory `factory(target, **options)` under `name`."""
-    _REGISTRY[name] = factory
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
+}, error=SenderError)
 
 
 def get_sender(name: str, target: str, **options: object) -> Sender:
     """Build the sender `name` for `target` ("host:port"). Raises SenderError for an unknown name."""
-    entry = _REGISTRY.get(name)
-    if entry is None:
-        raise SenderError(f"no sender named {name!r}; available: {', '.join(available())}")
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-    return entry(target, **options)
+    return SENDERS.get(name)(target, **options)
 
 
 def replayable_metadata(metadata: list[tuple[str, str]], policy: HeaderPolicy | None = None,
@@ -103,5 +89,5 @@ def replayable_metadata(metadata: list[tuple[str, str]], policy: HeaderPolicy | 
 
 
 __all__ = ["CONNECTION_ERROR", "ERROR", "HOP_BY_HOP", "OK", "REDACTION_MARKERS", "REJECTED", "TIMEOUT", "Preparer",
-           "SendOutcome", "Sender", "SenderFactory", "Starter", "available", "get_sender", "http_outcome",
-           "register", "replayable_metadata"]
+           "SENDERS", "SendOutcome", "Sender", "SenderFactory", "Starter", "get_sender", "http_outcome",
+           "replayable_metadata"]
