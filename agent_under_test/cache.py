@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
-from agent_under_test.clock import Clock, MonotonicClock
 from agent_under_test.config import CACHES
 from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
+from wire.clock import Clock, MonotonicClock
 
 if TYPE_CHECKING:
     from agent_under_test.config import ServeOptions

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from agent_under_test.clock import Clock
+from wire.clock import Clock
 
 EVENT_TYPES = ("period", "limiter", "alert", "tier", "circuit")
 Event = dict[str, Any]

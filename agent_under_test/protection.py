@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable
 
 from agent_under_test.alerts import AlertSet, Transition
-from agent_under_test.clock import Clock, MonotonicClock
 from agent_under_test.degrade import TierChange, TierSelector
 from agent_under_test.events import EventLog
 from agent_under_test.hooks import Guard, GuardConfig, NullGuard
@@ -29,6 +28,7 @@ from agent_under_test.limiter import Adjustment, Limiter, LimiterSettings, make_
 from agent_under_test.metrics import CIRCUIT_STATES, Metrics
 from agent_under_test.metrics_http import MetricsServer
 from agent_under_test.monitor import DependencyRecorder, PeriodRecorder, PeriodSummary
+from wire.clock import Clock, MonotonicClock
 
 P99_ALERT = "P99High"
 _log = logging.getLogger(__name__)

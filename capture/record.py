@@ -29,7 +29,6 @@ from pathlib import Path
 
 from capture import backends
 from capture.backends import RecordOptions
-from capture.clock import Clock, MonotonicClock
 from capture.deferred import calls_pending, finish_command
 from capture.errors import CaptureError
 from capture.recording import RecordingWriter
@@ -38,6 +37,7 @@ from capture.ring import SLICES, TriggerRefused, TriggerServer, dump_name, ring_
 from capture.rotate import Rotator
 from capture.sample import Sampler
 from capture.sink import FlowSink, SinkStats
+from wire.clock import Clock, MonotonicClock
 
 TOOL_VERSION = "shadowtest-capture 0.1.0"
 CPU_WINDOW_S = 1.0      # --max-cpu-pct: the recorder's CPU is judged over this long

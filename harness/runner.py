@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from faults.clock import Clock, MonotonicClock
 from faults.proxy.h2tap import LEG_LOG_ENV
 from harness.checks import Verdict, evaluate_all
 from harness.checks.truth import read_leg_log
@@ -41,6 +40,7 @@ from harness.scenario_load import RUN_PHASE
 from harness.target import Running, open_target, start_agent
 from harness.timeline import FaultWindow, MetricSample, Timeline
 from harness.traffic import TrafficRun
+from wire.clock import Clock, MonotonicClock
 
 _TICK_S = 0.1            # fault schedule resolution
 _VIEW_S = 0.5            # live view refresh: cheap, but it shares the GIL with the replayer

@@ -9,7 +9,7 @@ use the pure parts without pulling in the asyncio engine):
     replay.plan       plan_from_recording, estimate_total        recording file -> plan
     replay.senders    Sender, SendOutcome, SENDERS, get_sender  grpc | h2 | http1 | tcp by name
     replay.compare    CompareSpec, Comparer                      the shadow check
-    replay.clock      Clock, TimerfdClock, MonotonicClock, FakeClock
+    replay.clock      TimerfdClock, real_clock (on wire.clock: Clock, MonotonicClock, FakeClock)
     replay.stats      CallResult, RunStats;  replay.report: ReplayReport
     replay.target     check_target                               the allowlist
     replay.locust_user ReplayUser                                Locust (gevent) integration

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from replay import report as report_mod
-from replay.clock import Clock, TimerfdClock, real_clock, run_ticks
+from replay.clock import TimerfdClock, real_clock, run_ticks
 from replay.options import ReplayOptions
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import Sender, SendOutcome, get_sender
@@ -40,6 +40,7 @@ from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig
 from replay.stats import CallResult, RunStats
 from replay.target import check_target
+from wire.clock import Clock
 
 if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
     from capture.integrity import Integrity

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture.recording import Call, Flow, Message, RecordingWriter
-from replay.clock import Clock
 from replay.schedule import PlannedCall, PlannedMessage
 from replay.senders import SendOutcome
+from wire.clock import Clock
 
 if TYPE_CHECKING:
     import grpc.aio

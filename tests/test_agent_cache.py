@@ -43,7 +43,6 @@ from agent_under_test.cache import (
     probe_for,
     unpack_entry,
 )
-from agent_under_test.clock import FakeClock
 from agent_under_test.errors import ServeError
 from agent_under_test.features import build_features
 from agent_under_test.hooks import GuardConfig
@@ -52,6 +51,7 @@ from agent_under_test.market import MarketSim, make_snapshot
 from agent_under_test.protection import ProtectionGuard
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
 from agent_under_test.snapshot import parse_snapshot
+from wire.clock import FakeClock
 from wire.process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -232,7 +232,7 @@ def test_local_tier_keeps_the_newest_per_bucket_and_evicts_the_least_recently_us
 
 
 def test_similarity_threshold_is_inclusive_and_picks_the_best_entry():
-    cache = ResponseCache(CacheSettings(mode="local", threshold=0.85), Recorded(), FakeClock())
+    cache = ResponseCache(CacheSettings(mode="local", threshold=0.85), Recorded(), FakeClock.at(1000.0))
     base = Probe("ACME|2|0", unit(1, 0))
     cache.store(base, (1.0,) * 5, "full")
     near = Probe("ACME|2|0", unit(0.86, (1 - 0.86 ** 2) ** 0.5))   # cosine 0.86
@@ -261,7 +261,7 @@ def test_probe_matches_the_same_book_not_another_one_and_buckets_by_symbol_depth
 
 
 def test_ttls_fresh_then_stale_then_gone():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     hooks = Recorded()
     cache = ResponseCache(CacheSettings(mode="local", local_ttl_s=60, redis_ttl_s=3600), hooks, clock)
     probe = Probe("ACME|2|0", unit(1, 2))
@@ -280,7 +280,7 @@ def test_ttls_fresh_then_stale_then_gone():
 
 
 def test_a_stale_entry_is_refreshed_once_through_the_slow_path():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     cache = ResponseCache(CacheSettings(mode="local", local_ttl_s=1, redis_ttl_s=10), Recorded(), clock)
     probe = Probe("ACME|2|0", unit(3, 1))
     old = cache.store(probe, (0.0,) * 5, "full")
@@ -330,7 +330,7 @@ def test_entries_survive_the_trip_through_redis_bytes_and_garbage_is_not_an_entr
 # -- unit: the circuit breaker --------------------------------------------------------------------------
 
 def test_circuit_opens_after_n_failures_half_opens_once_and_closes_on_success():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     moves: list[tuple[str, str]] = []
     c = Circuit(3, 2.0, clock, lambda old, new: moves.append((old, new)))
     trajectory = []
@@ -376,7 +376,7 @@ def test_bad_cache_settings_are_one_line_errors(settings: CacheSettings, message
 # -- unit: the guard's metrics, circuit events and DependencySlow ---------------------------------------
 
 def test_guard_turns_dependency_reports_into_metrics_events_and_dependency_slow():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     g = ProtectionGuard(GuardConfig(alert_periods=2, resolve_periods=2, min_samples=3, dependency_threshold_ms=10), clock)
     states = []
     plan = ["fast", "slow", "slow", "open", "fast", "fast", "few"]
@@ -409,7 +409,7 @@ def test_guard_turns_dependency_reports_into_metrics_events_and_dependency_slow(
 
 
 def test_an_open_circuit_keeps_dependency_slow_breaching_until_it_closes():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     g = ProtectionGuard(GuardConfig(alert_periods=2, resolve_periods=1, min_samples=1), clock)
     g.on_circuit("redis", "closed", "open")
     states = []

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agent_under_test.clock import FakeClock
 from agent_under_test.errors import ServeError
 from agent_under_test.hooks import GuardConfig
 from agent_under_test.protection import ProtectionGuard, build_guard
+from wire.clock import FakeClock
 
 
 def guard(**kw) -> tuple[ProtectionGuard, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     cfg = GuardConfig(**{"limiter": "seed", "initial_rate": 1000.0, "min_samples": 10, **kw})
     return ProtectionGuard(cfg, clock), clock
 

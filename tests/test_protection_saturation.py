@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from agent_under_test.clock import FakeClock
 from agent_under_test.hooks import GuardConfig
 from agent_under_test.protection import ProtectionGuard
 from agent_under_test.saturation import ThreadSaturation, read_schedstat
+from wire.clock import FakeClock
 
 pytestmark = pytest.mark.skipif(read_schedstat(threading.get_native_id()) is None,
                                 reason="needs /proc/<pid>/task/<tid>/schedstat (Linux with schedstats)")
@@ -79,7 +79,7 @@ def test_a_thread_that_is_gone_reads_none_never_an_error():
 
 
 def test_the_guard_puts_each_periods_saturation_in_the_event_and_the_gauge():
-    clock = FakeClock()
+    clock = FakeClock.at(1000.0)
     g = ProtectionGuard(GuardConfig(limiter="off", min_samples=1), clock)
     readings = iter([0.42, None])
     g.set_saturation_source(lambda: next(readings))

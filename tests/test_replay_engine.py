@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from replay.clock import FakeClock
 from replay.engine import ReplayRun
 from replay.errors import TargetNotAllowedError
 from replay.options import ReplayOptions
@@ -17,9 +17,17 @@ from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
 from replay.senders import SENDERS, SendOutcome
 from replay.stats import CallResult
 from replay.testing import FakeSender, write_stream_recording, write_unary_recording
+from wire.clock import FakeClock
 
 MS = 1_000_000
 
+
+
+@pytest.fixture(autouse=True)
+def _fake_sender_removed() -> Iterator[None]:
+    """Tests here add a "fake" sender; no other module sees it afterwards."""
+    yield
+    SENDERS.discard("fake")
 
 def _run(path: Path, clock: FakeClock, sender: object, **kw: object) -> tuple[ReplayRun, list[CallResult]]:
     SENDERS.add("fake", lambda target, **_: sender)  # type: ignore[arg-type,return-value]
@@ -109,7 +117,7 @@ def test_stop_from_another_thread_counts_the_rest_as_not_sent(tmp_path: Path) ->
         if len(results) == 5:
             seen.set()
     SENDERS.add("fake", lambda target, **_: FakeSender(clock))  # type: ignore[arg-type,return-value]
-    from replay.clock import MonotonicClock
+    from wire.clock import MonotonicClock
     clock = MonotonicClock()
     run = ReplayRun(tmp_path / "r.rec", "127.0.0.1:1", ReplayOptions(sender="fake"), on_result=on_result)
     t = threading.Thread(target=run.run)
@@ -181,7 +189,7 @@ def test_slow_plan_reads_never_delay_a_due_send() -> None:
 
     def plan() -> object:
         for i in range(400):
-            clock.advance(300_000)
+            clock.advance_ns(300_000)
             yield PlannedCall(index=i, due_ns=20 * MS + i * MS, connection="c", protocol="grpc", method="/m",
                               kind="unary", messages=[PlannedMessage(0, b"x")])
     run = ReplayRun(plan(), "127.0.0.1:1", ReplayOptions(sender="fake", lookahead_s=0.05), clock=clock)
@@ -208,7 +216,7 @@ def test_connections_of_the_first_lookahead_open_before_the_clock_starts(tmp_pat
                 await asyncio.sleep(0)
                 if self.hang:
                     await asyncio.Event().wait()
-                clock.advance(5 * MS)
+                clock.advance_ns(5 * MS)
                 self.prepared.append((connection, clock.now_ns()))
             return ready()
 

@@ -15,6 +15,7 @@ import zlib
 import hpack
 import pytest
 
+from wire.clock import FakeClock
 from wire.h2 import (
     DEFAULT_MAX_FRAME,
     MAX_FRAME_LIMIT,
@@ -603,18 +604,25 @@ def test_gzip_bomb_of_1_gib_is_refused_quickly() -> None:
 
 
 # ---- budgets -------------------------------------------------------------------------------------
+class _CountingClock(FakeClock):
+    """Virtual time that notes every read of now()."""
+
+    def __init__(self) -> None:
+        super().__init__(start_ns=0)
+        self.reads: list[float] = []
+
+    def now(self) -> float:
+        self.reads.append(super().now())
+        return self.reads[-1]
+
+
 def test_budget_burst_then_refill_in_virtual_time() -> None:
-    now = [0.0]
-    reads = []
-
-    def clock() -> float:
-        reads.append(now[0])
-        return now[0]
-
+    clock = _CountingClock()
+    reads = clock.reads
     budget = Budget(burst=3, per_s=2, clock=clock)
     seq = []
     for t, n in ((0.0, 4), (0.25, 1), (0.5, 2), (1.0, 1), (10.0, 5), (10.125, 1), (10.5, 1)):
-        now[0] = t
+        clock.advance_ns(round(t * 1e9) - clock.now_ns())
         seq.append([budget.spend() for _ in range(n)])
     assert seq == [
         [True, True, True, False],      # the burst, then empty
@@ -626,12 +634,12 @@ def test_budget_burst_then_refill_in_virtual_time() -> None:
         [True],                         # 0.25 + 0.75
     ]
     assert reads[0] == 0.0 and reads.count(10.0) == 3   # the clock is read only when running low
-    big = Budget(burst=10, per_s=1, clock=lambda: 0.0)
+    big = Budget(burst=10, per_s=1, clock=FakeClock(start_ns=0))
     assert big.spend(4) and big.spend(6) and not big.spend(0.5)
 
 
 def test_budget_refund_gives_tokens_back_up_to_the_burst() -> None:
-    budget = Budget(burst=2, per_s=0, clock=lambda: 0.0)
+    budget = Budget(burst=2, per_s=0, clock=FakeClock(start_ns=0))
     assert [budget.spend() for _ in range(3)] == [True, True, False]
     budget.refund()
     assert [budget.spend() for _ in range(2)] == [True, False]

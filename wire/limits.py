@@ -8,8 +8,7 @@ rules run in virtual time in tests.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from wire.clock import SYSTEM, Clock
 
 
 class Budget:
@@ -17,14 +16,14 @@ class Budget:
 
     __slots__ = ("burst", "per_s", "tokens", "last", "clock")
 
-    def __init__(self, burst: float, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, burst: float, per_s: float, clock: Clock = SYSTEM) -> None:
         self.burst, self.per_s, self.clock = burst, per_s, clock
         self.tokens = burst
-        self.last = clock()
+        self.last = clock.now()
 
     def spend(self, n: float = 1.0) -> bool:
         if self.tokens < n:                 # refill lazily: the clock is read only when running low
-            now = self.clock()
+            now = self.clock.now()
             self.tokens = min(self.burst, self.tokens + (now - self.last) * self.per_s)
             self.last = now
             if self.tokens < n:

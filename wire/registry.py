@@ -48,6 +48,10 @@ class Registry(Generic[K, T]):
         """Register (or replace) `entry` under `name`."""
         self._entries[name] = entry
 
+    def discard(self, name: K) -> None:
+        """Remove `name` if registered (a test that added a fake entry takes it back)."""
+        self._entries.pop(name, None)
+
     def register(self, *names: K) -> Callable[[E], E]:
         """Decorator: register the decorated class, function or instance under each of `names`."""
         def decorate(entry: E) -> E:
