@@ -36,7 +36,7 @@ from __future__ import annotations
 # ruff: noqa: I001  -- order matters: locust monkey-patches for gevent on import
 from locust import User, constant, events, task
 from locust.exception import StopUser
-from locust.runners import LocalRunner, MasterRunner, WorkerRunner
+from locust.runners import LocalRunner, MasterRunner, Runner, WorkerRunner
 
 import gevent
 import gevent.event
@@ -50,7 +50,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from argparse import Namespace
+from collections.abc import Callable
 from typing import Any
+
+from locust.argument_parser import LocustArgumentParser
+from locust.env import Environment
+from locust.rpc.protocol import Message
 
 from replay.stats import RunStats, percentiles_ms, percentiles_us
 from wire.process import spawn
@@ -68,7 +74,7 @@ def _say(line: str) -> None:
 
 
 @events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's hooks are untyped
-def _add_arguments(parser: Any) -> None:
+def _add_arguments(parser: LocustArgumentParser) -> None:
     g = parser.add_argument_group("shadowtest replay", "replay a shadowtest recording with its original timing")
     g.add_argument("--shadow-recording", default="", metavar="FILE",
                    help="recording to replay; read by the master and sent to every worker")
@@ -117,7 +123,7 @@ def _target(host: str | None) -> str:
     return text.rstrip("/")
 
 
-def _config(opts: Any, target: str) -> dict[str, Any]:
+def _config(opts: Namespace, target: str) -> dict[str, Any]:
     """What every shard needs: the target and the replay option values (JSON; each worker builds the same
     ReplayOptions from them, replay/options.py)."""
     from replay.options import from_argparse, json_values
@@ -128,10 +134,11 @@ def _config(opts: Any, target: str) -> dict[str, Any]:
 class _Master:
     """Hands out shards, collects each worker's counts and prints the accounting at the end."""
 
-    def __init__(self, environment: Any, runner: Any) -> None:
+    def __init__(self, environment: Environment, runner: Runner) -> None:
         self.env, self.runner = environment, runner
         opts = environment.parsed_options
-        self.opts = opts
+        assert opts is not None   # _on_init returns before making a master without them
+        self.opts: Namespace = opts
         self.path = opts.shadow_recording
         self.send = not opts.shadow_recording_on_workers and isinstance(runner, MasterRunner)
         self.total = 0
@@ -148,13 +155,13 @@ class _Master:
         self.welcomed: set[str] = set()           # workers whose handlers are ready
         self.assigned: dict[str, dict[str, Any]] = {}  # worker client id -> its shard's config
 
-    def _validate(self, env: Any) -> dict[str, Any]:
+    def _validate(self, env: Environment) -> dict[str, Any]:
         """Refuse bad options, a disallowed target or an unreadable recording with one line."""
         from replay.errors import TargetNotAllowedError
         from replay.options import LOCUST, OptionError, build, spell
         from replay.plan import estimate_total
         from replay.target import check_target
-        opts = env.parsed_options
+        opts = self.opts
         if not self.path:
             _exit(2, "--shadow-recording FILE is required")
         target = _target(env.host)
@@ -180,7 +187,7 @@ class _Master:
         return cfg
 
     # -- worker lifecycle --
-    def on_hello(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_hello(self, environment: Environment, msg: Message, **_: object) -> None:
         """A worker's handlers are ready (it says hello until welcomed): send it the recording, then
         its shard if the test has started. (Messages sent before a worker's init would be lost.)"""
         client_id = msg.node_id
@@ -207,7 +214,7 @@ class _Master:
                 if last:
                     break
 
-    def on_test_start(self, **_: Any) -> None:
+    def on_test_start(self, **_: object) -> None:
         if self.started:
             return
         self.started = True
@@ -229,7 +236,7 @@ class _Master:
             self.local = _Shard(self.env, self._local_message)
             gevent.spawn(self.local.run, cfg)
 
-    def on_test_stop(self, **_: Any) -> None:
+    def on_test_stop(self, **_: object) -> None:
         """The run time ended (or the run was stopped): stop every shard, wait for the final counts."""
         if not self.started or self._complete():
             return
@@ -248,7 +255,7 @@ class _Master:
     def _local_message(self, kind: str, data: dict[str, Any]) -> None:
         self.handle(kind, data)
 
-    def on_message(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_message(self, environment: Environment, msg: Message, **_: object) -> None:
         self.handle(msg.type, msg.data)
 
     def handle(self, kind: str, data: dict[str, Any]) -> None:
@@ -315,7 +322,7 @@ class _Master:
                 "lag_us": percentiles_us(merged.lag), "workers": shares, "invariant_ok": invariant,
                 "problems": self.problems, "failures": failures, "passed": not failures}
 
-    def on_quitting(self, environment: Any, **_: Any) -> None:
+    def on_quitting(self, environment: Environment, **_: object) -> None:
         if self.local is not None:
             self.local.stop()
         s = self.summary()
@@ -361,7 +368,7 @@ def _sha256(path: str) -> str:
 class _Shard:
     """Runs `python -m replay.locust_child` for one shard and relays what it reports."""
 
-    def __init__(self, environment: Any, send: Any) -> None:
+    def __init__(self, environment: Environment, send: Callable[[str, dict[str, Any]], None]) -> None:
         self.env, self.send = environment, send
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
@@ -409,7 +416,7 @@ class _Shard:
                     ok = outcome == "ok"
                     exc = None if ok else ReplayFailure(
                         f"not sent: {code}" if outcome == "not_sent" else f"{outcome} {code or ''}".strip())
-                    fire(request_type="shadow", name=method or "call",
+                    fire(request_type="shadow", name=method or "call",  # type: ignore[no-untyped-call]
                          response_time=(done - intended) / 1e6 if sent else 0.0, response_length=0,
                          exception=exc, context={"detail": detail})
                 if "progress" in msg and "error" not in msg:
@@ -436,7 +443,7 @@ class _Shard:
 class _Worker:
     """A Locust worker: receives the recording and its shard from the master."""
 
-    def __init__(self, environment: Any, runner: Any) -> None:
+    def __init__(self, environment: Environment, runner: Runner) -> None:
         self.env, self.runner = environment, runner
         self.dir = tempfile.mkdtemp(prefix="shadowtest-locust-")   # 0700
         self.path = os.path.join(self.dir, "recording.rec")
@@ -455,13 +462,13 @@ class _Worker:
             if self.welcomed.wait(_HELLO_EVERY_S):
                 return
 
-    def on_welcome(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_welcome(self, environment: Environment, msg: Message, **_: object) -> None:
         self.welcomed.set()
 
     def _send(self, kind: str, data: dict[str, Any]) -> None:
         self.runner.send_message(kind, data)
 
-    def on_recording(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_recording(self, environment: Environment, msg: Message, **_: object) -> None:
         d = msg.data
         if self.ready.is_set() or self.error:
             return
@@ -485,7 +492,7 @@ class _Worker:
                 self.error = "the recording arrived damaged (size or sha256 differs from the master's)"
             self.ready.set()
 
-    def on_start(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_start(self, environment: Environment, msg: Message, **_: object) -> None:
         gevent.spawn(self._start, msg.data)
 
     def _start(self, cfg: dict[str, Any]) -> None:
@@ -505,10 +512,10 @@ class _Worker:
         self._send("shadow_error", {"index": i, "error": line})
         _SHARD_DONE.set()
 
-    def on_stop_message(self, environment: Any, msg: Any, **_: Any) -> None:
+    def on_stop_message(self, environment: Environment, msg: Message, **_: object) -> None:
         self.shard.stop()
 
-    def on_quitting(self, **_: Any) -> None:
+    def on_quitting(self, **_: object) -> None:
         self.shard.stop()
         proc = self.shard.proc
         if proc is not None and proc.poll() is None:
@@ -521,7 +528,7 @@ class _Worker:
 
 
 @events.init.add_listener  # type: ignore[untyped-decorator]
-def _on_init(environment: Any, runner: Any, **_: Any) -> None:
+def _on_init(environment: Environment, runner: Runner | None, **_: object) -> None:
     if environment.parsed_options is None or runner is None:
         return  # used as a library: nothing to set up
     if isinstance(runner, WorkerRunner):
@@ -530,7 +537,7 @@ def _on_init(environment: Any, runner: Any, **_: Any) -> None:
         runner.register_message("shadow_recording", worker.on_recording)
         runner.register_message("shadow_start", worker.on_start)
         runner.register_message("shadow_stop", worker.on_stop_message)
-        environment.events.quitting.add_listener(worker.on_quitting)
+        environment.events.quitting.add_listener(worker.on_quitting)  # type: ignore[no-untyped-call]
         return
     if not isinstance(runner, (MasterRunner, LocalRunner)):
         return
@@ -539,9 +546,9 @@ def _on_init(environment: Any, runner: Any, **_: Any) -> None:
         for kind in ("shadow_progress", "shadow_done", "shadow_error"):
             runner.register_message(kind, master.on_message)
         runner.register_message("shadow_hello", master.on_hello)
-    environment.events.test_start.add_listener(master.on_test_start)
-    environment.events.test_stop.add_listener(master.on_test_stop)
-    environment.events.quitting.add_listener(master.on_quitting)
+    environment.events.test_start.add_listener(master.on_test_start)  # type: ignore[no-untyped-call]
+    environment.events.test_stop.add_listener(master.on_test_stop)  # type: ignore[no-untyped-call]
+    environment.events.quitting.add_listener(master.on_quitting)  # type: ignore[no-untyped-call]
 
 
 def launch(argv: list[str]) -> None:
