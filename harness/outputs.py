@@ -2,13 +2,20 @@
 
     {"schema": "shadowtest.<kind>/v<N>", "shadowtest_version": "0.1.0", ...the document...}
 
-`kind` names the output (docs/conventions.md lists them); N goes up when a field changes meaning or goes
+`kind` names the output (docs/outputs.md lists them); N goes up when a field changes meaning or goes
 away (a field added does not change it), so a consumer can refuse what it was not written for.
+
+Each kind has a JSON Schema, harness/schemas/KIND.json (installed with the package): the fields every
+document of that kind has and their types. With SHADOWTEST_CHECK_OUTPUTS set (the test suite sets it, so
+every command a test runs checks what it writes), `stamped` validates each document against it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from harness import __version__
@@ -28,11 +35,43 @@ def verdict_exit(passed: bool, broken: bool) -> int:
     return EXIT_OK if passed else EXIT_ERROR if broken else EXIT_THRESHOLDS
 
 
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+CHECK_ENV = "SHADOWTEST_CHECK_OUTPUTS"
+
+
+class OutputSchemaError(ValueError):
+    """A JSON document does not match its kind's schema (one line: which field, what is wrong)."""
+
+
 def schema(kind: str) -> str:
     return f"shadowtest.{kind}/v{VERSIONS[kind]}"
 
 
+def schema_file(kind: str) -> Path:
+    return SCHEMAS / f"{kind}.json"
+
+
+def check_output(doc: Mapping[str, Any]) -> None:
+    """Validate a stamped document against the JSON Schema of its `schema` (needs jsonschema, a dev
+    dependency); OutputSchemaError naming the first field that does not match."""
+    import jsonschema
+
+    kind = str(doc.get("schema", "")).removeprefix("shadowtest.").rsplit("/", 1)[0]
+    if kind not in VERSIONS:
+        raise OutputSchemaError(f"output schema {doc.get('schema')!r} is not one of shadowtest's outputs")
+    plain = json.loads(json.dumps(doc, default=str))   # as a consumer reads it (tuples are lists)
+    rules = json.loads(schema_file(kind).read_text())
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(rules).iter_errors(plain))
+    if error is not None:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path) or "(top)"
+        raise OutputSchemaError(f"output {doc['schema']} does not match {schema_file(kind).name} at {where}: "
+                                f"{' '.join(error.message.split())[:300]}")
+
+
 def stamped(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     """`doc` with `schema` and `shadowtest_version` first (a key of `doc` by those names is replaced)."""
-    return {"schema": schema(kind), "shadowtest_version": __version__,
-            **{k: v for k, v in doc.items() if k not in ("schema", "shadowtest_version")}}
+    out = {"schema": schema(kind), "shadowtest_version": __version__,
+           **{k: v for k, v in doc.items() if k not in ("schema", "shadowtest_version")}}
+    if os.environ.get(CHECK_ENV):
+        check_output(out)
+    return out

@@ -9,6 +9,9 @@ fixtures several test files share:
     light_agent  the agent (light tier) in a process of its own, one per module
 
 A marked test skips only with a reason that names the missing capability and how to get it.
+
+Every JSON document a command writes during the tests (in this process or a child) is checked against
+its schema, harness/schemas/KIND.json (SHADOWTEST_CHECK_OUTPUTS, harness/outputs.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from typing import Any
 
 import pytest
 
+from harness.outputs import CHECK_ENV
 from tests.golang import DEBIAN_GOPATH, ELF_ARCH, go_cmd
+
+os.environ[CHECK_ENV] = "1"   # inherited by every command a test starts
 
 
 @functools.cache

@@ -9,11 +9,13 @@ import re
 import shutil
 from pathlib import Path
 
+import jsonschema
+import pytest
 from click.testing import CliRunner
 
 import harness
 from harness.cli import cli
-from harness.outputs import VERSIONS, schema, stamped
+from harness.outputs import CHECK_ENV, SCHEMAS, VERSIONS, OutputSchemaError, schema, schema_file, stamped
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "scenarios" / "http-faults.rec"
@@ -49,7 +51,8 @@ def test_the_commands_json_says_what_it_is_and_which_version_wrote_it(tmp_path: 
     assert done.exit_code == 0 and json.loads(out.read_text())["schema"] == "shadowtest.replay/v1", done.output
 
 
-def test_stamped_replaces_a_documents_own_fields_and_names_only_known_outputs() -> None:
+def test_stamped_replaces_a_documents_own_fields_and_names_only_known_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CHECK_ENV)   # a partial document, on purpose
     doc = stamped("replay", {"schema": "old", "sent": 3})
     assert doc == {"schema": "shadowtest.replay/v1", "shadowtest_version": harness.__version__, "sent": 3}
     assert schema("results") == "shadowtest.results/v1"
@@ -72,6 +75,31 @@ def test_no_json_output_is_written_without_its_stamp() -> None:
                 unstamped.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not unstamped, unstamped
     assert set(VERSIONS) >= {"results", "replay", "record", "inspect", "doctor", "capacity", "locust"}
+
+
+def test_every_output_has_a_json_schema_that_names_it() -> None:
+    assert {p.stem for p in SCHEMAS.glob("*.json")} == set(VERSIONS)
+    for kind in VERSIONS:
+        rules = json.loads(schema_file(kind).read_text())
+        jsonschema.Draft202012Validator.check_schema(rules)           # a valid JSON Schema
+        variants = rules.get("anyOf", [rules])
+        assert all(v["properties"]["schema"] == {"const": schema(kind)} for v in variants), kind
+        assert all({"schema", "shadowtest_version"} <= set(v["required"]) for v in variants), kind
+
+
+def test_a_document_that_breaks_its_schema_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = {"target": "127.0.0.1:1", "pattern": "poisson", "seed": 0, "rate": 5.0, "duration_s": 1.0, "sent": 5,
+            "ok": 5, "achieved_rate": 5.0, "p50_ms": 1.0, "p95_ms": 2.0, "p99_ms": None, "send_lag_p99_ms": 0.1,
+            "errors": {}, "by_method": {"Decide": 5}}
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert stamped("traffic", good)["sent"] == 5          # passes (a P99 of no calls is null)
+    with pytest.raises(OutputSchemaError, match=r"^output shadowtest.traffic/v1 does not match traffic.json at "
+                                                r"\(top\): 'sent' is a required property$"):
+        stamped("traffic", {k: v for k, v in good.items() if k != "sent"})
+    with pytest.raises(OutputSchemaError, match=r"at \.by_method\.Decide: 'five' is not of type"):
+        stamped("traffic", {**good, "by_method": {"Decide": "five"}})
+    monkeypatch.delenv(CHECK_ENV)
+    assert "sent" not in stamped("traffic", {"rate": 1})   # not checked unless asked: a user's run never fails on it
 
 
 class _Tty(io.StringIO):

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from agent_under_test.cli import _print_report, _require_agent_extra
 from agent_under_test.cli import traffic_command as _plain
 from harness.commands.replay import build_tls, tls_options
 from harness.outputs import stamped
@@ -16,17 +17,14 @@ from harness.outputs import stamped
 
 def _traffic(tls: bool, ca: str | None, cert: str | None, key: str | None, insecure: bool, server_name: str | None,
              **kw: Any) -> None:
+    """The agent's traffic command (one report, every path stamped as shadowtest's output), with TLS."""
     config = build_tls(tls, ca, cert, key, insecure, server_name, sender="grpc")  # grpcio: always verifies
-    if config is None:
-        assert _plain.callback is not None
-        _plain.callback(**kw)
-        return
-    from agent_under_test.cli import _print_report
+    _require_agent_extra("numpy")
     from agent_under_test.traffic import run_traffic
 
     report = run_traffic(kw["target"], kw["rate"], kw["duration_s"], kw["pattern"], kw["seed"], kw["stream_share"],
                          symbols=kw["symbols"], streams=kw["streams"], log_sent=kw["log_sent"],
-                         connect_timeout_s=kw["connect_timeout"], extra={"tls": config})
+                         connect_timeout_s=kw["connect_timeout"], extra={"tls": config} if config else {})
     doc = json.dumps(stamped("traffic", report.to_dict()), indent=2)
     if kw["json_out"] == "-":
         click.echo(doc)

@@ -69,8 +69,8 @@ class Starter(Protocol):
 
 SenderFactory = Callable[..., Sender]
 SENDERS: Registry[str, SenderFactory] = Registry("sender", {
-    "grpc": "replay.senders.grpc:GrpcSender",     # imported on first use: grpcio is heavy
-    "h2": "replay.senders.h2:H2Sender",
+    "h2": "replay.senders.h2:H2Sender",           # imported on first use (grpcio is heavy)
+    "grpc": "replay.senders.grpc:GrpcSender",
     "http1": "replay.senders.http1:Http1Sender",
     "tcp": "replay.senders.tcp:TcpSender",
 }, error=SenderError)
