@@ -92,13 +92,14 @@ class RecordingTraffic:
     window: tuple[float, float] | None = None   # seconds into the recording
     flows: tuple[int, ...] = ()
     method_map: tuple[str, ...] = ()            # [FLOW:]REF=METHOD, as `replay --method-map`
+    scale: float = 1.0                          # flow multiplier, as `replay --scale`
     line: int | None = None
     timeout_ms: float | None = None             # each call's deadline; None: the runner's default
 
     def replay_values(self, **more: object) -> dict[str, object]:
         """The replay options (replay/options.py) this traffic sets, with `more` (loop, seed)."""
         return {"speed": self.speed, "window": self.window, "methods": self.methods, "flows": self.flows,
-                "method_map": self.method_map, **more}
+                "method_map": self.method_map, "scale": self.scale, **more}
 
     @property
     def until_end(self) -> bool:

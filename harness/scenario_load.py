@@ -102,6 +102,7 @@ AGENT_BOUNDS: dict[str, Bound] = {
 TRAFFIC_BOUNDS: dict[str, Bound] = {
     "rate": Bound(0.1, MAX_RATE, "calls/s"), "seed": SEED, "stream_share": Bound(0, 1),
     "speed": Bound(MIN_SPEED, MAX_SPEED, "x the recorded pace"), "loop": Bound(1, 1000, "times", whole=True),
+    "scale": Bound(0.01, 100, "x the recorded connections"),
     "timeout_ms": Bound(1, 600_000, "ms"),
     "repeat_pct": Bound(0, 100, "% of the calls"), "repeat_pool": Bound(1, 100_000, "snapshots", whole=True),
 }
@@ -493,7 +494,7 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
 
 
 # How a scenario types each kind of replay option (replay/options.py), and the keys that shape the schedule.
-_SCHEDULED = ("speed", "window", "methods", "flows", "method_map")
+_SCHEDULED = ("speed", "window", "methods", "flows", "method_map", "scale")
 _PARAM_KINDS = {"number": "number", "int": "int", "list": "list", "window": "str", "duration": "duration",
                 "choice": "str", "flag": "bool", "text": "str", "file": "str"}
 

@@ -10,7 +10,7 @@ here and reads the same everywhere:
 
 Each surface collects the values by option name (`Option.name`) and calls `build(values)`, which
 parses and checks them all in one place (window, methods, method map, TLS, headers, shadow values,
-speed/loop/rate ranges) and returns a ReplayOptions; a bad value raises OptionError naming the
+speed/loop/scale ranges) and returns a ReplayOptions; a bad value raises OptionError naming the
 option, which each surface spells its own way (`spell`). A Locust master sends the same values, as
 JSON, to its workers, whose child processes build the same ReplayOptions from them.
 
@@ -107,6 +107,7 @@ class Option:
     item: type = str
     group: str = "replay"
     surfaces: frozenset[str] = _COMMANDS
+    aliases: tuple[str, ...] = ()   # older command-line spellings, still read (not shown in docs)
 
     @property
     def cli(self) -> str:
@@ -134,8 +135,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("method_map", "list", (), "name a group of calls whose method is unknown (inspect lists them), for "
            "this replay only; without FLOW, that ref on every flow (repeatable)", metavar="[FLOW:]REF=METHOD",
            surfaces=_EVERYWHERE),
-    Option("rate", "number", 1.0, "flow multiplier (2 doubles, 0.5 thins)", surfaces=_EVERYWHERE),
-    Option("seed", "int", 0, "seed for rate scaling"),   # a scenario's own top-level seed plays this part
+    Option("scale", "number", 1.0, "flow multiplier: 2 replays every recorded connection twice, 0.5 keeps half "
+           "of them (a multiplier, where --rate elsewhere is calls/s: --rate is this option's older name)",
+           aliases=("rate",), surfaces=_EVERYWHERE),
+    # a scenario's own top-level seed plays this part
+    Option("seed", "int", 0, "seed for --scale's draw of which connections are kept or doubled"),
     Option("shard_by", "choice", "call", "with several workers: split the calls (even for one connection) or give "
            "each worker whole connections", choices=SHARD_BY),
     Option("timeout", "duration", 10.0, "per-call timeout: seconds, or a duration (500ms, 2s)", metavar="S",
@@ -285,7 +289,7 @@ def schedule_options(values: Mapping[str, Any]) -> ScheduleOptions:
                                                                        tuple(_list(v["set_fields"]))))
     sched = _checked("speed", lambda: ScheduleOptions(
         speed=float(v["speed"]), window=window, methods=methods, flows=flows, loop=int(v["loop"]),
-        rate=float(v["rate"]), seed=int(v["seed"]), shard_by=str(v["shard_by"]), method_map=mapped, shadow=shadow))
+        rate=float(v["scale"]), seed=int(v["seed"]), shard_by=str(v["shard_by"]), method_map=mapped, shadow=shadow))
     _checked(_plan_option(sched), sched.validate)
     return sched
 
@@ -304,7 +308,7 @@ def _plan_option(sched: ScheduleOptions) -> str:
     if sched.loop < 1:
         return "loop"
     if sched.rate <= 0:
-        return "rate"
+        return "scale"
     return "shard_by" if sched.shard_by not in SHARD_BY else "window"
 
 
@@ -367,28 +371,32 @@ def _click_option(click: Any, o: Option) -> Any:
     if o.metavar:
         common["metavar"] = o.metavar
     if o.kind == "flag":
-        return click.option(o.cli, o.name, is_flag=True, **common)
+        return click.option(o.cli, *_old(o), o.name, is_flag=True, **common)
     if o.kind == "list":
-        return click.option(o.cli, o.name, multiple=True, type=o.item, **common)
+        return click.option(o.cli, *_old(o), o.name, multiple=True, type=o.item, **common)
     kinds = {"number": float, "int": int, "window": str, "duration": str, "text": str,
              "file": click.Path(dir_okay=False), "choice": click.Choice(list(o.choices))}
     show = o.default is not None
-    return click.option(o.cli, o.name, type=kinds[o.kind], default=o.default, show_default=show, **common)
+    return click.option(o.cli, *_old(o), o.name, type=kinds[o.kind], default=o.default, show_default=show, **common)
+
+
+def _old(o: Option, prefix: str = "") -> list[str]:
+    return [f"--{prefix}{a.replace('_', '-')}" for a in o.aliases]
 
 
 def add_argparse(group: Any) -> None:
     """Locust's `--shadow-*` replay options on an argparse group (dest: shadow_NAME)."""
     for o in offered(LOCUST):
-        name, dest = o.spell(LOCUST), "shadow_" + o.name
+        names, dest = [o.spell(LOCUST), *_old(o, LOCUST_PREFIX)], "shadow_" + o.name
         if o.kind == "flag":
-            group.add_argument(name, dest=dest, action="store_true", default=False, help=o.help)
+            group.add_argument(*names, dest=dest, action="store_true", default=False, help=o.help)
         elif o.kind == "list":
-            group.add_argument(name, dest=dest, action="append", default=[], type=o.item, metavar=o.metavar,
+            group.add_argument(*names, dest=dest, action="append", default=[], type=o.item, metavar=o.metavar,
                                help=o.help)
         else:
             types = {"number": float, "int": int}
             extra: dict[str, Any] = {"choices": list(o.choices)} if o.choices else {}
-            group.add_argument(name, dest=dest, type=types.get(o.kind, str), default=o.default, metavar=o.metavar,
+            group.add_argument(*names, dest=dest, type=types.get(o.kind, str), default=o.default, metavar=o.metavar,
                                help=spell(o.help, LOCUST), **extra)
 
 

@@ -108,7 +108,7 @@ class ScheduleOptions:
         if self.loop < 1:
             raise PlanError("loop must be at least 1")
         if self.rate <= 0:
-            raise PlanError("rate must be positive (1.0 replays every flow once)")
+            raise PlanError("scale must be positive (1.0 replays every recorded connection once)")
         worker, workers = self.shard
         if workers < 1 or not 0 <= worker < workers:
             raise PlanError(f"shard {worker}/{workers} is invalid")

@@ -82,7 +82,7 @@ def test_every_option_is_offered_on_each_surface_it_declares() -> None:
 
 def test_the_same_values_build_the_same_options_from_the_cli_and_locust() -> None:
     args = ["--speed", "2", "--loop", "3", "--window", "10:70", "--method", "Decide", "--method", "Ping",
-            "--flow", "4", "--rate", "1.5", "--seed", "9", "--shard-by", "connection", "--timeout", "500ms",
+            "--flow", "4", "--scale", "1.5", "--seed", "9", "--shard-by", "connection", "--timeout", "500ms",
             "--max-in-flight", "8", "--sender", "http1", "--allow-target", "10.0.0.0/8",
             "--set-header", "authorization=Bearer shadow", "--drop-header", "x-debug-*", "--no-marker",
             "--keep-trace-context", "--set-query", "api_key=k", "--set-field", "user.password=p",
@@ -100,15 +100,17 @@ def test_the_same_values_build_the_same_options_from_the_cli_and_locust() -> Non
     assert from_cli.tls is not None and from_cli.tls.insecure
     assert from_cli.headers is not None and from_cli.headers.set_headers == (("authorization", "Bearer shadow"),)
     assert not from_cli.headers.marker and from_cli.headers.keep_trace_context
-    # defaults agree too
+    # defaults agree too, and --rate (the older name of --scale) still reads on both
     assert build(_cli_values([])) == build(_locust_values([])) == build({})
+    assert build(_cli_values(["--rate", "2"])).schedule.rate == build(_locust_values(["--shadow-rate", "2"])).schedule.rate \
+        == build(_cli_values(["--scale", "2"])).schedule.rate == 2.0
 
 
 def test_a_scenario_plays_the_schedule_the_cli_would() -> None:
     traffic = _scenario_traffic("  speed: 2\n  window: 10s:1m10s\n  methods: [Decide, Ping]\n  flows: [4]\n"
-                                "  method_map: ['3:hpack:5=/pkg.Svc/M']\n  timeout: 500ms")
+                                "  method_map: ['3:hpack:5=/pkg.Svc/M']\n  timeout: 500ms\n  scale: 2")
     cli_args = ["--speed", "2", "--window", "10:70", "--method", "Decide,Ping", "--flow", "4",
-                "--method-map", "3:hpack:5=/pkg.Svc/M"]
+                "--method-map", "3:hpack:5=/pkg.Svc/M", "--scale", "2"]
     assert schedule_options(traffic.replay_values()) == build(_cli_values(cli_args)).schedule
     assert traffic.timeout_ms == 500
     assert _scenario_traffic("  timeout_ms: 250").timeout_ms == 250   # the older spelling still reads

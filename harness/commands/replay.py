@@ -82,7 +82,7 @@ def _sampling_factor(file: Path) -> float:
 @click.option("--workers", type=int, default=1, show_default=True,
               help="processes sharing the calls (round-robin by call; each opens its own connections)")
 @click.option("--scale-to-full", is_flag=True,
-              help="a sampled recording (record --sample PCT): multiply --rate by 100 / PCT, so the replay "
+              help="a sampled recording (record --sample PCT): multiply --scale by 100 / PCT, so the replay "
                    "sends full load with new connections shaped like the recorded ones")
 @click_options("replay")
 @click.option("--compare", is_flag=True, help="compare responses with the recorded ones")
@@ -167,7 +167,7 @@ def command(file: Path, target: str, workers: int, scale_to_full: bool, compare:
         raise click.BadParameter("must be at least 1", param_hint="--workers")
     file = Path(as_one(file, salvage))   # a rotated set (a directory or a glob): one recording
     if scale_to_full:
-        values["rate"] *= _sampling_factor(file)
+        values["scale"] *= _sampling_factor(file)
     try:   # bad option values and a refused target are usage errors: exit 2, nothing sent
         opts = build(values)
         check_target(target, opts.allow_targets)
