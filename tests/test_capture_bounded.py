@@ -87,7 +87,7 @@ def test_sample_keeps_exactly_the_connections_its_hash_chooses_whole_and_replay_
             stats = rec.stop()
         sampler = Sampler(25, seed=7)
         expected = {p for p in cports if sampler.keeps(("127.0.0.1", p), ("127.0.0.1", port))}
-        assert 0.20 * CONNECTIONS <= len(expected) <= 0.30 * CONNECTIONS, len(expected)
+        assert 0.15 * CONNECTIONS <= len(expected) <= 0.35 * CONNECTIONS, len(expected)   # 25 % +/- 4.6 sigma
         with Recording(out) as r:
             flows = list(r.flows())
             calls = list(r.calls())
