@@ -14,6 +14,7 @@ import click
 from agent_under_test.arrivals import PATTERNS
 from agent_under_test.config import CACHES, DEVICES, EVENT_LOOPS, LIMITERS, SERVERS, ServeOptions
 from agent_under_test.degrade import TIERS
+from wire.clicktypes import Seconds
 
 if TYPE_CHECKING:   # numpy: not imported at run time here (see above)
     from agent_under_test.traffic_report import TrafficReport
@@ -79,7 +80,7 @@ def _require_agent_extra(*modules: str) -> None:
 @_opt("--max-connection-age-s", type=float, default=None, help="close connections after this age")
 @_opt("--idle-timeout-s", type=click.FloatRange(0), default=_D.idle_timeout_s,
       help="GOAWAY a connection that has had no call this long (0: never)")
-@_opt("--grace-s", type=float, default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
+@_opt("--grace-s", type=Seconds(0), default=_D.grace_s, help="SIGTERM: time to finish in-flight calls")
 @_opt("--max-message-bytes", type=int, default=_D.max_message_bytes, help="larger snapshots are rejected")
 @_opt("--ready-file", type=click.Path(dir_okay=False), default=None, help="also write the ready line here")
 @_opt("--cache", type=click.Choice(CACHES), default=_D.cache,
@@ -140,14 +141,16 @@ def save_weights_command(path: str, seed: int) -> None:
 @click.command("traffic")
 @click.option("--target", required=True, help="HOST:PORT of the agent")
 @click.option("--rate", type=click.FloatRange(0, min_open=True), required=True, help="mean calls/s (unary + stream messages)")
-@click.option("--duration", "duration_s", type=click.FloatRange(0, min_open=True), required=True, help="seconds to send")
+@click.option("--duration", "duration_s", type=Seconds(0, low_open=True), required=True,
+              help="how long to send (seconds, or 30s, 2m)")
 @click.option("--pattern", type=click.Choice(PATTERNS.names()), default="poisson", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="fixes schedule, prices and mix")
 @click.option("--stream-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,
               help="fraction of calls sent on DecideStream")
 @click.option("--symbols", type=click.IntRange(1, 1000), default=4, show_default=True)
 @click.option("--streams", type=click.IntRange(1, 64), default=4, show_default=True, help="stream lanes")
-@click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="seconds to wait for the target")
+@click.option("--connect-timeout", type=Seconds(0), default=10.0, show_default=True,
+              help="how long to wait for the target (seconds, or 500ms)")
 @click.option("--json", "--json-out", "json_out", type=click.Path(dir_okay=False), default=None,
               is_flag=False, flag_value="-", help="--json: the report as JSON on stdout; --json-out FILE: to a file")
 @click.option("--log-sent", type=click.Path(dir_okay=False), default=None,

@@ -32,7 +32,7 @@ from replay.senders import SENDERS
 from replay.senders.headers import HeaderPolicy
 from replay.senders.tls import TlsConfig
 from replay.shadow import ShadowValues
-from wire.durations import MAX_DURATION_S, parse_duration
+from wire.durations import parse_seconds
 
 if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
     from replay.compare import Comparer, CompareSpec
@@ -220,34 +220,17 @@ def defaults() -> dict[str, Any]:
 
 
 # ---- values -> ReplayOptions ------------------------------------------------------------------------
-def seconds(text: object, what: str) -> float:
-    """Seconds from a number or a duration ("10", "1.5", "500ms", "1m30s"); ValueError naming `what`."""
-    if isinstance(text, str):
-        text = text.strip()
-        try:
-            text = float(text)
-        except ValueError:
-            pass
-    try:
-        value = parse_duration(text)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-    if value > MAX_DURATION_S:
-        raise ValueError(f"{what}: {value:g} s is out of range (at most {MAX_DURATION_S:g} s)")
-    return value
-
-
 def parse_window(value: object) -> tuple[float, float]:
     """(start_s, end_s) from "START:END" (seconds or durations; START may be empty: 0) or a pair."""
     if isinstance(value, (list, tuple)) and len(value) == 2:
-        start, end = seconds(value[0], "window"), seconds(value[1], "window")
+        start, end = parse_seconds(value[0], "window"), parse_seconds(value[1], "window")
         text = f"{start:g}:{end:g}"
     else:
         text = str(value)
         a, sep, b = text.partition(":")
         if not sep or ":" in b or not b.strip():
             raise ValueError(f"window {text!r}: use START:END in seconds from the first call, e.g. 10:70 or 1m:2m")
-        start, end = seconds(a or 0, "window"), seconds(b, "window")
+        start, end = parse_seconds(a or 0, "window"), parse_seconds(b, "window")
     if not start < end:
         raise ValueError(f"window {text} is empty; use START:END with START before END")
     return start, end
@@ -320,7 +303,7 @@ def build(values: Mapping[str, Any]) -> ReplayOptions:
     if unknown:
         raise OptionError(None, f"unknown replay option(s): {', '.join(unknown)}")
     sched = schedule_options(v)
-    timeout = _checked("timeout", lambda: seconds(v["timeout"], "timeout"))
+    timeout = _checked("timeout", lambda: parse_seconds(v["timeout"], "timeout"))
     if timeout <= 0:
         raise OptionError(BY_NAME["timeout"], f"timeout {timeout:g}: must be above 0")
     max_in_flight = int(v["max_in_flight"])

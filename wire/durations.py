@@ -36,6 +36,25 @@ def parse_duration(value: object) -> float:
     return total
 
 
+def parse_seconds(value: object, what: str = "duration") -> float:
+    """Seconds from a bare number (seconds, also as text: "10", "1.5") or a duration ("500ms", "1m30s"),
+    at most MAX_DURATION_S; ValueError starting with `what` otherwise. What a command-line option that
+    takes a time reads (`--timeout 2` and `--timeout 2s` mean the same)."""
+    if isinstance(value, str):
+        value = value.strip()
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    try:
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"{what}: {seconds:g} s is out of range (at most {MAX_DURATION_S:g} s)")
+    return seconds
+
+
 def format_duration(seconds: float) -> str:
     """A short human form (parse_duration reads it back): 0.5 -> "500ms", 15 -> "15s", 90 -> "1m30s",
     5400 -> "1h30m", 86400 -> "24h"."""

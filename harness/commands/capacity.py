@@ -20,6 +20,7 @@ from agent_under_test.config import LIMITERS
 from agent_under_test.degrade import TIERS
 from harness.commands.replay import build_tls, tls_options
 from harness.outputs import verdict_exit
+from wire.clicktypes import Seconds
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _RATE = click.FloatRange(min=0, min_open=True)
@@ -82,8 +83,8 @@ def _parse_expect(v: str) -> Any:
 @click.option("--pattern", type=click.Choice(PATTERNS.names()), default="poisson",
               show_default=True, help="the generator's arrivals (without RECORDING)")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the generator's arrivals")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.01, 60), default=2.0, show_default=True,
-              metavar="SECONDS", help="per call; a call past it counts as an error")
+@click.option("--timeout", "timeout_s", type=Seconds(0.01, 60), default=2.0, show_default=True,
+              help="per call (seconds, or 500ms); a call past it counts as an error")
 @click.option("--expect", "expects", multiple=True, callback=_parsed(_parse_expect), metavar="CHECK",
               help="capacity_at_least=RATE or limiter_engages_before_knee; a failed one exits 1 (repeatable)")
 @click.option("--json", "--json-out", "json_out", type=_FILE, is_flag=False, flag_value="-",
@@ -91,8 +92,8 @@ def _parse_expect(v: str) -> Any:
 @click.option("--png", "png_out", type=_FILE, help="draw P99 and goodput against offered load here")
 @click.option("--junit", "junit_out", type=_FILE, help="the verdicts as JUnit XML")
 @click.option("--md", "md_out", type=_FILE, help="the verdicts and steps as Markdown")
-@click.option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(1, 600), default=120.0,
-              show_default=True, metavar="SECONDS", help="with --agent: how long it may take to start")
+@click.option("--startup-timeout", "startup_timeout_s", type=Seconds(1, 600), default=120.0,
+              show_default=True, help="with --agent: how long it may take to start (seconds, or 2m)")
 @tls_options
 def command(recording: Path | None, agent: bool, tier: str, limiter: str, target: str | None,
             allow: tuple[str, ...], pid: int | None, steps: list[float] | None, start: float | None,

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from harness.outputs import stamped
+from wire.clicktypes import Seconds
 
 _FIX = ("to name the rest: pass the service's descriptors (--descriptors FILE.protoset, made with protoc "
         "--include_imports --descriptor_set_out, or reflection=HOST:PORT), or name a group by hand with "
@@ -23,8 +24,8 @@ _FIX = ("to name the rest: pass the service's descriptors (--descriptors FILE.pr
 @click.option("--method-map", "mapping", multiple=True, metavar="[FLOW:]REF=METHOD",
               help="name a group by hand (wins over inference); repeatable")
 @click.option("--allow-target", "allow", multiple=True, help="allow this non-loopback reflection host/CIDR")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, 60), default=2.0, show_default=True,
-              help="per reflection call, seconds")
+@click.option("--timeout", "timeout_s", type=Seconds(0.1, 60), default=2.0, show_default=True,
+              help="per reflection call (seconds, or 500ms)")
 @click.option("--json", "as_json", is_flag=True, help="print the groups as JSON")
 @click.option("--dry-run", is_flag=True, help="show what would be assigned; write nothing")
 @click.option("--salvage", is_flag=True,

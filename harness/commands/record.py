@@ -15,6 +15,7 @@ import click
 from capture.backends import BACKENDS
 from harness.console import progress
 from harness.outputs import stamped
+from wire.clicktypes import Seconds
 
 if TYPE_CHECKING:   # capture loads when a command runs, keeping `shadowtest --help` fast
     from capture.backends import RecordOptions
@@ -38,7 +39,8 @@ def _live_line(stats: SinkStats, elapsed: float, decode: str = "live") -> str:
 @click.option("--pid", type=int, default=None, help="only this process (eBPF)")
 @click.option("--cgroup", type=click.Path(exists=True, file_okay=False), default=None,
               help="only processes in this cgroup directory (v2 id, or v1 cgroup.procs)")
-@click.option("--duration", type=float, default=None, help="stop after this many seconds")
+@click.option("--duration", type=Seconds(0, low_open=True), default=None,
+              help="stop after this long (seconds, or 90s, 5m)")
 @click.option("--max-bytes", type=click.IntRange(1, 64 << 20), default=8 << 20, show_default=True,
               help="payload bytes kept per syscall (eBPF; up to 64 MiB): the default keeps a 4 MiB gRPC message "
                    "or HTTP body written at once; more is recorded up to it and counted as truncated")
