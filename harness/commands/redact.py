@@ -45,7 +45,7 @@ def command(file: str, output: str | None, in_place: bool, rules: tuple[str, ...
     if bool(output) == in_place:
         raise click.UsageError("give exactly one of -o OUTPUT or --in-place")
     if not rules and not defaults:
-        raise click.UsageError("no rules: add --rule ... and/or --defaults")
+        raise click.UsageError("no rules: add --redact RULE (repeatable) and/or --default-redaction")
     if in_place and salvage:
         raise click.UsageError("--salvage writes a copy: use -o OUTPUT (in place, the damaged original would be gone)")
     from capture.integrity import loss_text
