@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 from replay.errors import CompareError
 from replay.schedule import PlannedCall
 from replay.senders import SendOutcome
+from replay.senders.tls import TlsConfig
 
 
 class Descriptors:
@@ -93,7 +94,7 @@ def descriptors_from_file(path: str | Path) -> Descriptors:
     return Descriptors(pool, [f"{f.package}.{s.name}".lstrip(".") for f in fds.file for s in f.service])
 
 
-def descriptors_from_reflection(target: str, timeout_s: float = 5.0, tls: Any = None,
+def descriptors_from_reflection(target: str, timeout_s: float = 5.0, tls: TlsConfig | None = None,
                                 metadata: tuple[tuple[str, str], ...] = ()) -> Descriptors:
     """Descriptors fetched from the target's server reflection (read-only: it lists the services and
     asks for the files that define them). Every reflection call has a `timeout_s` deadline.
@@ -196,7 +197,7 @@ def first_difference(a: bytes, b: bytes) -> int:
     return next((i for i in range(lo, hi) if a[i] != b[i]), hi)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= _VALUE_CHARS else text[:_VALUE_CHARS - 3] + "..."
 
@@ -205,7 +206,7 @@ def _key_path(path: str, key: str) -> str:
     return f"{path}.{key}" if key.isidentifier() else f"{path}[{json.dumps(key)}]"
 
 
-def json_diff(want: Any, got: Any, path: str = "$") -> list[str]:
+def json_diff(want: object, got: object, path: str = "$") -> list[str]:
     """Where two parsed JSON documents differ: "$.a.b[2]: 1 != 2", "$.x: missing in the replay",
     "$.items[len]: 3 != 4". Types count (true is not 1)."""
     if isinstance(want, dict) and isinstance(got, dict):
@@ -229,7 +230,7 @@ def json_diff(want: Any, got: Any, path: str = "$") -> list[str]:
     return []
 
 
-def _as_json(body: bytes) -> tuple[bool, Any]:
+def _as_json(body: bytes) -> tuple[bool, object]:
     """(True, document) when `body` is a JSON document (UTF-8), else (False, None)."""
     stripped = body.strip()
     if not stripped or stripped[:1] not in b'{["-0123456789tfn':
@@ -360,7 +361,7 @@ class CompareSpec:
     .protoset/.pb, or comma-separated module names ("agent_under_test.proto.agent_pb2").
     """
 
-    def __init__(self, source: str = "reflection", ignore: Iterable[str] = (), tls: Any = None,
+    def __init__(self, source: str = "reflection", ignore: Iterable[str] = (), tls: TlsConfig | None = None,
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.source, self.ignore = source, tuple(ignore)
         self.tls, self.metadata = tls, tuple(metadata)   # for reflection: the replay's TLS and credentials

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from replay import report as report_mod
 from replay.clock import TimerfdClock, real_clock, run_ticks
@@ -78,6 +78,10 @@ class _Live:
     finished: bool = False  # its backstop entry is stale (dropped lazily, see _compact)
 
 
+# (due_ns, tie-break sequence, a call to start or a live call, the stream message to release or None)
+_Timed = tuple[int, int, PlannedCall | _Live, PlannedMessage | None]
+
+
 class ReplayRun:
     """Replay a recording (path) or a plan (iterable of PlannedCall) to `target`.
 
@@ -115,7 +119,7 @@ class ReplayRun:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Future[None] | None = None  # set when the last in-flight call ends (_drain)
         self._spawned = False  # this tick started a call as a task (it sends after the tick)
-        self._heap: list[tuple[int, int, PlannedCall | _Live, PlannedMessage | None]] = []
+        self._heap: list[_Timed] = []
         self._plan: Iterator[PlannedCall] = iter(())
         self._pending: PlannedCall | None = None
         self._warming: list[Awaitable[object]] | None = []  # connections opening before t0
@@ -310,7 +314,7 @@ class ReplayRun:
             pending = next(self._plan, None)
         self._pending = pending
 
-    def _count_unsent(self, heap: list[Any], pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
+    def _count_unsent(self, heap: list[_Timed], pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
         for _, _, item, msg in heap:
             if isinstance(item, PlannedCall):
                 self._not_sent(item, "stopped")
@@ -320,7 +324,7 @@ class ReplayRun:
             self.stats.scheduled += 1
             self._not_sent(item, "stopped")
 
-    def _start(self, planned: PlannedCall, heap: list[Any]) -> None:
+    def _start(self, planned: PlannedCall, heap: list[_Timed]) -> None:
         if _unnamed(planned):  # never sent blind (module docstring)
             self._not_sent(planned, "unknown_method")
             return
@@ -413,7 +417,7 @@ class ReplayRun:
                 live.timed_out = True
                 self._abort(live)
 
-    def _release(self, live: _Live, msg: PlannedMessage | None, heap: list[Any]) -> None:
+    def _release(self, live: _Live, msg: PlannedMessage | None, heap: list[_Timed]) -> None:
         assert live.queue is not None
         live.queue.put_nowait(msg)
         if msg is live.planned.messages[-1]:

@@ -21,13 +21,16 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:   # the engine is imported only once the shard starts
+    from replay.options import ReplayOptions
 
 _BATCH_S = 0.1
 _PROGRESS_S = 0.5
 
 
-def _options(cfg: dict[str, Any]) -> Any:
+def _options(cfg: dict[str, Any]) -> ReplayOptions:
     """The ReplayOptions of the master's option values (replay/options.py), for shard `cfg["shard"]`,
     starting at the shared wall-clock `start_wall`; a bad value (a TLS file missing on this worker):
     ValueError, one line spelled as Locust's options are."""

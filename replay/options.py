@@ -35,6 +35,8 @@ from replay.shadow import ShadowValues
 from wire.durations import parse_seconds
 
 if TYPE_CHECKING:   # replay.compare pulls in protobuf: imported only when a run compares
+    from argparse import Namespace, _ArgumentGroup
+
     from replay.compare import Comparer, CompareSpec
 
 SENDER_CHOICES = ("auto", *SENDERS.names())   # auto: by each call's protocol
@@ -99,7 +101,7 @@ class Option:
 
     name: str
     kind: str
-    default: Any
+    default: object
     help: str
     flag: str = ""
     metavar: str | None = None
@@ -236,12 +238,18 @@ def parse_window(value: object) -> tuple[float, float]:
     return start, end
 
 
-def _list(value: Any) -> tuple[Any, ...]:
+def _list(value: object) -> tuple[object, ...]:
     if value is None or value == "":
         return ()
     if isinstance(value, (str, int)):
         return (value,)
+    if not isinstance(value, Iterable):
+        raise ValueError(f"expected a list, got {value!r}")
     return tuple(value)
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    return tuple(str(x) for x in _list(value))
 
 
 T = TypeVar("T")
@@ -267,9 +275,9 @@ def schedule_options(values: Mapping[str, Any]) -> ScheduleOptions:
     methods = frozenset(m.strip() for item in _list(v["methods"]) for m in str(item).split(",") if m.strip())
     flows = _checked("flows", lambda: frozenset(_flow_id(f) for f in _list(v["flows"])))
     mapped = _checked("method_map", lambda: tuple((flow, ref, m) for (flow, ref), m
-                                                  in parse_method_map(_list(v["method_map"])).items()))
-    shadow = _checked("set_queries", lambda: ShadowValues.from_options(tuple(_list(v["set_queries"])),
-                                                                       tuple(_list(v["set_fields"]))))
+                                                  in parse_method_map(_strings(v["method_map"])).items()))
+    shadow = _checked("set_queries", lambda: ShadowValues.from_options(_strings(v["set_queries"]),
+                                                                       _strings(v["set_fields"])))
     sched = _checked("speed", lambda: ScheduleOptions(
         speed=float(v["speed"]), window=window, methods=methods, flows=flows, loop=int(v["loop"]),
         rate=float(v["scale"]), seed=int(v["seed"]), shard_by=str(v["shard_by"]), method_map=mapped, shadow=shadow))
@@ -315,12 +323,12 @@ def build(values: Mapping[str, Any]) -> ReplayOptions:
                                              f"{', '.join(BY_NAME[name].choices)}")
     tls = _checked("tls", lambda: TlsConfig.from_options(bool(v["tls"]), v["ca"], v["cert"], v["key"],
                                                          bool(v["insecure"]), v["server_name"], str(v["sender"])))
-    _checked("set_headers", lambda: HeaderPolicy.from_options(tuple(_list(v["set_headers"]))))   # which one is bad
+    _checked("set_headers", lambda: HeaderPolicy.from_options(_strings(v["set_headers"])))   # which one is bad
     headers = _checked("drop_headers", lambda: HeaderPolicy.from_options(
-        tuple(_list(v["set_headers"])), tuple(_list(v["drop_headers"])), marker=not v["no_marker"],
+        _strings(v["set_headers"]), _strings(v["drop_headers"]), marker=not v["no_marker"],
         keep_trace_context=bool(v["keep_trace_context"])))
     return ReplayOptions(schedule=sched, sender=str(v["sender"]), timeout_s=timeout, max_in_flight=max_in_flight,
-                         event_loop=str(v["event_loop"]), allow_targets=tuple(str(a) for a in _list(v["allow_targets"])),
+                         event_loop=str(v["event_loop"]), allow_targets=_strings(v["allow_targets"]),
                          tls=tls, headers=headers)
 
 
@@ -367,7 +375,7 @@ def _old(o: Option, prefix: str = "") -> list[str]:
     return [f"--{prefix}{a.replace('_', '-')}" for a in o.aliases]
 
 
-def add_argparse(group: Any) -> None:
+def add_argparse(group: _ArgumentGroup) -> None:
     """Locust's `--shadow-*` replay options on an argparse group (dest: shadow_NAME)."""
     for o in offered(LOCUST):
         names, dest = [o.spell(LOCUST), *_old(o, LOCUST_PREFIX)], "shadow_" + o.name
@@ -383,6 +391,6 @@ def add_argparse(group: Any) -> None:
                                help=spell(o.help, LOCUST), **extra)
 
 
-def from_argparse(parsed: Any) -> dict[str, Any]:
+def from_argparse(parsed: Namespace) -> dict[str, object]:
     """The replay option values of Locust's parsed options (add_argparse's)."""
     return {o.name: getattr(parsed, "shadow_" + o.name) for o in offered(LOCUST)}

@@ -7,9 +7,12 @@ import errno
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from replay.stats import RunStats, percentiles_ms, percentiles_us
+
+if TYPE_CHECKING:   # the options import the senders
+    from replay.options import ReplayOptions
 
 # --salvage: calls a damaged recording lost are not sent with this reason, and one problem line starting
 # with DAMAGE_PREFIX says how many ("an unknown number" when no count can tell).
@@ -100,8 +103,14 @@ def worker_share(worker: int, stats: RunStats, *, complete: bool = True) -> dict
             "latency_p99_ms": percentiles_ms(stats.latency)["p99"], "complete": complete}
 
 
-def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: Any, problems: list[str],
-          comparer: Any = None, workers: list[dict[str, Any]] | None = None) -> ReplayReport:
+class Summarizes(Protocol):
+    """What the report reads of a comparison: a Comparer, or the merged summaries of several workers."""
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+def build(stats: RunStats, t0_ns: int, end_ns: int, *, target: str, options: ReplayOptions, problems: list[str],
+          comparer: Summarizes | None = None, workers: list[dict[str, Any]] | None = None) -> ReplayReport:
     """Assemble the report from (merged) stats; `options` is a ReplayOptions. `workers`: each
     worker's share (`worker_share`), default the one process that ran."""
     duration = max(0, end_ns - t0_ns) / 1e9

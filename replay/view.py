@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
@@ -11,6 +11,9 @@ from rich.text import Text
 
 from replay.report import ReplayReport, error_lines, mismatch_where, threshold_line
 from replay.stats import RunStats, percentiles_ms, percentiles_us
+
+if TYPE_CHECKING:
+    from replay.schedule import PlannedCall
 
 
 def live_panel(stats: RunStats, total: int, elapsed_s: float) -> Group:
@@ -92,7 +95,7 @@ def mismatch_table(mismatches: dict[str, Any]) -> Table:
     return table
 
 
-def plan_table(rows: list[Any], total: int, connections: int, span_s: float) -> Table:
+def plan_table(rows: list[PlannedCall], total: int, connections: int, span_s: float) -> Table:
     table = Table(title=f"dry run: {total} calls on {connections} connections over {span_s:.3f} s (nothing sent)")
     for col in ("#", "due ms", "connection", "method", "kind", "messages"):
         table.add_column(col)

@@ -24,7 +24,8 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ class WorkerPool:
                 if p.is_alive():
                     p.kill()
 
-    def _await_ready(self, out: Any, procs: list[Any]) -> None:
+    def _await_ready(self, out: Any, procs: Sequence[BaseProcess]) -> None:
         from replay.errors import ReplayError
         ready, deadline = 0, time.monotonic() + self.ready_timeout_s
         while ready < len(procs):
@@ -130,7 +131,7 @@ class WorkerPool:
                 continue
             ready += kind == "ready"
 
-    def _collect(self, out: Any, procs: list[Any], t0: int) -> ReplayReport:
+    def _collect(self, out: Any, procs: Sequence[BaseProcess], t0: int) -> ReplayReport:
         finals: dict[int, dict[str, Any]] = {}
         latest: dict[int, RunStats] = {}
         problems: list[str] = []
@@ -186,7 +187,7 @@ class _Summary:
         return self._s
 
 
-def _merge(parts: Any) -> RunStats:
+def _merge(parts: Iterable[RunStats]) -> RunStats:
     total = RunStats()
     for s in parts:
         total.merge(s)
