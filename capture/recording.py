@@ -86,6 +86,8 @@ from typing import Any, Literal, TypeVar, cast
 from capture.errors import CorruptRecordingError, RecordingError
 from capture.rowcrc import row_matches, with_call_crcs, with_chunk_crcs, with_message_crcs
 
+SqlValue = int | float | str | bytes | None   # a column value as sqlite3 takes it
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 SCHEMA_VERSION = 1
@@ -340,7 +342,7 @@ class RecordingWriter:
         # rows queued for the next write, their CRCs added then (capture/rowcrc.py: with_*_crcs)
         self._chunk_rows: list[tuple[int, str, int, bytes]] = []
         self._gap_rows: list[tuple[int, str, int, int | None, str | None]] = []
-        self._call_rows: list[tuple[Any, ...]] = []
+        self._call_rows: list[tuple[SqlValue, ...]] = []
         self._message_rows: list[tuple[int, str, int, int, bytes, int]] = []
         self._map_rows: dict[tuple[int, str], tuple[str, str]] = {}
         self._next_call_id = 1 + int(self._db.execute("SELECT coalesce(max(id), 0) FROM calls").fetchone()[0])
@@ -701,7 +703,7 @@ class Recording:
                 call.method, call.method_how = hit
         return call
 
-    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> Iterator[sqlite3.Row]:
+    def _rows(self, sql: str, args: tuple[SqlValue, ...] = ()) -> Iterator[sqlite3.Row]:
         try:
             yield from self._db.execute(sql, args)
         except sqlite3.DatabaseError as exc:
@@ -752,7 +754,7 @@ class Recording:
 
     def chunks(self, flow_id: int | None = None) -> Iterator[Chunk]:
         """Chunks in capture order (of one flow when `flow_id` is given)."""
-        sql, args = "SELECT * FROM chunks ORDER BY ts_ns, id", cast(tuple[Any, ...], ())
+        sql, args = "SELECT * FROM chunks ORDER BY ts_ns, id", cast(tuple[SqlValue, ...], ())
         if flow_id is not None:
             sql, args = "SELECT * FROM chunks WHERE flow_id = ? ORDER BY id", (flow_id,)
         for r in self._rows(sql, args):

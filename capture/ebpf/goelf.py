@@ -41,9 +41,13 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from capture.errors import CaptureError
+
+if TYPE_CHECKING:   # pyelftools is imported where a binary is read
+    from elftools.dwarf.die import DIE
+    from elftools.dwarf.dwarfinfo import DWARFInfo
 
 MAX_FUNC_BYTES = 1 << 20             # a function larger than this is not disassembled (GoElfError)
 MAX_TABLE_BYTES = 256 << 20          # .symtab / .strtab / .shstrtab
@@ -399,7 +403,7 @@ def _dwarf_offsets(elf: _Elf) -> GoStructOffsets | None:
                            netfd_pfd=pfd, fd_sysfd=sysfd)
 
 
-def _find_struct(dwarf: Any, info: bytes, name: str) -> Any:
+def _find_struct(dwarf: DWARFInfo, info: bytes, name: str) -> DIE | None:
     """The DW_TAG_structure_type DIE named `name`, found without walking every DIE.
 
     Go's linker writes a type's name inline (DW_FORM_string) as its DIE's first attribute, right after
@@ -428,14 +432,14 @@ def _find_struct(dwarf: Any, info: bytes, name: str) -> Any:
     return None
 
 
-def _die_name(die: Any) -> str | None:
+def _die_name(die: DIE | None) -> str | None:
     attr = die.attributes.get("DW_AT_name") if die is not None else None
     if attr is None or not isinstance(attr.value, bytes):
         return None
     return attr.value.decode("utf-8", errors="replace")
 
 
-def _die_type(die: Any) -> Any:
+def _die_type(die: DIE) -> DIE | None:
     if "DW_AT_type" not in die.attributes:
         return None
     try:
@@ -444,7 +448,7 @@ def _die_type(die: Any) -> Any:
         return None
 
 
-def _resolve_struct(die: Any) -> Any:
+def _resolve_struct(die: DIE | None) -> DIE | None:
     """Follow typedefs (Go's interface types are typedefs of runtime.iface) to the structure type."""
     for _ in range(8):
         if die is None or die.tag == "DW_TAG_structure_type":
@@ -455,7 +459,7 @@ def _resolve_struct(die: Any) -> Any:
     return None
 
 
-def _member(struct_die: Any, field: str, type_name: str | None) -> tuple[int, Any]:
+def _member(struct_die: DIE, field: str, type_name: str | None) -> tuple[int, DIE | None]:
     """(offset, type DIE) of a struct's field; _LayoutMismatch when absent or of another type."""
     sname = _die_name(struct_die)
     for i, child in enumerate(struct_die.iter_children()):

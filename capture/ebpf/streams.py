@@ -18,9 +18,12 @@ into pieces at their own offsets, with a gap between them.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from capture.recording import Direction
+
+if TYPE_CHECKING:
+    from capture.sink import FlowSink
 
 Key = tuple[int, ...]
 _WAIT_S = 1.0    # a syscall still missing records after this long lost them
@@ -29,7 +32,7 @@ _WAIT_S = 1.0    # a syscall still missing records after this long lost them
 class Streams:
     """Positions and half-assembled syscalls of every open flow; thread-confined (the decode thread)."""
 
-    def __init__(self, sink: Any, max_bytes: int) -> None:
+    def __init__(self, sink: FlowSink, max_bytes: int) -> None:
         self.sink = sink
         self._max_bytes = max_bytes
         self._next: dict[tuple[Key, Direction], int] = {}       # the next position expected

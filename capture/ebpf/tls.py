@@ -492,7 +492,7 @@ class TlsBackend:
     `options.tls`: "auto" (default: on where it works, otherwise recorded without it and
     `status["reason"]` says why), "on" (fail when it cannot work), "off"."""
 
-    def __init__(self, inner: Any, options: RecordOptions) -> None:
+    def __init__(self, inner: Any, options: RecordOptions) -> None:   # the eBPF backend, and what it grows
         if options.tls not in TLS_MODES:
             raise CaptureError(f"--tls must be one of {', '.join(TLS_MODES)}, not {options.tls!r}")
         self.inner = inner

@@ -60,7 +60,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, cast
 
 from capture.ebpf.loader import TLS_CIPHERTEXT
-from capture.recording import Direction, Flow
+from capture.recording import Direction, Flow, RecordingWriter
 from capture.sink import FlowSink
 
 if TYPE_CHECKING:
@@ -136,7 +136,8 @@ class _Conn:
 class TlsJoiner:
     """Between the eBPF backend and the FlowSink: see the module docstring. Thread-safe."""
 
-    def __init__(self, sink: FlowSink, server_side: bool, max_bytes: int, why_unreadable: Any,
+    def __init__(self, sink: FlowSink, server_side: bool, max_bytes: int,
+                 why_unreadable: Callable[[int, TlsProgram | None], str],
                  on_open: Callable[[int], None] | None = None) -> None:
         self.sink = sink
         self._on_open = on_open                 # told each new flow's process (the TLS libraries' discovery)
@@ -171,7 +172,7 @@ class TlsJoiner:
                        "late_call_bytes_dropped": 0}
 
     @property
-    def writer(self) -> Any:
+    def writer(self) -> RecordingWriter:
         return self.sink.writer
 
     def __getattr__(self, name: str) -> Any:   # stats, add_loss, tick, ...: the sink's own
