@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from capture.decode.streammask import FlowMasker
 from capture.integrity import Integrity, open_for
@@ -23,8 +23,19 @@ from capture.recording import Chunk, Recording, RecordingWriter
 from capture.redact import Redactor, rules_from_specs
 
 
+class RedactCounts(TypedDict):
+    """What a redaction did: the copy's flows, chunks and calls, the calls changed, what the source lost."""
+
+    flows: int
+    chunks: int
+    calls: int
+    calls_changed: int
+    problems: list[str]
+    calls_lost: int | None   # 0 for an intact source; None when unknown
+
+
 def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool = False,
-                     salvage: bool = False, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                     salvage: bool = False, progress: Callable[[int, int], None] | None = None) -> RedactCounts:
     """Write a redacted copy of `src` to `dst`; returns counts (flows, chunks, calls, calls_changed),
     `problems` (what the source lost, one line each) and `calls_lost` (0 for an intact source, None
     when unknown).
@@ -40,23 +51,25 @@ def redact_recording(src: str, dst: str, redactor: Redactor, *, overwrite: bool 
         meta["redaction_rules"] = before + [s for s in redactor.specs if s not in before]
         with RecordingWriter(tmp, meta=meta) as out:
             ids, protos = _copy_flows(rec, out)
-            counts: dict[str, Any] = {"flows": len(ids), "chunks": _copy_chunks(rec, out, ids, protos, redactor, progress)}
-            counts |= _copy_calls(rec, out, ids, redactor)
+            chunks = _copy_chunks(rec, out, ids, protos, redactor, progress)
+            calls, changed = _copy_calls(rec, out, ids, redactor)
             for fid, direction, at, nbytes, how in rec.gaps():
                 out.add_gap(ids.get(fid, fid), direction, at, nbytes, how)
-            counts["problems"] = list(dict.fromkeys(found.problems + rec.problems))
-            counts["calls_lost"] = 0 if found.intact else _salvaged(rec, found, src, counts, out)
-    return counts
+            problems = list(dict.fromkeys(found.problems + rec.problems))
+            lost = 0 if found.intact else _salvaged(rec, found, src, calls, problems, out)
+    return {"flows": len(ids), "chunks": chunks, "calls": calls, "calls_changed": changed, "problems": problems,
+            "calls_lost": lost}
 
 
-def _salvaged(rec: Recording, found: Integrity, src: str, counts: dict[str, Any], out: RecordingWriter) -> int | None:
+def _salvaged(rec: Recording, found: Integrity, src: str, calls: int, problems: list[str],
+              out: RecordingWriter) -> int | None:
     """The calls a salvaged copy lost (those the source's writer committed minus those copied, plus what
     an earlier salvage lost; None when unknown), stated in the copy's meta."""
     written = (rec.meta.get("rows_written") or {}).get("calls")
     earlier = (rec.meta.get("salvaged") or {}).get("calls_lost", 0)
     lost = None if found.loss_unknown or not isinstance(written, int) or earlier is None \
-        else max(0, written - counts["calls"]) + int(earlier)
-    out.set_meta({"salvaged": {"from": str(src), "calls_lost": lost, "problems": counts["problems"][:10]}})
+        else max(0, written - calls) + int(earlier)
+    out.set_meta({"salvaged": {"from": str(src), "calls_lost": lost, "problems": problems[:10]}})
     return lost
 
 
@@ -94,7 +107,8 @@ def _copy_chunks(rec: Recording, out: RecordingWriter, ids: dict[int, int],
     return n
 
 
-def _copy_calls(rec: Recording, out: RecordingWriter, ids: dict[int, int], redactor: Redactor) -> dict[str, int]:
+def _copy_calls(rec: Recording, out: RecordingWriter, ids: dict[int, int], redactor: Redactor) -> tuple[int, int]:
+    """(calls copied, calls the redactor changed)."""
     calls = changed = 0
     for call in rec.calls():
         changed += int(redactor.call(call))
@@ -102,10 +116,10 @@ def _copy_calls(rec: Recording, out: RecordingWriter, ids: dict[int, int], redac
             call.flow_id = ids.get(call.flow_id, call.flow_id)
         out.add_call(call)
         calls += 1
-    return {"calls": calls, "calls_changed": changed}
+    return calls, changed
 
 
-def redact_in_place(path: str, redactor: Redactor, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def redact_in_place(path: str, redactor: Redactor, progress: Callable[[int, int], None] | None = None) -> RedactCounts:
     """Redact `path` itself: write a copy beside it, then atomically replace the original. A damaged
     file is refused (never salvaged in place: the damaged original would be gone)."""
     tmp = str(Path(path).with_name(Path(path).name + ".redacting"))

@@ -131,7 +131,7 @@ def cgroup_filter(path: str | None) -> tuple[int, bool, set[int]]:
     return 0, True, cgroups.members(p)
 
 
-def set_cgroup(bpf: Any, path: str) -> None:
+def set_cgroup(bpf: _Bcc, path: str) -> None:
     """Point a loaded program's `cgroup_under` array at the cgroup v2 directory `path`."""
     try:
         bpf[b"cgroup_under"][0] = path
