@@ -25,17 +25,12 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import RunError
-from harness.prom import log_tail
+from harness.childserver import ChildServer, stale_folders, sweep_stale
 from harness.scenario import DependencySpec, Scenario
-from wire.process import end_child, free_port, spawn
 
 PREFIX = "shadowtest-redis-"
 _READY_TIMEOUT_S = 15.0
@@ -56,77 +51,36 @@ def _ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(ChildServer):
     """A private Redis for one run: `with RedisServer() as r: r.address` ("127.0.0.1:PORT").
 
     redis-server cannot take port 0, so a free port is probed and another tried when it was taken in
     between. Raises RunError (one line, with the tail of its log) when it cannot start."""
 
+    prefix, name, log_name, ready_timeout_s = PREFIX, "redis-server", "redis.log", _READY_TIMEOUT_S
+
     def __init__(self, binary: str | None = None) -> None:
-        self.binary = binary or find_redis()
+        super().__init__(binary or find_redis())
         self.address = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.folder = ""
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+    def missing(self) -> str:
+        return ("the scenario declares a redis dependency but no `redis-server` is on PATH "
+                "(Debian: apt-get install redis-server), or give its address: "
+                "dependencies: {redis: {address: HOST:PORT}}")
 
-    def __enter__(self) -> RedisServer:
-        if not self.binary:
-            raise RunError("the scenario declares a redis dependency but no `redis-server` is on PATH "
-                           "(Debian: apt-get install redis-server), or give its address: "
-                           "dependencies: {redis: {address: HOST:PORT}}")
+    def _sweep(self) -> None:
         sweep_stale_redis()
-        self.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
 
-    def _start(self) -> None:
+    def _argv(self, port: int) -> list[str]:
         assert self.binary is not None
-        log_path = Path(self.folder, "redis.log")
-        last = ""
-        for _ in range(3):
-            port = free_port()
-            with open(log_path, "wb") as log:
-                self.proc = spawn(
-                    [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--dir", self.folder, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-                    stdout=log, stderr=subprocess.STDOUT)
-            Path(self.folder, "redis.pid").write_text(str(self.proc.pid))
-            if self._wait_ready(port):
-                self.address = f"127.0.0.1:{port}"
-                return
-            last = log_tail(log_path)
-            self._stop_proc()
-            if "in use" not in last:
-                break
-        raise RunError(f"redis-server did not start: {last or 'no output'}")
+        return [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", self.folder, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
 
-    def _wait_ready(self, port: int) -> bool:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            if _ping("127.0.0.1", port):
-                return True
-            time.sleep(0.05)
-        return False
+    def _ready(self, port: int) -> bool:
+        return _ping("127.0.0.1", port)
 
-    def _stop_proc(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            end_child(proc)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop_proc()
-        if self.folder:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = ""
+    def _started(self) -> None:
+        self.address = f"127.0.0.1:{self.port}"
 
 
 def _is_our_redis(pid: int, folder: Path) -> bool:
@@ -145,35 +99,16 @@ def sweep_stale_redis() -> list[str]:
     """A crashed run's Redis: for each `shadowtest-redis-<pid>-*` folder whose harness is gone, end the
     redis-server its pid file names (only when that process is a redis-server working in that folder,
     so a reused PID is never touched) and remove the folder. Returns what it did, one line each."""
-    from harness.prom import sweep_stale
-
     done: list[str] = []
-    root = Path(tempfile.gettempdir())
-    try:
-        folders = [e for e in root.iterdir() if e.name.startswith(PREFIX)][:1000]
-    except OSError:
-        return done
-    for folder in folders:
-        holder = folder.name[len(PREFIX):].split("-", 1)[0]
-        if not holder.isdigit() or folder.is_symlink() or not folder.is_dir() or _alive(int(holder)):
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(Path(folder, "redis.pid").read_text().strip())
-            if _is_our_redis(pid, folder):
-                os.kill(pid, signal.SIGKILL)     # a leftover with no persistence: nothing to flush
-                done.append(f"redis-server PID {pid} left by run PID {holder}")
+    for folder, holder in stale_folders(PREFIX):
+        for name in ("child.pid", "redis.pid"):      # redis.pid: written by versions before ChildServer
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(Path(folder, name).read_text().strip())
+                if _is_our_redis(pid, folder):
+                    os.kill(pid, signal.SIGKILL)     # a leftover with no persistence: nothing to flush
+                    done.append(f"redis-server PID {pid} left by run PID {holder}")
     done += [f"folder {f}" for f in sweep_stale(PREFIX)]
     return done
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

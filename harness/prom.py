@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -28,10 +25,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from harness.childserver import ChildServer
 from harness.errors import RunError
 from harness.scenario import PrometheusSpec
 from harness.yamlnodes import Node
-from wire.process import end_child, free_port, spawn
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 1.0
 MAX_RULE_FILES = 32
@@ -75,36 +72,23 @@ def _duration(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-class PrometheusServer:
+class PrometheusServer(ChildServer):
     """A private Prometheus for one run. `with PrometheusServer(spec, "http://127.0.0.1:9464/metrics"):`
 
     Raises RunError (one line, with the tail of its log) when it cannot start or never scrapes the target.
     """
 
+    prefix, name, log_name, ready_timeout_s = "shadowtest-prom-", "Prometheus", "prometheus.log", _READY_TIMEOUT_S
+    in_use = "address already in use"
+
     def __init__(self, spec: PrometheusSpec, metrics_url: str, binary: str | None = None) -> None:
+        super().__init__(binary or find_binary())
         self.spec, self.metrics_url = spec, metrics_url
-        self.binary = binary or find_binary()
         self.url = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._dir: str | None = None
-        self.folder = ""          # its config and data while it runs (removed on exit)
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def __enter__(self) -> PrometheusServer:
-        if not self.binary:
-            raise RunError("the scenario names Prometheus rules but no `prometheus` binary is on PATH "
-                           "(Debian: apt-get install prometheus; scripts/setup.sh installs it)")
-        sweep_stale("shadowtest-prom-")
-        self._dir = self.folder = tempfile.mkdtemp(prefix=f"shadowtest-prom-{os.getpid()}-")
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+    def missing(self) -> str:
+        return ("the scenario names Prometheus rules but no `prometheus` binary is on PATH "
+                "(Debian: apt-get install prometheus; scripts/setup.sh installs it)")
 
     def _config(self) -> str:
         target = urllib.parse.urlsplit(self.metrics_url)
@@ -118,43 +102,25 @@ class PrometheusServer:
         }
         return json.dumps(config)          # JSON is YAML
 
-    def _start(self) -> None:
-        assert self._dir is not None and self.binary is not None
-        folder = Path(self._dir)
-        (folder / "prometheus.yml").write_text(self._config())
-        log_path = folder / "prometheus.log"
-        last = ""
-        for _ in range(3):       # a free port can be taken between our probe and its bind: try another
-            port = free_port()
-            self.url = f"http://127.0.0.1:{port}"
-            with open(log_path, "wb") as log:
-                self.proc = spawn(
-                    [self.binary, f"--config.file={folder / 'prometheus.yml'}",
-                     f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                     "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-                    stdout=log, stderr=subprocess.STDOUT)
-            if self._wait_ready():
-                self._wait_first_scrape()
-                return
-            last = log_tail(log_path)
-            self._stop_proc()
-            if "address already in use" not in last:
-                break
-        raise RunError(f"Prometheus did not start: {last or 'no output'}")
+    def _prepare(self) -> None:
+        Path(self.folder, "prometheus.yml").write_text(self._config())
 
-    def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1.0) as resp:  # noqa: S310 -- loopback
-                    if resp.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        return False
+    def _argv(self, port: int) -> list[str]:
+        assert self.binary is not None
+        folder = Path(self.folder)
+        return [self.binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"]
+
+    def _ready(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=1.0) as resp:  # noqa: S310
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _started(self) -> None:
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_first_scrape()
 
     def _wait_first_scrape(self, timeout_s: float = 15.0) -> None:
         """Until the target has been scraped once (`up` == 1), so the run's first periods are seen."""
@@ -200,17 +166,6 @@ class PrometheusServer:
         alerts = {name: _intervals(sorted(ts), step, end_wall, wall_at_t0) for name, ts in by_name.items()}
         return {"alerts": alerts, "step_s": step, "url": self.url, "rules": list(self.spec.rules)}
 
-    def _stop_proc(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            end_child(proc)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop_proc()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
 
 def _intervals(times: list[float], step: float, end_wall: float, wall_at_t0: float) -> list[list[float | None]]:
     """Consecutive firing samples (at most 1.5 steps apart) as [start, end] in run seconds; end None
@@ -230,35 +185,3 @@ def _intervals(times: list[float], step: float, end_wall: float, wall_at_t0: flo
     return out
 
 
-def sweep_stale(prefix: str) -> list[str]:
-    """Remove temp folders `<prefix><pid>-*` whose harness process is gone (a run killed with kill -9
-    cannot clean up after itself); folders of live processes are left alone. Returns what it removed."""
-    removed: list[str] = []
-    root = Path(tempfile.gettempdir())
-    try:
-        entries = [e for e in root.iterdir() if e.name.startswith(prefix)][:1000]
-    except OSError:
-        return removed
-    for entry in entries:
-        pid_text = entry.name[len(prefix):].split("-", 1)[0]
-        if not pid_text.isdigit() or entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue                      # its run is still going
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(str(entry))
-    return removed
-
-
-def log_tail(path: Path, lines: int = 3) -> str:
-    """The last `lines` lines of a child's log, on one line ("" when unreadable)."""
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in text[-lines:])

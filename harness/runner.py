@@ -481,7 +481,7 @@ class Runner:
 
 def _leg_log_path(stack: contextlib.ExitStack) -> str:
     """A private temp file for the proxy's upstream-leg timings (removed with the run)."""
-    from harness.prom import sweep_stale
+    from harness.childserver import sweep_stale
 
     sweep_stale("shadowtest-legs-")            # left by a run killed with kill -9
     folder = tempfile.mkdtemp(prefix=f"shadowtest-legs-{os.getpid()}-")

@@ -114,7 +114,7 @@ def test_folders_of_killed_runs_are_swept_and_live_ones_kept(tmp_path: Path, mon
     import sys
     import tempfile
 
-    from harness.prom import sweep_stale
+    from harness.childserver import sweep_stale
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
