@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
@@ -56,8 +56,7 @@ def running_nginx(d: Path, conf: Callable[[int], str]) -> Iterator[int]:
     for _ in range(5):
         port = free_port()
         (d / "nginx.conf").write_text(conf(port))
-        proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = spawn([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and proc.poll() is None:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):

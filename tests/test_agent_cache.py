@@ -52,7 +52,7 @@ from agent_under_test.protection import ProtectionGuard
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
 from agent_under_test.snapshot import parse_snapshot
 from wire.clock import FakeClock
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broken_agent import broken  # noqa: E402
@@ -112,9 +112,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         assert REDIS_SERVER is not None
-        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self._dir.name],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = spawn([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                           "--appendonly", "no", "--dir", self._dir.name])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

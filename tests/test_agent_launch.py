@@ -19,6 +19,7 @@ from agent_under_test.errors import LaunchError  # noqa: E402
 from agent_under_test.launch import AgentProcess, serve_args  # noqa: E402
 from agent_under_test.market import MarketSim  # noqa: E402
 from agent_under_test.proto import agent_pb2_grpc  # noqa: E402
+from wire.process import spawn
 
 
 def test_serve_args_maps_options_to_flags() -> None:
@@ -56,7 +57,7 @@ def test_cli_serve_writes_ready_file_and_exits_zero_on_sigint(tmp_path) -> None:
     ready = tmp_path / "ready.json"
     cmd = [sys.executable, "-m", "harness.cli", "agent", "serve", "--port", "0", "--metrics-port", "-1",
            "--tier", "light", "--ready-file", str(ready), "--hpack-table-size", "0", "--max-connection-age-s", "30"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         doc = json.loads(line)
@@ -92,7 +93,7 @@ def _alive(pid: int) -> bool:
 def test_agent_dies_with_a_killed_parent() -> None:
     code = ("from agent_under_test.launch import AgentProcess; import time; "
             "a = AgentProcess(tier='light', metrics_port=None).start(); print(a.pid, flush=True); time.sleep(120)")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    parent = spawn([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=None, text=True)
     try:
         child = int(parent.stdout.readline())
         assert _alive(child)

@@ -21,6 +21,7 @@ from capture.errors import CaptureError
 from capture.record import Recorder
 from capture.recording import Recording
 from harness.cli import cli
+from wire.process import spawn
 
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
 STREAM = "/shadowtest.agent.v1.TradingAgent/DecideStream"
@@ -285,10 +286,10 @@ def test_pcap_backend_stops_within_2s_of_sigint_under_load_and_keeps_its_calls(s
     import time
 
     out = tmp_path / "load.rec"
-    proc = subprocess.Popen([sys.executable, "-c", "from harness.cli import main; main()", "record",
-                             "--backend", "pcap", "--interface", "lo", "--port", str(server), "-o", str(out),
-                             "--json"], stdout=(tmp_path / "out.json").open("w"),
-                            stderr=(tmp_path / "err.txt").open("w"), cwd=Path(__file__).resolve().parents[1])
+    proc = spawn([sys.executable, "-c", "from harness.cli import main; main()", "record",
+                  "--backend", "pcap", "--interface", "lo", "--port", str(server), "-o", str(out),
+                  "--json"], stdout=(tmp_path / "out.json").open("w"),
+                 stderr=(tmp_path / "err.txt").open("w"), cwd=str(Path(__file__).resolve().parents[1]))
     try:
         for _ in range(200):                            # capture is on once the backend's settings are in
             if out.exists() and b"backend_settings" in out.read_bytes() + _wal(out):

@@ -26,6 +26,7 @@ from capture.recording import Recording
 from capture.sample import Sampler
 from tests.nginx import NGINX, PREAMBLE, TEMP_PATHS, running_nginx
 from tests.polling import recording_meta
+from wire.process import spawn
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTIONS = 400
@@ -117,9 +118,9 @@ def test_max_file_mb_stops_at_the_cap_with_everything_before_it_complete(tmp_pat
     out = tmp_path / "capped.rec"
     body = os.urandom(48 << 10).hex().encode()[: 64 << 10]      # 64 KiB that no compression shrinks
     with running_nginx(tmp_path, _conf(tmp_path)) as port:
-        rec = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--max-file-mb",
-                                "1", "--json", "--duration", "120", "-o", str(out)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rec = spawn([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "--max-file-mb",
+                     "1", "--json", "--duration", "120", "-o", str(out)], cwd=str(REPO),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 90
             while not out.exists() or "backend_settings" not in recording_meta(out):

@@ -9,7 +9,6 @@ server; a second server outside it is called too. Both hierarchies where the hos
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Recording
-from wire.process import free_port
+from wire.process import end_child, free_port, spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, eBPF)")]
@@ -57,8 +56,7 @@ def pod(request: pytest.FixtureRequest) -> Iterator[Path]:
 
 
 def _server(port: int, root: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                             "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(root)])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -91,8 +89,7 @@ def test_a_cgroup_and_the_cgroups_under_it_are_recorded_and_nothing_else(pod: Pa
             rec.stop()
     finally:
         for proc in (inside, outside):
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
+            end_child(proc)
     with Recording(out) as r:
         got = sorted(c.method or "" for c in r.calls())
     assert got == [f"GET /in-{i}" for i in range(3)], got

@@ -31,6 +31,7 @@ from capture.pcap_import import import_capture
 from capture.record import Recorder
 from capture.recording import Flow, Recording
 from capture.summary import summarize
+from wire.process import spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf]
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
@@ -48,8 +49,7 @@ def run(light_agent: AgentProcess, tmp_path_factory: pytest.TempPathFactory) -> 
     out, log, pcap = d / "prod.rec", d / "sent.jsonl", d / "prod.pcap"
     tcpdump = None
     if shutil.which("tcpdump"):
-        tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(light_agent)}"],
-                                   stderr=subprocess.DEVNULL)
+        tcpdump = spawn(["tcpdump", "-i", "lo", "-U", "-w", str(pcap), f"tcp port {_port(light_agent)}"])
     # the default --max-bytes (8 MiB per syscall): gRPC's batched reads under bursts are kept whole
     rec = Recorder(RecordOptions(output=str(out), port=_port(light_agent))).start()
     try:
@@ -174,8 +174,8 @@ def test_payload_over_max_bytes_is_counted_as_truncated_never_silent(light_agent
 
 def _record_cli(port: int, out: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "-o", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = spawn([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "-o", str(out)],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:     # ready once the backend settings are in the file's meta
         if out.exists() and proc.poll() is None:
@@ -317,7 +317,7 @@ def test_uvloop_server_accepting_without_an_address_is_recorded_with_its_peers(t
     says the port; the peer comes from /proc for a connection still open when the recorder looks,
     from the close for one closed before that."""
     pytest.importorskip("uvloop")
-    server = subprocess.Popen([sys.executable, "-c", _UVLOOP_ECHO, "0"], stdout=subprocess.PIPE, text=True)
+    server = spawn([sys.executable, "-c", _UVLOOP_ECHO, "0"], stdout=subprocess.PIPE, stderr=None, text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
@@ -341,7 +341,7 @@ def test_uvloop_server_started_after_the_recorder_is_learnt_from_its_listen(tmp_
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with Recorder(RecordOptions(output=str(tmp_path / "late.rec"), port=port)) as rec:
-        server = subprocess.Popen([sys.executable, "-c", _UVLOOP_ECHO, str(port)], stdout=subprocess.PIPE, text=True)
+        server = spawn([sys.executable, "-c", _UVLOOP_ECHO, str(port)], stdout=subprocess.PIPE, stderr=None, text=True)
         try:
             assert server.stdout is not None and int(server.stdout.readline()) == port
             sent = _echo_clients(port, long_lived=1, short=2)

@@ -27,6 +27,7 @@ from capture.recording import Recording
 from tests.golang import GO, GO_SRC, GRPC_GO, NO_GO, NO_GRPC_GO
 from tests.nginx import make_cert
 from tests.test_capture_tls import Nginx, _calls, _file_bytes
+from wire.process import spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(GO is None, reason=NO_GO),
@@ -44,8 +45,8 @@ class GoService:
     def __init__(self, binary: Path, d: Path, port: int = 0) -> None:
         self.cert = d / "cert.pem"
         self.binary = binary
-        self.proc = subprocess.Popen([str(binary), "serve", str(d), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = spawn([str(binary), "serve", str(d), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=None, text=True)
         out = cast(IO[str], self.proc.stdout)
         first = out.readline().split()
         assert first[:1] == ["listening"], first
@@ -188,8 +189,8 @@ def test_a_go_client_is_recorded_in_plaintext(build: Any, tmp_path: Path) -> Non
     out = tmp_path / "client.rec"
     try:
         base = f"https://127.0.0.1:{n.port}"
-        client = subprocess.Popen([str(binary), "get", str(n.cert), f"{base}/go/a", f"{base}/go/b"],
-                                  stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        client = spawn([str(binary), "get", str(n.cert), f"{base}/go/a", f"{base}/go/b"],
+                       stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=None, text=True)
         rec = Recorder(RecordOptions(output=str(out), port=n.port, side="client", pid=client.pid)).start()
         try:
             stdout, _ = client.communicate("go\n", timeout=30)
@@ -215,8 +216,8 @@ def test_a_grpc_go_server_called_by_grpcio_is_recorded_in_plaintext(build: Any, 
 
     binary = build("grpc_tls_server", GO_SRC / "grpc_tls_server.go")
     cert = make_cert(tmp_path)
-    proc = subprocess.Popen([str(binary), str(cert), str(tmp_path / "key.pem")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = spawn([str(binary), str(cert), str(tmp_path / "key.pem")], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE, stderr=None, text=True)
     out = tmp_path / "grpc-go.rec"
     try:
         stdout = cast(IO[str], proc.stdout)
@@ -281,8 +282,8 @@ def test_a_close_racing_a_write_in_flight_loses_nothing_silently(build: Any, tmp
     import ssl
 
     binary = build("https", SERVER_SRC)
-    proc = subprocess.Popen([str(binary), "closerace", str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = spawn([str(binary), "closerace", str(tmp_path)], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE, stderr=None, text=True)
     out = tmp_path / "race.rec"
     received: dict[int, bytes] = {}
     try:

@@ -30,6 +30,7 @@ import pytest
 from capture.ebpf import goelf
 from capture.ebpf.goelf import GoElfError, GoStructOffsets, GoTlsInfo
 from tests.golang import ELF_ARCH, GO, GO_SRC, go_cmd
+from wire.process import spawn
 
 pytestmark = pytest.mark.skipif(GO is None, reason="needs the Go toolchain (apt-get install golang-go; "
                                                    "scripts/setup.sh does)")
@@ -433,7 +434,7 @@ def test_a_running_go_process_is_named_with_what_its_binary_holds(https_bin: Pat
     stripped = build("https_stripped_running", HTTPS_SRC, "-ldflags=-s -w")
     verdicts = {}
     for name, binary in (("full", https_bin), ("stripped", stripped)):
-        proc = subprocess.Popen([str(binary), "stay"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = spawn([str(binary), "stay"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
         try:
             assert proc.stdout is not None and proc.stdout.readline().startswith("hello over go tls")
             verdicts[name] = Inspector().process(proc.pid)

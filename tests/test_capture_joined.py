@@ -44,6 +44,7 @@ from agent_under_test.launch import AgentProcess
 from agent_under_test.proto import agent_pb2
 from capture.recording import STATUS_HIDDEN, Recording
 from replay.testing import EchoServer
+from wire.process import spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf]
 
@@ -100,8 +101,8 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def _start_recorder(port: int, out: Path) -> subprocess.Popen[str]:
     """`shadowtest record --port P -o OUT`; returns once it is recording (the backend settings, written
     once the eBPF programs are attached and the open connections found, are in the file)."""
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "-o", str(out)],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, "-m", "harness.cli", "record", "--port", str(port), "-o", str(out)],
+                 cwd=str(ROOT), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -335,10 +336,10 @@ def test_grpcjs_connection_joined_mid_stream_gets_every_method_right_and_replays
     plan.write_text(json.dumps({"before": before, "after": after}))
     out = tmp_path / "grpcjs.rec"
     assert NODE is not None
-    node = subprocess.Popen([NODE, "joined_client.js", "--target", light_agent.grpc_address, "--plan", str(plan),
-                             "--watchdog-ms", "30000"],
-                            cwd=NODE_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    node = spawn([NODE, "joined_client.js", "--target", light_agent.grpc_address, "--plan", str(plan),
+                  "--watchdog-ms", "30000"],
+                 cwd=str(NODE_DIR), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True)
     recorder = None
     try:
         first = _json_line(node, time.monotonic() + 30)
@@ -405,8 +406,8 @@ def _received(log: list[Sent]) -> list[tuple[str, int]]:
 
 def _echo_server_process() -> tuple[subprocess.Popen[str], str]:
     """replay.testing's echo server of the agent's proto, WITHOUT reflection, in a process of its own."""
-    proc = subprocess.Popen([sys.executable, "-m", "replay.testing", "0"], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = spawn([sys.executable, "-m", "replay.testing", "0"], cwd=str(ROOT), env=_env(),
+                 stdout=subprocess.PIPE, text=True)
     try:
         address = _address_line(proc, time.monotonic() + 30)
     except BaseException:

@@ -30,6 +30,7 @@ from capture.backends import RecordOptions
 from capture.pcap_import import import_capture
 from capture.record import Recorder
 from capture.recording import Call, Recording
+from wire.process import spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf]
 
@@ -82,8 +83,8 @@ def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
     out, pcap = d / "big.rec", d / "big.pcap"
-    tcpdump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-B", "65536", "-w", str(pcap), f"tcp port {port}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tcpdump = spawn(["tcpdump", "-i", "lo", "-U", "-B", "65536", "-w", str(pcap), f"tcp port {port}"],
+                    stderr=subprocess.PIPE)
     try:
         assert tcpdump.stderr is not None
         tcpdump.stderr.readline()            # "listening on lo ...": capturing from here on

@@ -31,6 +31,7 @@ from capture.record import Recorder
 from capture.recording import Recording
 from tests.nginx import make_cert
 from tests.test_capture_tls import Nginx, _calls, _file_bytes
+from wire.process import spawn
 
 NODE = shutil.which("node")
 PEER = Path(__file__).parent / "interop" / "node" / "tls_peer.js"
@@ -48,8 +49,8 @@ class NodePeer:
 
     def __init__(self, *args: str) -> None:
         assert NODE is not None
-        self.proc = subprocess.Popen([NODE, str(PEER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=PEER.parent)
+        self.proc = spawn([NODE, str(PEER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                          text=True, cwd=str(PEER.parent))
         self.lines: list[dict[str, Any]] = []
         out = cast(IO[str], self.proc.stdout)
         self._reader = threading.Thread(target=lambda: self.lines.extend(json.loads(x) for x in iter(out.readline, "")),
@@ -234,8 +235,8 @@ def test_an_asyncio_https_server_is_recorded_in_plaintext(tmp_path: Path) -> Non
     """asyncio's TLS (ssl.SSLObject over MemoryBIOs): the server reads the client's hello before any SSL
     call, and writes its answer right after do_handshake."""
     cert = make_cert(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", ASYNCIO_HTTPS_SERVER, str(cert), str(tmp_path / "key.pem")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, "-c", ASYNCIO_HTTPS_SERVER, str(cert), str(tmp_path / "key.pem")],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
     out = tmp_path / "asyncio.rec"
     try:
         port = int(cast(IO[str], proc.stdout).readline())

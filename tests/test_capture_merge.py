@@ -27,6 +27,7 @@ from capture.errors import RecordingError
 from capture.merge import merge_recordings
 from capture.recording import Call, Chunk, Flow, Message, Recording, RecordingWriter
 from tests.polling import recording_meta
+from wire.process import end_child, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 S = 1_000_000_000
@@ -145,16 +146,6 @@ def _netns(name: str) -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.mark.root
 @pytest.mark.ebpf
 @pytest.mark.skipif(shutil.which("ip") is None or shutil.which("unshare") is None,
@@ -164,21 +155,21 @@ def test_three_hosts_recorded_apart_merge_into_one_replayed_by_two_locust_worker
     with contextlib.ExitStack() as stack:
         spaces = [stack.enter_context(_netns(f"stm{os.getpid()}-{i}")) for i in (1, 2, 3)]
         procs: list[subprocess.Popen[Any]] = []
-        stack.callback(lambda: [_stop(p) for p in reversed(procs)])
+        stack.callback(lambda: [end_child(p) for p in reversed(procs)])
         servers = []
         for host, ns in zip(hosts, spaces, strict=True):
-            p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", SERVER, host, "8080"],
-                                 stdout=subprocess.PIPE, text=True)
+            p = spawn(["ip", "netns", "exec", ns, sys.executable, "-c", SERVER, host, "8080"],
+                      stdout=subprocess.PIPE, stderr=None, text=True)
             procs.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
             servers.append(p)
         recorders = []
         for host, srv in zip(hosts, servers, strict=True):
             out = tmp_path / f"{host}.rec"
-            r = subprocess.Popen(["unshare", "--uts", "sh", "-c", f"hostname {host} && exec \"$@\"", "sh",
-                                  sys.executable, "-m", "harness.cli", "record", "--port", "8080", "--pid",
-                                  str(srv.pid), "--json", "-o", str(out)], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+            r = spawn(["unshare", "--uts", "sh", "-c", f"hostname {host} && exec \"$@\"", "sh",
+                       sys.executable, "-m", "harness.cli", "record", "--port", "8080", "--pid",
+                       str(srv.pid), "--json", "-o", str(out)], cwd=str(REPO), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
             procs.append(r)
             recorders.append((r, out))
         deadline = time.monotonic() + 120
@@ -187,8 +178,9 @@ def test_three_hosts_recorded_apart_merge_into_one_replayed_by_two_locust_worker
                 assert r.poll() is None and time.monotonic() < deadline, r.stderr.read() if r.stderr else ""
                 time.sleep(0.2)
         start = time.time() + 1.0
-        clients = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, host, "6", "0.3",
-                                     f"{start + k * 0.1}"]) for k, (host, ns) in enumerate(zip(hosts, spaces, strict=True))]
+        clients = [spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, host, "6", "0.3",
+                          f"{start + k * 0.1}"], stderr=None)
+                   for k, (host, ns) in enumerate(zip(hosts, spaces, strict=True))]
         for c in clients:
             assert c.wait(60) == 0
         time.sleep(0.5)
@@ -204,7 +196,7 @@ def test_three_hosts_recorded_apart_merge_into_one_replayed_by_two_locust_worker
         result = json.loads(run.stdout)
 
         # replayed into one server of this namespace by two Locust workers
-        local = subprocess.Popen([sys.executable, "-c", SERVER, "local", "0"], stdout=subprocess.PIPE, text=True)
+        local = spawn([sys.executable, "-c", SERVER, "local", "0"], stdout=subprocess.PIPE, stderr=None, text=True)
         procs.append(local)
         assert local.stdout is not None and local.stdout.readline().strip() == "ready"
         port = _listening_port(local.pid)

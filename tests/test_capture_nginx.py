@@ -29,7 +29,7 @@ from capture.backends import RecordOptions
 from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("wrk") is None,
@@ -102,8 +102,7 @@ class Nginx:
         for name, size in FILES.items():
             (d / "html" / name).write_bytes(os.urandom(size))
         (d / "nginx.conf").write_text(CONF.format(d=d, port=self.port, sendfile="on" if sendfile else "off"))
-        self.proc = subprocess.Popen(["nginx", "-p", str(d), "-c", str(d / "nginx.conf")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = spawn(["nginx", "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

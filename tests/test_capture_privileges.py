@@ -24,6 +24,7 @@ from capture.ebpf.tls import find_libssl
 from capture.recording import Recording
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _curl, _wait_started
 from tests.test_capture_tls_anywhere import in_own_mount_ns
+from wire.process import spawn
 
 REPO = Path(__file__).resolve().parents[1]
 SETPRIV = shutil.which("setpriv")
@@ -74,8 +75,8 @@ def _record_as_nobody(nginx: Nginx, out: Path) -> dict[str, object]:
     curl calls; its JSON summary."""
     argv = [sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "on",
             "--duration", "60", "--json", "-o", str(out)]
-    rec = subprocess.Popen(_as_nobody(privileges.RECORDER + privileges.TLS, argv), cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rec = spawn(_as_nobody(privileges.RECORDER + privileges.TLS, argv), cwd=str(REPO),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_started(out, rec)
         time.sleep(1.0)

@@ -33,7 +33,7 @@ from capture.record import Recorder
 from capture.recording import Call, Recording
 from capture.summary import summarize
 from tests.nginx import make_cert
-from wire.process import free_port
+from wire.process import end_child, free_port, spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
@@ -84,7 +84,7 @@ class Nginx:
         self.cert = make_cert(d)
         (d / "nginx.conf").write_text(CONF.format(d=d, port=self.port))
         argv = ["nginx", "-c", str(d / "nginx.conf"), "-p", str(d), "-e", str(d / "error.log")]
-        self.proc = subprocess.Popen(wrap(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = spawn(wrap(argv), stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -272,9 +272,9 @@ def _wait_started(out: Path, proc: subprocess.Popen[str]) -> None:
 
 def test_tls_off_records_no_plaintext_and_says_why_per_flow(nginx: Nginx, tmp_path: Path) -> None:
     out = tmp_path / "off.rec"
-    rec = subprocess.Popen([sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "off",
-                            "--duration", "30", "--json", "-o", str(out)], cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    rec = spawn([sys.executable, "-m", "harness.cli", "record", "--port", str(nginx.port), "--tls", "off",
+                 "--duration", "30", "--json", "-o", str(out)], cwd=str(REPO), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
     try:
         _wait_started(out, rec)
         _curl(nginx)
@@ -317,8 +317,8 @@ def test_tls_of_a_process_without_a_readable_library_is_reported_with_the_reason
     ciphertext, and says so, naming what was found."""
     import grpc
 
-    proc = subprocess.Popen([sys.executable, "-c", GRPCIO_TLS_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    proc = spawn([sys.executable, "-c", GRPCIO_TLS_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert)],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, cwd=str(REPO))
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
@@ -392,8 +392,8 @@ def test_grpcio_tls_server_is_reported_encrypted_with_the_reason(nginx: Nginx, t
     from capture.ebpf.tlslibs import Inspector
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", GRPC_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert),
-                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, "-c", GRPC_SERVER, str(nginx.dir / "key.pem"), str(nginx.cert),
+                  str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         maps = any(f.kind == "openssl" for f in Inspector().process(proc.pid).files)
@@ -407,8 +407,7 @@ def test_grpcio_tls_server_is_reported_encrypted_with_the_reason(nginx: Nginx, t
 
         _record(out, port, [call])
     finally:
-        proc.terminate()
-        proc.wait(10)
+        end_child(proc)
     with Recording(out) as r:
         rows = r.meta["tls_flows"]
         calls = list(r.calls())

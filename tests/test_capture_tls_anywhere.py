@@ -26,6 +26,7 @@ from capture.ebpf.tlslibs import Inspector
 from capture.record import Recorder
 from capture.recording import Recording
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _calls, _curl, _file_bytes
+from wire.process import spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.ebpf,
               pytest.mark.skipif(shutil.which("nginx") is None or shutil.which("curl") is None,
@@ -134,10 +135,10 @@ def test_list_tls_names_node_as_read_and_grpcio_as_not_read_with_the_reason(tmp_
     node = shutil.which("node")
     if node is None:
         pytest.skip("needs node")
-    proc = subprocess.Popen([node, "-e", "require('https');setInterval(()=>{},1000);console.log('ready')"],
-                            stdout=subprocess.PIPE, text=True)
-    py = subprocess.Popen([sys.executable, "-c", "import grpc, ssl, sys; print('ready', flush=True); sys.stdin.read()"],
-                          stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, cwd=REPO)
+    proc = spawn([node, "-e", "require('https');setInterval(()=>{},1000);console.log('ready')"],
+                 stdout=subprocess.PIPE, stderr=None, text=True)
+    py = spawn([sys.executable, "-c", "import grpc, ssl, sys; print('ready', flush=True); sys.stdin.read()"],
+               stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=None, text=True, cwd=str(REPO))
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         assert py.stdout is not None and py.stdout.readline().strip() == "ready"
@@ -168,9 +169,9 @@ def test_list_tls_names_a_jvm_as_not_read_with_the_reason(tmp_path: Path) -> Non
     jvm = tmp_path / "lib" / "server" / "libjvm.so"
     jvm.parent.mkdir(parents=True)
     shutil.copy2(src, jvm)
-    proc = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('ready', "
-                             "flush=True); sys.stdin.read()", str(jvm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = spawn([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('ready', "
+                  "flush=True); sys.stdin.read()", str(jvm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                 stderr=None, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         out = subprocess.run([sys.executable, "-m", "harness.cli", "record", "--list-tls", "--pid", str(proc.pid),

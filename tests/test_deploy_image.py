@@ -30,7 +30,7 @@ from capture.recording import Recording
 from tests.polling import recording_meta, wait_for
 from tests.test_capture_bounded import ALERT, _post
 from tests.test_capture_tls import TOKEN_CURL, Nginx, _curl
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "deploy" / "recorder" / "daemonset.yaml"
@@ -122,7 +122,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if boot.returncode != 0:
             pytest.skip(f"debootstrap could not make a bookworm root filesystem from {MIRROR}: "
                         f"{(boot.stdout + boot.stderr).strip().splitlines()[-1:]}")
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        tar = spawn(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE, stderr=None)
         imported = _run(["podman", "import", "-q", "-", base], timeout=300, stdin=tar.stdout)
         tar.wait(60)
         assert imported.returncode == 0, imported.stderr[-2000:]
@@ -218,7 +218,7 @@ def test_the_image_run_as_the_daemonset_records_a_host_process_and_dumps_on_an_a
     argv = [*_podman(), "run", "--rm", "--name", name, *_limits(), "--pid=host", "--network=host",
             "--cap-drop=all", f"--cap-add={caps}", "--security-opt", "seccomp=unconfined",
             *_volumes(out), image, *args, "--json"]
-    rec = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rec = spawn(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ring_meta = out / "node-1" / ".ring"
     try:
         assert wait_for(lambda: rec.poll() is not None or any(

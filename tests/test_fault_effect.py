@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from harness.checks.service import asked_mean_ms
 from harness.faultrun import FaultSession, NetworkProxy
 from harness.scenario import CheckSpec, FaultSpec
 from harness.timeline import CallResult, FaultWindow, Timeline
+from wire.process import spawn
 
 pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
 
@@ -268,8 +268,9 @@ def test_a_quota_that_never_binds_fails_and_one_that_throttles_passes() -> None:
 
     if cgroup_version() == 0:
         pytest.skip("no cgroup cpu controller on this host")
-    idle = subprocess.Popen(["sleep", "30"])
-    busy = subprocess.Popen([sys.executable, "-m", "faults.busy", "--load", "100", "--seconds", "30"])
+    idle = spawn(["sleep", "30"])
+    # a CPU burner: in the test's session, as the harness starts its burners
+    busy = spawn([sys.executable, "-m", "faults.busy", "--load", "100", "--seconds", "30"], stderr=None, session=False)
     try:
         loose, tight = _quota(idle.pid, 100), _quota(busy.pid, 20)
     finally:

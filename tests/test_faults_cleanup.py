@@ -23,6 +23,7 @@ from faults.process import OwnedProcess, pause_for, paused
 from faults.proxy import ProxyProcess, spawn_proxy_server
 from faults.state import FaultRegistry, proc_start_time
 from faults.testing import EchoServer
+from wire.process import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -65,7 +66,7 @@ def proxy_server() -> Iterator[ProxyProcess]:
 
 @pytest.fixture
 def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    procs = [spawn(["sleep", "120"]) for _ in range(2)]
     yield procs
     for p in procs:
         p.kill()
@@ -82,8 +83,8 @@ def start_holder(tmp_path: Path, server: ProxyProcess, sleepers: list[subprocess
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
     env = dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
-    holder = subprocess.Popen([PY, str(script), server.url, str(sleepers[0].pid), str(sleepers[1].pid)],
-                              stdout=subprocess.PIPE, text=True, env=env)
+    holder = spawn([PY, str(script), server.url, str(sleepers[0].pid), str(sleepers[1].pid)],
+                   stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     assert holder.stdout is not None
     words = holder.stdout.readline().split()
     assert words and words[0] == "ready", "holder failed to apply its faults"
@@ -131,7 +132,7 @@ def test_sigterm_undoes_everything_without_clear(tmp_path: Path, state_dir: Path
 
 
 def test_reused_pid_is_never_killed(state_dir: Path) -> None:
-    victim = subprocess.Popen(["sleep", "30"])
+    victim = spawn(["sleep", "30"])
     try:
         start = proc_start_time(victim.pid)
         assert start is not None
@@ -159,7 +160,7 @@ def test_live_runs_are_not_leftovers(state_dir: Path) -> None:
 
 
 def test_pause_resumes_after_duration_and_on_exit(state_dir: Path) -> None:
-    p = subprocess.Popen(["sleep", "30"])
+    p = spawn(["sleep", "30"])
     try:
         with paused(p.pid, duration_s=0.3) as info:
             assert state_of(p.pid) == "T"
@@ -263,8 +264,9 @@ def test_planted_entries_naming_foreign_paths_or_pids_are_refused(tmp_path: Path
     victim, victim_dir = tmp_path / "victim", tmp_path / "victim-dir"
     victim.write_text("precious\n")
     victim_dir.mkdir()
-    older = subprocess.Popen(["sleep", "30"])                       # ours, but older than the "run"
-    foreign = subprocess.Popen(["sleep", "30"], user=65534)         # another user's process
+    older = spawn(["sleep", "30"])                                  # ours, but older than the "run"
+    # Popen, not spawn: another user's process (user=65534), which spawn has no parameter for
+    foreign = subprocess.Popen(["sleep", "30"], user=65534)
     try:
         os.kill(foreign.pid, signal.SIGSTOP)
         older_start, foreign_start = proc_start_time(older.pid), proc_start_time(foreign.pid)

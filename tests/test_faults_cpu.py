@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import pytest
 
 from faults.cpu import cgroup_version, cpu_contention, cpu_quota, pick_method
 from faults.state import FaultRegistry
+from wire.process import spawn
 
 
 def cpu_seconds(pid: int) -> float:
@@ -35,7 +35,10 @@ def registry(tmp_path: Path) -> FaultRegistry:
 @pytest.fixture
 def busy() -> Iterator[int]:
     """A process spinning at 100 % on CPU 0."""
-    p = subprocess.Popen([sys.executable, "-m", "faults.busy", "--load", "100", "--cpu", "0", "--seconds", "60"])
+    # in the test's session, as the contention workers are: the scheduler shares a core between sessions
+    # (autogroups) before it shares it between processes, so a target in a session of its own would keep more
+    p = spawn([sys.executable, "-m", "faults.busy", "--load", "100", "--cpu", "0", "--seconds", "60"], stderr=None,
+              session=False)
     time.sleep(0.3)
     yield p.pid
     p.kill()
@@ -98,7 +101,7 @@ def test_quota_v2_files_on_a_fake_hierarchy(tmp_path: Path, registry: FaultRegis
     (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
     (tmp_path / "cgroup.subtree_control").write_text("")
     (tmp_path / "cgroup.procs").write_text("")
-    sleeper = subprocess.Popen(["sleep", "30"])
+    sleeper = spawn(["sleep", "30"])
     try:
         with cpu_quota(sleeper.pid, cpus=0.25, registry=registry, root=tmp_path) as q:
             cg = Path(q.path)

@@ -18,6 +18,7 @@ from faults.network import NetworkFaults
 from faults.proxy import spawn_proxy_server
 from faults.state import FaultRegistry
 from faults.testing import EchoServer, connect, read_exactly
+from wire.process import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,9 +77,9 @@ def test_unreachable_url_says_what_to_do(tmp_path: Path) -> None:
 def test_cli_proxy_serve_answers_the_api(tmp_path: Path) -> None:
     config = tmp_path / "proxies.json"
     config.write_text(json.dumps([{"name": "pre", "upstream": "127.0.0.1:9", "listen": "127.0.0.1:0"}]))
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "proxy", "serve", "--port", "0", "--json",
-                             "--config", str(config)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = spawn([sys.executable, "-m", "harness.cli", "proxy", "serve", "--port", "0", "--json",
+                  "--config", str(config)], stdout=subprocess.PIPE, stderr=None, text=True, cwd=str(ROOT),
+                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         assert proc.stdout is not None
         url = json.loads(proc.stdout.readline())["listening"]

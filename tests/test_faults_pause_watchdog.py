@@ -18,6 +18,7 @@ import pytest
 
 from faults.process import paused
 from faults.state import FaultRegistry, proc_start_time
+from wire.process import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -72,7 +73,7 @@ def kill_if_same(pid: int, start: int | None) -> None:
 
 @pytest.fixture
 def target() -> Iterator[subprocess.Popen[bytes]]:
-    p = subprocess.Popen(["sleep", "120"])
+    p = spawn(["sleep", "120"])
     yield p
     p.kill()                  # SIGKILL ends a stopped process too
     p.wait()
@@ -82,8 +83,8 @@ def test_sigkill_of_the_holder_resumes_the_target(tmp_path: Path, state_dir: Pat
                                                   target: subprocess.Popen[bytes]) -> None:
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
-    holder = subprocess.Popen([PY, str(script), str(target.pid)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT)))
+    holder = spawn([PY, str(script), str(target.pid)], stdout=subprocess.PIPE, stderr=None, text=True,
+                   env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT)))
     assert holder.stdout is not None
     words = holder.stdout.readline().split()
     assert words and words[0] == "ready", "the holder could not pause"
@@ -125,10 +126,10 @@ def test_a_terminated_keeper_resumes_rather_than_strands(state_dir: Path, target
 def test_kill_9_of_chaos_run_during_a_pause_resumes_the_agent(tmp_path: Path, state_dir: Path) -> None:
     scenario = tmp_path / "pause.yaml"
     scenario.write_text(SCENARIO)
-    run = subprocess.Popen([PY, "-m", "harness.cli", "chaos", "run", str(scenario), "--report-dir",
-                            str(tmp_path / "out"), "--no-png"], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)))
+    run = spawn([PY, "-m", "harness.cli", "chaos", "run", str(scenario), "--report-dir",
+                 str(tmp_path / "out"), "--no-png"], cwd=str(ROOT), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True,
+                env=dict(os.environ, SHADOWTEST_STATE_DIR=str(state_dir)))
     lines: list[str] = []
     agent, agent_start, keeper = 0, None, 0
     try:

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from harness.cli import cli
 from harness.console import PLAIN_WIDTH, make_console, print_error
 from replay.testing import write_unary_recording
+from wire.process import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 MS = 1_000_000
@@ -177,9 +178,8 @@ def test_error_on_a_terminal_is_red_and_still_one_line(tmp_path: Path) -> None:
     missing = str(_long_dir(tmp_path) / "nope.rec")
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "inspect", missing],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave,
-                                env=_env(TERM="xterm-256color"), cwd=ROOT)
+        proc = spawn([sys.executable, "-m", "harness.cli", "inspect", missing], stderr=slave,
+                     env=_env(TERM="xterm-256color"), cwd=str(ROOT))
         os.close(slave)
         slave = -1
         chunks = []

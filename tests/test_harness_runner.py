@@ -25,6 +25,7 @@ from harness.live import LiveView
 from harness.report import write_reports
 from harness.runner import Runner, RunOptions
 from harness.scenario_load import load_scenario_text
+from wire.process import spawn
 
 pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
 
@@ -135,11 +136,10 @@ def test_interrupt_removes_every_fault_and_still_writes_the_report(tmp_path: Pat
     scenario = tmp_path / "s.yaml"
     scenario.write_text(INTERRUPT)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "chaos", "run", str(scenario),
-                             "--report-dir", str(out), "--no-png"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ},
-                            # as a CI script's background job starts it: SIGINT inherited ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    # as a CI script's background job starts it: SIGINT inherited ignored (`trap "" INT` survives the exec)
+    proc = spawn(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "-m", "harness.cli", "chaos", "run",
+                  str(scenario), "--report-dir", str(out), "--no-png"], cwd=str(ROOT), stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True, env={**os.environ})
     lines: list[str] = []
     deadline = time.monotonic() + 120
     assert proc.stdout is not None

@@ -32,6 +32,7 @@ from harness.scenario import UNTIL_END, RecordingTraffic
 from harness.scenario_load import load_scenario_text, scenario_warnings
 from harness.timeline import CallResult, Timeline
 from harness.traffic import coverage, recording_span
+from wire.process import end_child, spawn
 
 pytestmark = pytest.mark.usefixtures("state_dir")   # SHADOWTEST_STATE_DIR in the test's tmp dir (tests/conftest.py)
 
@@ -137,8 +138,8 @@ def test_the_live_view_shows_a_dash_for_a_period_without_calls() -> None:
 @pytest.fixture(scope="module")
 def echo_server() -> Iterator[str]:
     """tests/hostile_server.py (a LeanServer with test.Bytes/Echo) in its own process; its address."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hostile_server.py"), "--max-lifetime-s", "120"],
-                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = spawn([sys.executable, str(ROOT / "tests" / "hostile_server.py"), "--max-lifetime-s", "120"],
+                 cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     line, deadline = b"", time.monotonic() + 20.0
     while not line.endswith(b"\n") and time.monotonic() < deadline and proc.poll() is None:
@@ -148,8 +149,7 @@ def echo_server() -> Iterator[str]:
         assert line.strip().isdigit(), f"the echo server did not start: {line!r}"
         yield f"127.0.0.1:{int(line)}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        end_child(proc)
 
 
 RUN = """\

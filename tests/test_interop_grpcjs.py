@@ -31,6 +31,7 @@ import pytest
 from agent_under_test.h2server import LeanServer
 from capture.recording import Call, Flow, Message, RecordingWriter
 from tests.polling import wait_for
+from wire.process import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_DIR = ROOT / "tests" / "interop" / "node"
@@ -375,8 +376,8 @@ def test_replay_into_a_grpcjs_server_matches_the_recording(tmp_path: Path) -> No
     rec = _write_replay_recording(tmp_path / "r.rec")
     total = len(rec.expected)
     assert NODE is not None
-    server = subprocess.Popen([NODE, "server.js", "--max-seconds", "60"], cwd=NODE_DIR, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = spawn([NODE, "server.js", "--max-seconds", "60"], cwd=str(NODE_DIR), stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         first = _json_line(server.stdout.readline())

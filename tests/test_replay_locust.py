@@ -18,7 +18,7 @@ import pytest
 from capture.recording import Call, Flow, RecordingWriter
 from harness.commands.locust import locustfile
 from replay.testing import EchoServer, write_unary_recording
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 MS = 1_000_000
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +31,8 @@ def _locust(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
             wrapper: bool = False) -> subprocess.Popen[str]:
     head = [sys.executable, "-m", "harness.cli", "locust"] if wrapper else [sys.executable, "-m", "locust", "-f",
                                                                               LOCUSTFILE]
-    return subprocess.Popen([*head, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return spawn([*head, *args], cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def _finish(master: subprocess.Popen[str], *others: subprocess.Popen[str]) -> str:

@@ -23,7 +23,6 @@ import io
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ import pytest
 
 from harness.errors import ScenarioError
 from harness.scenario_load import load_scenario, load_scenario_text
-from wire.process import free_port
+from wire.process import free_port, spawn
 
 REDIS = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed")
@@ -243,13 +242,12 @@ def test_a_redis_behind_its_proxy_goes_down_and_up_and_is_ended_by_pid() -> None
 def test_a_redis_left_by_a_killed_run_is_ended_by_the_next() -> None:
     from harness.dependencies import PREFIX, sweep_stale_redis
 
-    dead = subprocess.Popen(["true"])
+    dead = spawn(["true"])
     dead.wait()
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{dead.pid}-")
     port = free_port()
-    orphan = subprocess.Popen([str(REDIS), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    orphan = spawn([str(REDIS), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", folder])
     try:
         Path(folder, "redis.pid").write_text(str(orphan.pid))
         deadline = time.monotonic() + 10

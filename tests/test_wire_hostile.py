@@ -41,6 +41,9 @@ import hpack
 import psutil
 import pytest
 
+from wire.process import end_child
+from wire.process import spawn as spawn_child
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = ROOT / "tests" / "hostile_server.py"
 SERVICE = "test.Bytes"
@@ -478,8 +481,8 @@ class ServerProc:
     def __init__(self, *flags: str) -> None:
         self.flags = flags
         self.err: IO[bytes] = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, str(SERVER_SCRIPT), *flags], cwd=ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
+        self.proc = spawn_child([sys.executable, str(SERVER_SCRIPT), *flags], cwd=str(ROOT),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self._channel: grpc.Channel | None = None
         self.port = self._read_port(15.0)
         self.ps = psutil.Process(self.proc.pid)
@@ -547,13 +550,7 @@ class ServerProc:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                self.proc.wait(5)
+        end_child(self.proc, term_s=5, kill_s=5)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 f.close()
