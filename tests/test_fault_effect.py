@@ -239,9 +239,11 @@ def _contend(params: dict[str, Any]) -> dict[str, Any] | None:
 
 def test_contention_workers_that_burn_nothing_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     import faults.cpu
+    from wire.registry import Registry
 
-    monkeypatch.setitem(faults.cpu.METHODS, "stress-ng", _Sleepers())
-    monkeypatch.setitem(faults.cpu.METHODS, "builtin", _Sleepers())
+    # every method's workers only sleep (the module's registry replaced for this test alone)
+    monkeypatch.setattr(faults.cpu, "METHODS", Registry("contention method", {"stress-ng": _Sleepers(),
+                                                                              "builtin": _Sleepers()}))
     measured = _contend({"workers": 1, "load_pct": 100, "pin": False})
     assert measured is not None and measured["cpu_s"] < 0.05 and measured["asked_cores"] == 1.0, measured
     v = judge(measured, "contention", "cpu")
