@@ -281,7 +281,10 @@ def schedule_options(values: Mapping[str, Any]) -> ScheduleOptions:
     sched = _checked("speed", lambda: ScheduleOptions(
         speed=float(v["speed"]), window=window, methods=methods, flows=flows, loop=int(v["loop"]),
         rate=float(v["scale"]), seed=int(v["seed"]), shard_by=str(v["shard_by"]), method_map=mapped, shadow=shadow))
-    _checked(_plan_option(sched), sched.validate)
+    try:
+        sched.validate()
+    except PlanError as exc:   # its message starts with the option it is about: speed, loop, scale, window
+        raise OptionError(BY_NAME.get(str(exc).split(" ", 1)[0]), " ".join(str(exc).split())) from exc
     return sched
 
 
@@ -290,17 +293,6 @@ def _flow_id(value: object) -> int:
         return int(str(value))
     except ValueError:
         raise ValueError(f"flows: {value!r} is not a flow id (a whole number; inspect lists them)") from None
-
-
-def _plan_option(sched: ScheduleOptions) -> str:
-    """Which option a ScheduleOptions.validate failure is about (for the error's spelling)."""
-    if not MIN_SPEED <= sched.speed <= MAX_SPEED:
-        return "speed"
-    if sched.loop < 1:
-        return "loop"
-    if sched.rate <= 0:
-        return "scale"
-    return "shard_by" if sched.shard_by not in SHARD_BY else "window"
 
 
 def build(values: Mapping[str, Any]) -> ReplayOptions:
