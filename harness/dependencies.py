@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.childserver import ChildServer, stale_folders, sweep_stale
+from harness.childserver import ChildServer, stale_folders
 from harness.scenario import DependencySpec, Scenario
 
 PREFIX = "shadowtest-redis-"
@@ -107,7 +107,8 @@ def sweep_stale_redis() -> list[str]:
                 if _is_our_redis(pid, folder):
                     os.kill(pid, signal.SIGKILL)     # a leftover with no persistence: nothing to flush
                     done.append(f"redis-server PID {pid} left by run PID {holder}")
-    done += [f"folder {f}" for f in sweep_stale(PREFIX)]
+        shutil.rmtree(folder, ignore_errors=True)
+        done.append(f"folder {folder}")
     return done
 
 

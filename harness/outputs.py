@@ -12,6 +12,7 @@ every command a test runs checks what it writes), `stamped` validates each docum
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -51,6 +52,14 @@ def schema_file(kind: str) -> Path:
     return SCHEMAS / f"{kind}.json"
 
 
+@functools.cache
+def _validator(kind: str) -> Any:
+    """The kind's schema, read and compiled once per process."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(json.loads(schema_file(kind).read_text()))
+
+
 def check_output(doc: Mapping[str, Any]) -> None:
     """Validate a stamped document against the JSON Schema of its `schema` (needs jsonschema, a dev
     dependency); OutputSchemaError naming the first field that does not match."""
@@ -60,8 +69,7 @@ def check_output(doc: Mapping[str, Any]) -> None:
     if kind not in VERSIONS:
         raise OutputSchemaError(f"output schema {doc.get('schema')!r} is not one of shadowtest's outputs")
     plain = json.loads(json.dumps(doc, default=str))   # as a consumer reads it (tuples are lists)
-    rules = json.loads(schema_file(kind).read_text())
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(rules).iter_errors(plain))
+    error = jsonschema.exceptions.best_match(_validator(kind).iter_errors(plain))
     if error is not None:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path) or "(top)"
         raise OutputSchemaError(f"output {doc['schema']} does not match {schema_file(kind).name} at {where}: "

@@ -77,7 +77,7 @@ class Registry(Generic[K, T]):
 
     def find(self, name: K) -> T | None:
         """The entry registered as `name`, or None."""
-        return self.get(name) if self.__contains__(name) else None
+        return self.get(name) if name in self else None
 
     def names(self) -> tuple[K, ...]:
         return tuple(self._entries)
