@@ -467,7 +467,7 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
                                                  "from (default 200)")}
         return GeneratorTraffic(**typed_params(entries["generator"], spec, "traffic.generator",
                                                bounds=TRAFFIC_BOUNDS))
-    from replay.options import SCENARIO, OptionError, offered, schedule_options
+    from replay.options import BY_NAME, SCENARIO, OptionError, offered, schedule_options
 
     spec = {"recording": Param("str", required=True),
             **{o.name: Param(_PARAM_KINDS[o.kind], help=o.help) for o in offered(SCENARIO)},
@@ -483,7 +483,8 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
     path = Path(values.pop("recording"))
     values["path"] = str(path if path.is_absolute() else base / path)
     try:
-        sched = schedule_options({k: v for k, v in values.items() if k in _SCHEDULED})
+        # every replay option the file gave, but loop (it may be until_end: the runner counts the passes)
+        sched = schedule_options({k: v for k, v in values.items() if k in BY_NAME and k != "loop"})
     except OptionError as exc:
         where = entries.get(exc.option.name) if exc.option else None
         (where or node).fail(exc.spelled(SCENARIO))
@@ -493,8 +494,7 @@ def _traffic(node: Node, base: Path) -> RecordingTraffic | GeneratorTraffic:
     return RecordingTraffic(**values)
 
 
-# How a scenario types each kind of replay option (replay/options.py), and the keys that shape the schedule.
-_SCHEDULED = ("speed", "window", "methods", "flows", "method_map", "scale")
+# How a scenario types each kind of replay option (replay/options.py).
 _PARAM_KINDS = {"number": "number", "int": "int", "list": "list", "window": "str", "duration": "duration",
                 "choice": "str", "flag": "bool", "text": "str", "file": "str"}
 
