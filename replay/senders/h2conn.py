@@ -37,11 +37,12 @@ INTERNAL_ERROR and one log line.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from replay.senders.base import ERROR, OK, SendOutcome, http_outcome
 from replay.senders.h2frames import connection_failed, outcome
@@ -97,13 +98,34 @@ _SETTINGS, _PING, _WINDOW_UPDATE = int(FrameType.SETTINGS), int(FrameType.PING),
 _RST_STREAM, _GOAWAY, _PRIORITY = int(FrameType.RST_STREAM), int(FrameType.GOAWAY), int(FrameType.PRIORITY)
 _PUSH_PROMISE = int(FrameType.PUSH_PROMISE)
 _END_STREAM, _END_HEADERS, _ACK = int(Flag.END_STREAM), int(Flag.END_HEADERS), int(Flag.ACK)
+# A deadline fires when the loop's time is within this of it: asyncio timers (uvloop's in whole
+# milliseconds) may wake up to that much early, and a per-stream timer cancelled its call then too.
+_DEADLINE_SLACK_S = 0.001
+
+
+class _Answer(NamedTuple):
+    """What a response header block says, derived once per distinct block (CachedDecoder.view)."""
+
+    http_status: int | None
+    encoding: str | None
+    status: tuple[int, str] | None  # (grpc-status, grpc-message) when the block carries grpc-status
+
+
+def _answer(fields: list[tuple[str, str]]) -> _Answer:
+    http_status = encoding = None
+    for k, v in fields:
+        if k == ":status":
+            http_status = int(v) if v.isdigit() else None
+        elif k == "grpc-encoding":
+            encoding = v
+    return _Answer(http_status, encoding, status_from_headers(fields, None))
 
 
 class Stream:
     """One call's state on a connection; its SendOutcome goes to `on_end` if given, else to `fut`."""
 
     __slots__ = ("sid", "fut", "on_end", "responses", "reader", "size", "encoding", "http_status", "got_headers",
-                 "window", "recv_window", "unacked", "half_closed", "timer")
+                 "window", "recv_window", "unacked", "half_closed")
     plain = False  # a gRPC call's stream; HttpStream is a plain HTTP/2 request's
 
     def __init__(self, sid: int, fut: asyncio.Future[SendOutcome] | None, window: int,
@@ -118,7 +140,6 @@ class Stream:
         self.got_headers = self.half_closed = False
         self.recv_window = recv_window  # what the server may still send on this stream
         self.unacked = 0
-        self.timer: asyncio.TimerHandle | None = None
 
     def take(self, payload: bytes) -> None:
         """Add DATA payload: the complete messages, decompressed, go to `responses`.
@@ -208,6 +229,12 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         self.settings_budget = Budget(SETTINGS_BURST, SETTINGS_PER_S)
         self.blocked: deque[list[Any]] = deque()  # [stream, memoryview, end_stream] waiting for window
         self.slot_waiters: deque[asyncio.Future[None]] = deque()
+        # Stream deadlines: one heap of (deadline, stream id) and one timer armed at its earliest entry,
+        # not a timer per stream (uvloop's call_at and cancel cost ~3 us a call). An entry whose stream
+        # already ended is dropped when it reaches the top, or when such entries are most of the heap.
+        self.deadlines: list[tuple[float, int]] = []
+        self.deadline_timer: asyncio.TimerHandle | None = None
+        self.deadline_at = 0.0
 
     @property
     def usable(self) -> bool:
@@ -254,6 +281,10 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             self.ready.set_result(False)
         for st in list(self.streams.values()):
             self._end(st, connection_failed(detail))
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
+        self.deadlines = []
         self._wake_waiters(all_of_them=True)
 
     def close(self) -> None:
@@ -279,7 +310,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
         fut = self.loop.create_future() if on_end is None else None
         st = self.streams[sid] = (HttpStream if http else Stream)(sid, fut, self.peer_window, on_end, self.window,
                                                                   self.max_message)
-        st.timer = self.loop.call_at(deadline, self._deadline, st)
+        self._add_deadline(deadline, sid)
         transport = self.transport
         assert transport is not None, "open() before the connection is made"
         if payload is not None and not payload:  # never a gRPC call's: its message has a 5-byte prefix
@@ -340,14 +371,37 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             else:
                 self.blocked.popleft()
 
-    def _deadline(self, st: Stream) -> None:
-        st.timer = None
-        self.cancel(st, outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    def _add_deadline(self, deadline: float, sid: int) -> None:
+        heap = self.deadlines
+        if len(heap) > 2 * len(self.streams) + 64:  # mostly ended streams: keep memory to those in flight
+            streams = self.streams
+            heap[:] = [e for e in heap if e[1] in streams]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, sid))
+        if self.deadline_timer is None or deadline < self.deadline_at:
+            self._arm_deadline(deadline)
+
+    def _arm_deadline(self, when: float) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+        self.deadline_at = when
+        self.deadline_timer = self.loop.call_at(when, self._deadlines)
+
+    def _deadlines(self) -> None:
+        """The deadline timer: every stream past its deadline ends DEADLINE_EXCEEDED (RST_STREAM CANCEL)."""
+        self.deadline_timer = None
+        heap, streams = self.deadlines, self.streams
+        now = self.loop.time() + _DEADLINE_SLACK_S
+        while heap and (heap[0][0] <= now or heap[0][1] not in streams):
+            sid = heapq.heappop(heap)[1]
+            st = streams.get(sid)
+            if st is not None:
+                self.cancel(st, outcome(Status.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        if heap and not self.closed and self.deadline_timer is None:
+            self._arm_deadline(heap[0][0])
 
     def _end(self, st: Stream, out: SendOutcome, reset: int | None = None) -> None:
         self.streams.pop(st.sid, None)
-        if st.timer is not None:
-            st.timer.cancel()
         if reset is not None and not self.closed:
             assert self.transport is not None
             self.transport.write(rst_stream(st.sid, reset))
@@ -431,7 +485,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             self._end(st, st.refused(exc), reset=ErrorCode.CANCEL)
             return
         if flags & _END_STREAM:
-            self._remote_end(st, [])
+            self._remote_end(st, None)
             return
         st.unacked += n
         if st.unacked >= self.window // 2:
@@ -442,7 +496,7 @@ class H2Connection(asyncio.Protocol, FrameLoop):
 
     def on_block(self, sid: int, flags: int, block: bytes) -> None:
         """A complete header block: decoded whatever its stream (the HPACK table must stay in step)."""
-        fields = self.decoder.decode(block, sid)
+        answer = self.decoder.view(block, sid, _answer)  # what a repeated block says is derived once
         st = self.streams.get(sid)
         if st is None:
             if self._idle(sid):
@@ -450,24 +504,23 @@ class H2Connection(asyncio.Protocol, FrameLoop):
             return
         if not st.got_headers:
             st.got_headers = True
-            for k, v in fields:
-                if k == ":status":
-                    st.http_status = int(v) if v.isdigit() else None
-                elif k == "grpc-encoding":
-                    st.encoding = v
+            st.http_status = answer.http_status
+            if answer.encoding is not None:
+                st.encoding = answer.encoding
             if not flags & _END_STREAM:
                 if st.plain and st.http_status is not None and st.http_status < 200:
                     st.got_headers = False  # an interim response (1xx): the final one follows
                 return  # response headers; the trailers come later
         elif not flags & _END_STREAM:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", sid)
-        self._remote_end(st, fields)  # trailers, or the headers of a trailers-only response
+        self._remote_end(st, answer.status)  # trailers, or the headers of a trailers-only response
 
-    def _remote_end(self, st: Stream, trailers: list[tuple[str, str]]) -> None:
+    def _remote_end(self, st: Stream, grpc_status: tuple[int, str] | None) -> None:
+        """The server ended the stream; `grpc_status` is its trailers' (None: they had no grpc-status)."""
         if st.plain:
             self._end(st, cast(HttpStream, st).http_end(), reset=None if st.half_closed else ErrorCode.CANCEL)
             return
-        status = status_from_headers(trailers, st.http_status)
+        status = grpc_status if grpc_status is not None else status_from_headers([], st.http_status)
         if status is None:
             out = outcome(Status.INTERNAL, "the server ended the stream without grpc-status")
         elif status[0] == 0:
