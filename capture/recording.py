@@ -90,7 +90,7 @@ from capture.rowcrc import (
     CALL_COLUMNS,
     MESSAGE_COLUMNS,
     call_crc,
-    message_crc,
+    message_crc_of_ints,
     row_matches,
     with_call_crcs,
     with_chunk_crcs,
@@ -1038,16 +1038,17 @@ class _FastMessages:
         if self.pick is None:
             return False
         crc, call_id, direction, seq, ts, data, compressed = self.pick(m)
-        if type(seq) is not int or type(ts) is not int or type(call_id) is not int or call_id in damaged:
+        if (type(seq) is not int or type(ts) is not int or type(call_id) is not int or type(compressed) is not int
+                or call_id in damaged):
             return False
         call = by_id.get(call_id)
         if call is None:
             return False
         if crc is not None and self.checked:
             try:
-                if message_crc(call_id, direction, seq, ts, data, compressed) != crc:
+                if message_crc_of_ints(call_id, direction, seq, ts, data, compressed) != crc:
                     return False
-            except (TypeError, ValueError, OverflowError, struct.error):
+            except (TypeError, OverflowError, struct.error):
                 return False
         (call.requests if direction == "c2s" else call.responses).append(
             Message(direction, seq, ts, data, bool(compressed)))
