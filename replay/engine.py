@@ -20,6 +20,7 @@ not_sent/unknown_method (sending it to some guessed path would only measure UNIM
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import heapq
 import itertools
@@ -65,7 +66,7 @@ _NAMED = frozenset({"grpc", "http2"})  # protocols whose calls need a method (:p
 _BODYLESS = frozenset({"http1", "http2"})  # HTTP requests may have no body (GET); gRPC calls never do
 
 
-@dataclass(eq=False)  # identity hashing: live calls sit in a set
+@dataclass(eq=False, slots=True)  # identity hashing: live calls sit in a set
 class _Live:
     planned: PlannedCall
     intended_ns: int
@@ -372,7 +373,7 @@ class ReplayRun:
             return False
         live.sent_ns = now = self.clock.now_ns()
         try:
-            cancel = start(live.planned, self.options.timeout_s, lambda out: self._done(live, out))
+            cancel = start(live.planned, self.options.timeout_s, functools.partial(self._done, live))
         except Exception as exc:  # a sender bug must not lose the call from the accounting
             log.exception("sender failed on call %s", live.planned.index)
             self.stats.on_sent(live.intended_ns, now)
