@@ -105,6 +105,10 @@ class AgentServer:
                                 header_table_size=4096 if opts.hpack_table_size is None else opts.hpack_table_size,
                                 max_connection_age_s=opts.max_connection_age_s, grace_s=opts.grace_s,
                                 idle_timeout_s=opts.idle_timeout_s or None, admit=admission(self.guard))
+            if (metrics := getattr(self.guard, "metrics", None)) is not None:
+                stall = server.stall
+                metrics.loop_stalls.set_function(lambda: stall.stalls)
+                metrics.loop_stalled.set_function(lambda: stall.stalled_ns / 1e9)
         agent_pb2_grpc.add_TradingAgentServicer_to_server(
             TradingAgentServicer(Pipeline(self.batcher, self.guard, max_message_bytes=self.options.max_message_bytes,
                                           cache=self.cache),

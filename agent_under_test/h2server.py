@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -41,6 +42,7 @@ from typing import Any, cast
 import grpc
 
 from agent_under_test.h2call import Abort, Call, Requests
+from agent_under_test.stall import LoopStall, last_arrival, spread
 from wire import h2
 from wire.h2 import ErrorCode, Flag, FrameType, H2Error, Setting
 from wire.headers import CachedDecoder, encode_block
@@ -142,6 +144,9 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         self.pings, self.settings = Budget(*PING_BUDGET), Budget(*SETTINGS_BUDGET)
         self.resets, self.empties = Budget(*RESET_BUDGET), Budget(*EMPTY_BUDGET)
         self._out: list[bytes] = []             # frames written in this loop iteration, sent together
+        self.last_read = time.perf_counter_ns()  # when this connection was last read (its data came after)
+        self._fresh: list[Call] = []            # calls opened by the chunk being read (stall.py back-dates them)
+        self._stall_held = False
 
     # ---- asyncio Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -155,6 +160,8 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
                                 Setting.MAX_HEADER_LIST_SIZE: s.max_header_list_size})
                    + h2.window_update(0, WINDOW - h2.DEFAULT_WINDOW))
         s.connections.add(self)
+        s.stall.acquire()
+        self._stall_held = True
         if s.max_connection_age_s is not None:
             self.age_timer = self.loop.call_later(s.max_connection_age_s, self.go_away)
         if s.handshake_timeout_s is not None:
@@ -169,6 +176,9 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
     def _forget(self) -> None:
         """Forget the connection's calls and timers (once closed by either side; idempotent)."""
         self.server.connections.discard(self)
+        if self._stall_held:
+            self._stall_held = False
+            self.server.stall.release()
         for timer in (self.age_timer, self.idle_timer):
             if timer is not None:
                 timer.cancel()
@@ -217,6 +227,15 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         except Exception as exc:  # noqa: BLE001 - a bug of ours must cost one connection, not the server
             log.warning("h2 %s: internal error, closing the connection: %s: %s", self.peer, type(exc).__name__, exc)
             self._connection_error(H2Error(ErrorCode.INTERNAL_ERROR, "internal error"), logged=True)
+        now = time.perf_counter_ns()
+        if fresh := self._fresh:  # requests that waited out a stall of the loop are timed from their arrival
+            if (window := self.server.stall.window(self.last_read, now)) is not None and self.transport is not None:
+                lo, hi = window
+                last = last_arrival(self.transport.get_extra_info("socket"), now)
+                for call, at in zip(fresh, spread(lo, hi if last is None else min(max(last, lo), now), len(fresh)), strict=True):
+                    call.received_ns = min(call.received_ns, at)
+            fresh.clear()
+        self.last_read = now
 
     def _receive(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -285,6 +304,7 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         self.pings.refund()
         call.encoding = encoding
         self.calls[sid] = call
+        self._fresh.append(call)
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
@@ -674,6 +694,7 @@ class LeanServer:
         self._sockets: list[socket.socket] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._idle: asyncio.Event | None = None
+        self.stall = LoopStall()  # the loop's stalls: the wait of requests not yet read (stall.py)
 
     # -- registration (what generated add_*_to_server() calls)
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:

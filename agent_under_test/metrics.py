@@ -117,6 +117,10 @@ class Metrics:
         self.tier = Gauge("agent_model_tier", "1 for the tier being served", ["tier"], registry=r)
         self.saturation = Gauge("agent_loop_saturation", "Serving thread's busy share of the last period "
                                 "(on a CPU or waiting for one; 1 = no spare capacity)", registry=r)
+        self.loop_stalls = Gauge("agent_loop_stalls", "Stalls of the serving loop seen so far (a heartbeat 2 ms or "
+                                 "more late: throttled, starved of CPU, stopped)", registry=r)
+        self.loop_stalled = Gauge("agent_loop_stalled_seconds", "Time the serving loop could not run, summed: "
+                                  "requests that arrived meanwhile are timed from their arrival", registry=r)
         self.queue_depth = Gauge("agent_queue_depth", "Batcher queue depth after the last batch", registry=r)
         expired = Counter("agent_expired_calls", "Calls past their deadline (client gone) when their batch "
                           "formed: dropped before the forward pass, or computed for nobody", ["fate"], registry=r)
