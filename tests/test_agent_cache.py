@@ -605,3 +605,125 @@ def test_broken_agents_show_their_cache_defects(redis_server: RedisServer):
         assert clients[1].sample('agent_dependency_circuit_state{dependency="redis"}') == 2.0
         for c in clients:
             c.close()
+
+
+# -- the miss path's cost (issue 27): what the cheaper code must still do ------------------------------
+
+@pytest.mark.parametrize("levels", [1, 3, 10])
+def test_probe_is_the_centred_unit_vector_of_the_features(levels: int):
+    feats = features(make_snapshot(random.Random(levels), 1, "ACME", ts_ns=TS, levels=levels))
+    x = feats.x.astype(np.float64)
+    want = (x - x.mean(axis=0)).ravel() if levels > 1 else x.ravel()
+    want /= np.linalg.norm(want)
+    got = probe_for("ACME", 0.0, feats).vector
+    assert got.dtype == np.float32 and got.shape == (levels * x.shape[1],)
+    assert np.abs(got - want).max() < 1e-6
+    assert float(np.dot(got, got)) == pytest.approx(1.0, abs=1e-6)
+    assert not np.shares_memory(got, feats.x)            # the features stay as they were
+
+
+def test_a_store_after_a_miss_still_replaces_the_same_book_stored_meanwhile():
+    clock = FakeClock.at(1000.0)
+    cache = ResponseCache(CacheSettings(mode="local"), Recorded(), clock)
+    cache.store(Probe("ACME|2|0", unit(0, 1)), (0.0,) * 5, "full")
+    first, second = Probe("ACME|2|0", unit(1, 0)), Probe("ACME|2|0", unit(1, 0))   # one book, two calls
+
+    async def run() -> None:
+        assert await cache.lookup(first) is None and await cache.lookup(second) is None
+        cache.store(second, (2.0,) * 5, "full")              # the other call's answer lands first ...
+        cache.store(first, (1.0,) * 5, "full")               # ... so this store must still find it
+        hit = await cache.lookup(Probe("ACME|2|0", unit(1, 0)))
+        assert hit is not None and hit.entry.output == (1.0,) * 5
+        assert len(cache.local) == 2
+        fresh = Probe("NEW|2|0", unit(1, 1))                 # a bucket that did not exist at the lookup ...
+        assert await cache.lookup(fresh) is None
+        cache.store(Probe("NEW|2|0", unit(1, 1)), (3.0,) * 5, "full")   # ... and does by the store
+        cache.store(fresh, (4.0,) * 5, "full")
+        hit = await cache.lookup(Probe("NEW|2|0", unit(1, 1)))
+        assert hit is not None and hit.entry.output == (4.0,) * 5 and len(cache.local) == 3
+
+    asyncio.run(run())
+
+
+def test_a_full_bucket_drops_its_oldest_whichever_way_a_store_comes():
+    cache = ResponseCache(CacheSettings(mode="local", threshold=0.9999), Recorded(), FakeClock.at(1000.0),
+                          LocalTier(max_entries=100, per_bucket=3))
+    vectors = [unit(1, i, 0) for i in range(5)] + [unit(0, 1, i) for i in range(1, 3)]
+
+    async def run() -> list[float | None]:
+        for i, v in enumerate(vectors):
+            probe = Probe("ACME|3|0", v)
+            if i % 2:                                         # every other store follows its own miss
+                assert await cache.lookup(probe) is None
+            cache.store(probe, (float(i),) * 5, "full")
+        out = []
+        for v in vectors:
+            hit = await cache.lookup(Probe("ACME|3|0", v))
+            out.append(hit.entry.output[0] if hit and float(np.dot(hit.entry.vector, v)) > 0.999999 else None)
+        return out
+
+    assert asyncio.run(run()) == [None, None, None, None, 4.0, 5.0, 6.0]
+    assert len(cache.local) == 3
+
+
+def test_resp_replies_split_anywhere_reach_the_sends_that_wait_for_them_in_order():
+    from agent_under_test.cache import RedisReplyError, RespConnection, command
+
+    replies = (b"*3\r\n$3\r\nabc\r\n$0\r\n\r\n$-1\r\n", b":7\r\n", b"+OK\r\n-ERR wrong type\r\n:1\r\n", b"*0\r\n")
+
+    async def run() -> list[object]:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            _, conn = await asyncio.get_running_loop().create_connection(RespConnection, sock=ours)
+            lrange = conn.send(command("LRANGE", "k", 0, 31), 1, 0.0)
+            abandoned = conn.send(command("LPUSH", "k", b"v"), 1, 0.0)
+            batch = conn.send(command("LTRIM", "k", 0, 1) + command("LPUSH", "j", 1) + command("EXPIRE", "k", 9), 3, 0.0)
+            empty = conn.send(command("LRANGE", "none", 0, 31), 1, 0.0)
+            abandoned.cancel()                                 # its reply must still be read, and dropped
+            data = b"".join(replies)
+            for i in range(len(data)):                         # one byte at a time
+                theirs.sendall(data[i:i + 1])
+                await asyncio.sleep(0)
+            out = [await lrange, await asyncio.gather(batch, return_exceptions=True), await empty]
+            assert theirs.recv(4096).startswith(b"*4\r\n$6\r\nLRANGE\r\n$1\r\nk\r\n$1\r\n0\r\n$2\r\n31\r\n")
+            conn.close()
+            await asyncio.sleep(0)
+            assert isinstance(out[1][0], RedisReplyError) and "wrong type" in str(out[1][0])
+            return [out[0], out[2]]
+
+    assert asyncio.run(run()) == [[b"abc", b"", None], []]
+
+
+@needs_redis
+def test_redis_tier_keeps_one_connection_through_abandoned_lookups_and_batches_its_writes(
+        redis_server: RedisServer):
+    from agent_under_test.cache import Circuit, RedisTier
+
+    hooks = Recorded()
+    clock = FakeClock.at(1000.0)
+    entries = [Entry(unit(1, i), (float(i),) * 5, "light", clock.wall()) for i in range(4)]
+
+    async def run() -> None:
+        tier = RedisTier(redis_server.url, 0.05, 3600.0, Circuit(100, 1.0, clock), hooks)
+        assert await tier.start(1.0)
+        conn = tier._conn
+        for i, entry in enumerate(entries):                    # four writes within the linger: one round trip
+            tier.put(f"K{i % 2}", entry)
+        assert tier._writer is not None
+        await tier._writer
+        assert hooks.ops == [("set", None)]
+        redis_server.pause()
+        try:
+            assert await tier.find(Probe("K0", entries[0].vector), 0.99, clock.wall()) is None   # abandoned
+        finally:
+            redis_server.resume()
+        found = await tier.find(Probe("K1", entries[1].vector), 0.99, clock.wall())
+        assert found is not None and found.output == entries[1].output   # its own reply, not the abandoned one's
+        found = await tier.find(Probe("K0", entries[2].vector), 0.99, clock.wall())
+        assert found is not None and found.output == entries[2].output
+        assert await tier.find(Probe("K0", entries[1].vector), 0.99, clock.wall()) is None      # not in K0
+        assert tier._conn is conn                              # no reconnect after the abandoned lookup
+        assert hooks.ops == [("set", None), ("get", "timeout"), ("get", None), ("get", None), ("get", None)]
+        await tier.close()
+
+    asyncio.run(run())
