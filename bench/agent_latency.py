@@ -7,7 +7,8 @@ queue), the full tier with the fixed batching window of before (`--batch-window 
 adaptive window), and the full tier on grpc.aio (`--server grpcio`, the peer of the lean server; leave it out with
 --no-grpcio), it measures
   - batch 1: sequential calls from one client (latency of an idle server, batch size 1)
-  - open loop: `run_traffic` at each rate in --rates (Poisson, unary only), p50/p99 from intended time
+  - open loop: at each rate in --rates (Poisson, unary only; the lean client of bench/leanload.py, or
+    grpc.aio's `run_traffic` with --open-loop-client grpcio), p50/p99 from intended time
     and the server's own CPU time per call (psutil), which says what one core could sustain even when
     a shared host makes wall-clock latency noisy
   - throughput: --callers calls in flight back to back for --throughput-s seconds from the replayer's lean
@@ -44,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from leanload import open_loop as lean_open_loop  # noqa: E402
 from leanload import saturate  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
@@ -120,8 +122,19 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+OPEN_LOOP_CLIENTS = ("lean", "grpcio")
+OPEN_LOOP_CLIENT = "lean"   # --open-loop-client
+
+
 def open_loop(address: str, pid: int, rate: float, duration: float) -> dict[str, object]:
+    """One open-loop run at `rate` (Poisson, unary). The lean client by default: grpc.aio's own CPU
+    (~0.5 ms a call) on the same 2 cores lagged its sends 2-4 ms at 1,000-2,000 calls/s and pushed the
+    P99 it measured over 20 ms before the agent's did, so "sustained" measured the client as well."""
     cpu0 = _cpu_s(pid)
+    if OPEN_LOOP_CLIENT == "lean":
+        row = lean_open_loop(address, rate, duration, seed=11)
+        row["server_cpu_us_per_call"] = round((_cpu_s(pid) - cpu0) / max(int(row["sent"]), 1) * 1e6)
+        return row
     r = run_traffic(address, rate, duration, "poisson", seed=11, stream_share=0.0, call_timeout_s=10.0)
     cpu_us = (_cpu_s(pid) - cpu0) / max(r.sent, 1) * 1e6
     return {"rate": rate, "achieved": r.achieved_rate, "ok": r.ok, "sent": r.sent, "p50_ms": r.p50_ms,
@@ -353,6 +366,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[500, 1000, 1500, 2000])
     ap.add_argument("--duration", type=float, default=6.0)
+    ap.add_argument("--open-loop-client", choices=OPEN_LOOP_CLIENTS, default="lean",
+                    help="the open-loop runs' client: lean (the replayer's HTTP/2 connection) or grpcio (grpc.aio)")
     ap.add_argument("--seq-calls", type=int, default=500)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-grpcio", action="store_true", help="skip the full tier on grpc.aio")
@@ -364,6 +379,8 @@ def main() -> None:
     ap.add_argument("--no-cache", action="store_true", help="skip the cache section")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global OPEN_LOOP_CLIENT
+    OPEN_LOOP_CLIENT = args.open_loop_client
     if args.echo_server:
         asyncio.run(_echo_main(args.echo_server))
         return

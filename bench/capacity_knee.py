@@ -5,8 +5,8 @@ degradation, no alerts, limiter off, lean h2 server), then on that same agent:
 
   1. `shadowtest capacity --target ADDR --pid PID` over the rates, SLO p99<=20ms and errors<=0% (the
      sustained rule: p99 <= 20 ms and no errors), Poisson arrivals, unary Decide calls;
-  2. agent_latency.py's own method at the same rates: `open_loop` (agent_under_test.traffic.run_traffic,
-     the grpcio client) per rate and `_best_rate` ("highest offered rate with p99 <= 20 ms and no errors";
+  2. agent_latency.py's own method at the same rates: `open_loop` (its lean client by default,
+     or grpc.aio with --open-loop-client grpcio) per rate and `_best_rate` ("highest offered rate with p99 <= 20 ms and no errors";
      it returns that step's achieved rate), at every rate up to two steps past run 1's knee (the best
      passing rate counts, as in agent_latency.py, so one noisy rate does not end it);
   3. `shadowtest capacity` once more.
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import agent_latency  # noqa: E402
 from agent_latency import _best_rate, open_loop  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
@@ -106,11 +107,14 @@ def main() -> None:
     ap.add_argument("--max", type=float, default=1600.0)
     ap.add_argument("--step-s", type=float, default=5.0)
     ap.add_argument("--confirm", action="store_true", help="capacity --confirm: a break stands when its re-run breaks")
+    ap.add_argument("--open-loop-client", choices=agent_latency.OPEN_LOOP_CLIENTS, default="lean",
+                    help="agent_latency.py's open-loop client for the sustained rate")
     ap.add_argument("--pin", action="store_true",
                     help="the agent on the last CPU, both clients on the others: neither client's own CPU cost "
                          "takes from the agent (on a 2-core host the grpcio client's does, and lowers what it "
                          "measures)")
     args = ap.parse_args()
+    agent_latency.OPEN_LOOP_CLIENT = args.open_loop_client
     rates = [args.start + i * args.step for i in range(int((args.max - args.start) / args.step + 1e-9) + 1)]
     started = time.monotonic()
     with AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED) as agent:

@@ -21,6 +21,7 @@ from agent_under_test.proto import agent_pb2  # noqa: E402
 from replay.senders.base import SendOutcome  # noqa: E402
 from replay.senders.h2conn import H2Connection  # noqa: E402
 from replay.senders.h2frames import request_block  # noqa: E402
+from wire.stats import percentile  # noqa: E402
 
 DECIDE = "/shadowtest.agent.v1.TradingAgent/Decide"
 
@@ -98,6 +99,69 @@ async def _saturate(address: str, seconds: float, workers: int, seed: int) -> fl
         client.close()
     return done / seconds
 
+
+
+async def _open_loop(address: str, rate: float, seconds: float, seed: int, connections: int,
+                     timeout_s: float) -> dict[str, object]:
+    """Open loop: Poisson arrivals at `rate` for `seconds` over `connections` connections; latency of each
+    call from its intended send time (coordinated omission counted), and how late the sends left."""
+    rng = random.Random(seed)
+    pool = LeanClient.framed(payloads(random.Random(seed)))
+    clients = [await LeanClient.connect(address) for _ in range(max(1, connections))]
+    loop = asyncio.get_running_loop()
+    latencies: list[float] = []
+    lags: list[float] = []
+    codes: dict[str, int] = {}
+    pending = 0
+    drained = loop.create_future()
+    sending = True
+
+    def ended(intended: float, out: SendOutcome) -> None:
+        nonlocal pending
+        pending -= 1
+        if out.outcome == "ok":
+            latencies.append(loop.time() - intended)
+        else:
+            codes[out.code or out.outcome] = codes.get(out.code or out.outcome, 0) + 1
+        if not sending and pending == 0 and not drained.done():
+            drained.set_result(None)
+
+    start = loop.time() + 0.05
+    due, sent = start, 0
+    end = start + seconds
+    try:
+        while due < end:
+            now = loop.time()
+            if due > now:
+                await asyncio.sleep(min(due - now, 0.001))
+                continue
+            while due <= now and due < end:       # every call due by now, each stamped with its own time
+                lags.append(now - due)
+                pending += 1
+                clients[sent % len(clients)].call(pool[sent % len(pool)],
+                                                  lambda out, at=due: ended(at, out), timeout_s)
+                sent += 1
+                due += rng.expovariate(rate)
+        sending = False
+        if pending:
+            await asyncio.wait_for(drained, timeout_s + 5.0)
+    finally:
+        for client in clients:
+            client.close()
+    ordered, lag_sorted = sorted(latencies), sorted(lags)
+    return {"rate": rate, "achieved": round(sent / seconds, 1), "ok": len(latencies), "sent": sent,
+            "p50_ms": _ms(ordered, 0.5), "p99_ms": _ms(ordered, 0.99), "errors": sum(codes.values()),
+            "error_codes": codes, "send_lag_p99_ms": _ms(lag_sorted, 0.99)}
+
+
+def _ms(ordered: list[float], q: float) -> float | None:
+    return round(percentile(ordered, q) * 1e3, 3) if ordered else None
+
+
+def open_loop(address: str, rate: float, seconds: float, seed: int = 11, connections: int = 4,
+              timeout_s: float = 10.0) -> dict[str, object]:
+    """Open loop with the lean client (Poisson, unary Decide): p50/p99 from the intended send time."""
+    return asyncio.run(_open_loop(address, rate, seconds, seed, connections, timeout_s))
 
 
 def saturate(address: str, seconds: float, callers: int, seed: int) -> float:
