@@ -56,6 +56,12 @@ _WAKE_NS = 100_000_000  # the longest sleep between stop checks
 _GC_THRESHOLDS = (50_000, 20, 100)
 _WARM_S = 1.0  # the longest wait for connections before the clock starts
 _READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away than this
+# The lookahead is refilled once less than this share of it is read (then up to all of it), not topped
+# up by a call or two per wake-up: the reading code runs for dozens of calls at a time while it is in
+# the CPU's caches. At 1,500 calls/s that cut client CPU by ~11 us per call (140 -> 129, medians of 8
+# interleaved runs on a busy 2-core host). A call still enters the lookahead at least 3/4 of it
+# (150 ms by default) before it is due, so its connection opens in time.
+_REFILL_AT = 0.75
 # gRPC goes to the lean h2 sender by default: the same outcomes as grpcio's (tested call kind by call
 # kind against real servers) at about half the client CPU per call and a tighter send lag; `--sender
 # grpc` replays through grpcio itself. Plain HTTP/2 (not gRPC) goes to the h2 sender too, which sends
@@ -123,6 +129,7 @@ class ReplayRun:
         self._heap: list[_Timed] = []
         self._plan: Iterator[PlannedCall] = iter(())
         self._pending: PlannedCall | None = None
+        self._refilling = False  # reading the lookahead up to full (see _REFILL_AT)
         self._warming: list[Awaitable[object]] | None = []  # connections opening before t0
         self.t0_ns = 0
         self.end_ns = 0
@@ -274,8 +281,9 @@ class ReplayRun:
 
         Reading the plan is what could delay a send (a batch of calls from SQLite), so calls due now
         are read and sent first, and the lookahead is filled only while the next send is more than
-        `_READ_MARGIN_NS` away: a read can then be late by at most one small batch. Calls started
-        as tasks send only when this returns, so after those the reading waits for the next tick."""
+        `_READ_MARGIN_NS` away: a read can then be late by at most one small batch. It is refilled in
+        bursts, once less than `_REFILL_AT` of it is read. Calls started as tasks send only when this
+        returns, so after those the reading waits for the next tick."""
         if self._stop.is_set():
             return None
         self._sweep()
@@ -289,10 +297,15 @@ class ReplayRun:
                 self._start(item, heap)
             elif item.task is not None and not item.task.done():
                 self._release(item, msg, heap)
-        horizon = now + int(self.options.lookahead_s * 1e9)
-        if self._spawned and self._pending is not None and self._pending.due_ns <= horizon:
-            return self.t0_ns + now  # read once the new tasks have sent: at once, after them
-        self._read_plan(horizon, budget=True)
+        lookahead = int(self.options.lookahead_s * 1e9)
+        horizon, pending = now + lookahead, self._pending
+        if pending is not None and (not heap or pending.due_ns <= now + lookahead * _REFILL_AT):
+            self._refilling = True
+        if self._refilling:
+            if self._spawned and pending is not None and pending.due_ns <= horizon:
+                return self.t0_ns + now  # read once the new tasks have sent: at once, after them
+            self._read_plan(horizon, budget=True)
+            self._refilling = self._pending is not None and self._pending.due_ns <= horizon
         if not heap:
             return None if self._pending is None else self.t0_ns + now
         return self.t0_ns + min(heap[0][0], now + _WAKE_NS)

@@ -1,5 +1,6 @@
-"""The lean h2 replay client's cheap paths keep the old behaviour: the plan read by position, the header
-policy's per-name decisions, stream deadlines in one heap per connection, answers derived once per block."""
+"""The lean h2 replay client's cheap paths keep the old behaviour: the plan read by position and in
+bursts, the header policy's per-name decisions, stream deadlines in one heap per connection, answers
+derived once per block."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ import asyncio
 import pickle
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from capture.errors import CorruptRecordingError
 from capture.recording import Call, Flow, Message, Recording, RecordingWriter
+from replay.engine import ReplayRun
+from replay.options import ReplayOptions
 from replay.plan import plan_from_recording
 from replay.schedule import PlannedCall, PlannedMessage, ScheduleOptions
-from replay.senders import SendOutcome
+from replay.senders import SENDERS, SendOutcome
 from replay.senders.h2 import H2Sender
 from replay.senders.headers import MARKER, HeaderPolicy
-from replay.testing import DECIDE, EchoServer, snapshot_bytes
+from replay.testing import DECIDE, EchoServer, FakeSender, snapshot_bytes
+from wire.clock import FakeClock
 
 
 def _calls(flow: int) -> list[Call]:
@@ -207,3 +211,30 @@ def test_a_repeated_answer_block_gives_each_call_its_own_outcome() -> None:
     assert [(o.outcome, o.code, o.detail) for o in outs] == \
         [("ok", "OK", ""), ("ok", "OK", ""), ("rejected", "RESOURCE_EXHAUSTED", "shed")] * 4
     assert all(len(o.responses) == 1 for o in outs if o.outcome == "ok")
+
+
+def test_the_lookahead_is_refilled_in_bursts_and_each_call_still_enters_it_early() -> None:
+    """In virtual time, 1,000 calls 1 ms apart with a 200 ms lookahead: the plan is read in bursts (a
+    refill once a quarter of the lookahead is used, not a call or two per wake-up), and every call is
+    read at least 150 ms and at most 200 ms (+ the one pending) before it is due, so its connection is
+    prepared as early as before within 50 ms."""
+    ms = 1_000_000
+    clock = FakeClock(start_ns=0)
+    fake = FakeSender(clock)
+    SENDERS.add("fake", lambda target, **_: fake)
+    pulled: list[tuple[int, int]] = []
+
+    def plan() -> Iterator[PlannedCall]:
+        for i in range(1000):
+            pulled.append((clock.now_ns(), i * ms))
+            yield PlannedCall(index=i, due_ns=i * ms, connection="c", protocol="grpc", method="/m", kind="unary",
+                              messages=[PlannedMessage(0, b"x")])
+    try:
+        rep = ReplayRun(plan(), "127.0.0.1:1", ReplayOptions(sender="fake", lookahead_s=0.2), clock=clock).run()
+    finally:
+        SENDERS.discard("fake")
+    assert rep.ok == 1000 and rep.invariant_ok and rep.lag_us["max"] == 0
+    ahead = [due - now for now, due in pulled if due >= 200 * ms]  # after the first lookahead
+    assert min(ahead) >= 150 * ms - ms and max(ahead) <= 200 * ms + ms
+    bursts = len({now for now, _ in pulled})
+    assert bursts <= 1000 // 40, bursts  # ~50 calls a burst here, not one per wake-up
