@@ -25,6 +25,9 @@ at --cache-rate calls/s (open loop, Poisson, latency from the intended send time
   - redis: --cache redis on a redis-server started here; a writer agent computes unseen snapshots (misses:
            a Redis lookup, the model, a Redis write), a second agent replays them (first touch: Redis hits)
 with each run's server CPU per call, so a miss with the cache on can be compared with one with it off.
+Those runs are minutes apart on a shared machine, so the miss is also measured in --cache-rounds
+interleaved rounds: off, local and redis agents side by side, each round fresh unseen snapshots to each in
+turn (the order alternating), medians per mode (issue 27: a miss may cost at most 5 % more with a cache).
 
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
     .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
@@ -300,7 +303,7 @@ def _redis_server() -> tuple[subprocess.Popen[bytes], str, str] | None:
     raise RuntimeError("redis-server did not start")
 
 
-def cache_section(rate: float, duration: float) -> dict[str, object]:
+def cache_section(rate: float, duration: float, rounds: int = 3) -> dict[str, object]:
     """Cache off / local / redis on the same request mixes (see the module docstring)."""
     import shutil
 
@@ -325,17 +328,61 @@ def cache_section(rate: float, duration: float) -> dict[str, object]:
     redis = _redis_server()
     if redis is None:
         out["redis"] = "skipped: no redis-server on PATH"
-        return out
-    proc, url, workdir = redis
-    try:
-        with AgentProcess(cache="redis", redis_url=url, **base) as writer, \
-                AgentProcess(cache="redis", redis_url=url, **base) as reader:
-            out["redis"] = {"unseen": cache_run(writer, unseen, rate, 2), "second_agent": cache_run(reader, unseen, rate, 2)}
-    finally:
-        proc.kill()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(f"cache  redis  {out['redis']}", flush=True)
+    else:
+        proc, url, workdir = redis
+        try:
+            with AgentProcess(cache="redis", redis_url=url, **base) as writer, \
+                    AgentProcess(cache="redis", redis_url=url, **base) as reader:
+                out["redis"] = {"unseen": cache_run(writer, unseen, rate, 2),
+                                "second_agent": cache_run(reader, unseen, rate, 2)}
+        finally:
+            proc.kill()
+            proc.wait(10)
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"cache  redis  {out['redis']}", flush=True)
+    if rounds > 0:
+        out["miss_rounds"] = miss_rounds(rate, duration, rounds)
+    return out
+
+
+def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
+    """Server CPU per call on a miss, the cache off vs local vs redis, in interleaved rounds (see the
+    module docstring); each agent is warmed first, and every snapshot of a round is new to all of them."""
+    import contextlib
+    import shutil
+    import statistics
+
+    from agent_under_test.market import symbol_names
+
+    n = max(64, int(rate * duration))
+    base = {"device": "cpu", "tier": "light", "metrics_port": 0}
+    with contextlib.ExitStack() as stack:
+        agents = {"off": stack.enter_context(AgentProcess(**base)),
+                  "local": stack.enter_context(AgentProcess(cache="local", **base))}
+        redis = _redis_server()
+        if redis is not None:
+            proc, url, workdir = redis
+            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+            stack.callback(proc.wait, 10)
+            stack.callback(proc.kill)
+            agents["redis"] = stack.enter_context(AgentProcess(cache="redis", redis_url=url, **base))
+        warm = [MarketSim(random.Random(30)).next(i) for i in range(200)]
+        for agent in agents.values():
+            cache_run(agent, warm, rate, 4)
+        cpu: dict[str, list[float]] = {mode: [] for mode in agents}
+        hits = 0
+        for r in range(rounds):
+            sim = MarketSim(random.Random(1000 + r), symbols=symbol_names(500))
+            unseen = [sim.next(i) for i in range(n)]
+            for mode in (list(agents) if r % 2 == 0 else list(agents)[::-1]):
+                run = cache_run(agents[mode], unseen, rate, 5 + r)
+                cpu[mode].append(run["server_cpu_us_per_call"])  # type: ignore[arg-type]
+                hits += sum(v["n"] for k, v in run.items() if k in ("local", "redis", "stale"))  # type: ignore[index]
+    median = {mode: statistics.median(v) for mode, v in cpu.items()}
+    out: dict[str, object] = {"rounds": rounds, "calls_per_run": n, "cpu_us_per_call": cpu, "median": median,
+                              "vs_off": {m: round(v / median["off"] - 1, 4) for m, v in median.items()},
+                              "hits": hits}
+    print(f"cache  miss rounds  {out}", flush=True)
     return out
 
 
@@ -360,6 +407,12 @@ def _print_cache(res: dict) -> None:
             print(f"redis  {name} agent counters: {r[name].get('agent_metrics')}")
     else:
         print(f"redis  {res['redis']}")
+    if "miss_rounds" in res:
+        m = res["miss_rounds"]
+        print(f"miss CPU, {m['rounds']} interleaved rounds of {m['calls_per_run']} unseen calls (median, runs; "
+              f"{m['hits']} hits):")
+        for mode, runs in m["cpu_us_per_call"].items():
+            print(f"  {mode:6s} {m['median'][mode]:6.0f} us/call  {m['vs_off'][mode]:+7.1%} vs off   runs {runs}")
 
 
 def main() -> None:
@@ -375,6 +428,8 @@ def main() -> None:
     ap.add_argument("--callers", type=int, default=64, help="calls in flight in the throughput run")
     ap.add_argument("--cache-rate", type=float, default=1000.0, help="calls/s of the cache section")
     ap.add_argument("--cache-duration", type=float, default=4.0, help="seconds of each cache-section run")
+    ap.add_argument("--cache-rounds", type=int, default=3,
+                    help="interleaved miss rounds (off, local, redis side by side) of the cache section; 0: none")
     ap.add_argument("--cache-only", action="store_true", help="run the cache section alone")
     ap.add_argument("--no-cache", action="store_true", help="skip the cache section")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
@@ -386,7 +441,7 @@ def main() -> None:
         return
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
     if not args.no_cache:
-        results["cache"] = cache_section(args.cache_rate, args.cache_duration)
+        results["cache"] = cache_section(args.cache_rate, args.cache_duration, args.cache_rounds)
     if args.cache_only:
         _print_cache(results["cache"])  # type: ignore[arg-type]
         if args.json:
