@@ -62,6 +62,10 @@ _READ_MARGIN_NS = 200_000  # read ahead only while the next send is further away
 # interleaved runs on a busy 2-core host). A call still enters the lookahead at least 3/4 of it
 # (150 ms by default) before it is due, so its connection opens in time.
 _REFILL_AT = 0.75
+# A refill reads this many calls per wake-up as reading used to (the margin only), and more only while
+# the next send is further away than the margin plus the slowest recent read (a batch from SQLite): a
+# burst then makes a send late no more often, and by no more, than a call or two per wake-up did.
+_FREE_READS = 2
 # gRPC goes to the lean h2 sender by default: the same outcomes as grpcio's (tested call kind by call
 # kind against real servers) at about half the client CPU per call and a tighter send lag; `--sender
 # grpc` replays through grpcio itself. Plain HTTP/2 (not gRPC) goes to the h2 sender too, which sends
@@ -130,6 +134,7 @@ class ReplayRun:
         self._plan: Iterator[PlannedCall] = iter(())
         self._pending: PlannedCall | None = None
         self._refilling = False  # reading the lookahead up to full (see _REFILL_AT)
+        self._slowest_read = 0  # ns: the longest recent read of one call from the plan (see _read_plan)
         self._warming: list[Awaitable[object]] | None = []  # connections opening before t0
         self.t0_ns = 0
         self.end_ns = 0
@@ -304,20 +309,24 @@ class ReplayRun:
         if self._refilling:
             if self._spawned and pending is not None and pending.due_ns <= horizon:
                 return self.t0_ns + now  # read once the new tasks have sent: at once, after them
-            self._read_plan(horizon, budget=True)
+            self._read_plan(horizon, budget=True, guard_ns=self._slowest_read)
             self._refilling = self._pending is not None and self._pending.due_ns <= horizon
         if not heap:
             return None if self._pending is None else self.t0_ns + now
         return self.t0_ns + min(heap[0][0], now + _WAKE_NS)
 
-    def _read_plan(self, until: int, budget: bool = False) -> None:
+    def _read_plan(self, until: int, budget: bool = False, guard_ns: int = 0) -> None:
         """Move planned calls due by `until` (run-relative ns) into the heap; always those due before
-        the heap's first entry. With `budget`, stop once the next send is within the margin."""
+        the heap's first entry. With `budget`, stop once the next send is within the margin; after
+        the first _FREE_READS calls, within the margin plus `guard_ns`. Keeps `_slowest_read`: the
+        longest recent read of one call (ns), decaying."""
         heap, pending, clock, t0 = self._heap, self._pending, self.clock, self.t0_ns
+        margin, slowest, n = _READ_MARGIN_NS, self._slowest_read, 0
         while pending is not None and (pending.due_ns <= until or not heap):
             if budget and heap and pending.due_ns > heap[0][0] \
-                    and clock.now_ns() - t0 > heap[0][0] - _READ_MARGIN_NS:
+                    and clock.now_ns() - t0 > heap[0][0] - (margin if n < _FREE_READS else margin + guard_ns):
                 break
+            n += 1
             heapq.heappush(heap, (pending.due_ns, next(self._seq), pending, None))
             self.stats.scheduled += 1
             if not _unnamed(pending):  # never sent: neither incomplete nor worth a connection
@@ -325,8 +334,11 @@ class ReplayRun:
                 self._hidden += unknown and pending.status_hidden
                 self._incomplete += unknown and not pending.status_hidden
                 self._prepare(pending)
+            began = clock.now_ns()
             pending = next(self._plan, None)
-        self._pending = pending
+            slowest -= slowest >> 6  # forgets a slow read within a few hundred calls
+            slowest = max(slowest, clock.now_ns() - began)
+        self._pending, self._slowest_read = pending, slowest
 
     def _count_unsent(self, heap: list[_Timed], pending: PlannedCall | None, plan: Iterator[PlannedCall]) -> None:
         for _, _, item, msg in heap:
