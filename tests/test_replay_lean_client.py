@@ -238,3 +238,27 @@ def test_the_lookahead_is_refilled_in_bursts_and_each_call_still_enters_it_early
     assert min(ahead) >= 150 * ms - ms and max(ahead) <= 200 * ms + ms
     bursts = len({now for now, _ in pulled})
     assert bursts <= 1000 // 40, bursts  # ~50 calls a burst here, not one per wake-up
+
+
+def test_refill_bursts_keep_slow_batch_reads_away_from_the_next_send() -> None:
+    """Virtual time, 2,000 calls/s: reading a call costs 13 us and every 16th read also a 300 us batch
+    (SQLite under load), longer than the 200 us margin. Read a call or two per wake-up, right after a
+    send, such a batch ends before the next send; a refill burst must keep it there too (read up to the
+    margin alone, 409 of 8,000 sends went out late here)."""
+    clock = FakeClock(start_ns=0)
+    fake = FakeSender(clock)
+    SENDERS.add("fake", lambda target, **_: fake)
+    gap = 500_000
+
+    def plan() -> Iterator[PlannedCall]:
+        for i in range(8000):
+            clock.advance_ns(13_000 + (300_000 if i % 16 == 0 else 0))
+            yield PlannedCall(index=i, due_ns=i * gap, connection="c", protocol="grpc", method="/m", kind="unary",
+                              messages=[PlannedMessage(0, b"x")])
+    try:
+        run = ReplayRun(plan(), "127.0.0.1:1", ReplayOptions(sender="fake"), clock=clock)
+        rep = run.run()
+    finally:
+        SENDERS.discard("fake")
+    assert rep.ok == 8000 and rep.invariant_ok
+    assert max(t - run.t0_ns - i * gap for t, i, _ in fake.sends) == 0
