@@ -50,7 +50,7 @@ class Pipeline:
         cache_s = None
         if self._cache is not None:
             probe = self._cache.probe(snap.symbol, snap.position, feats)
-            hit = await self._cache.lookup(probe)
+            hit = self._cache.lookup_local(probe) if self._cache.local_only else await self._cache.lookup(probe)
             cache_s = perf() - t2
             if hit is not None:
                 return self._from_cache(snap, feats, probe, hit, t1 - t0, t2 - t1, cache_s, received_ns)

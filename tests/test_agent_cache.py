@@ -727,3 +727,22 @@ def test_redis_tier_keeps_one_connection_through_abandoned_lookups_and_batches_i
         await tier.close()
 
     asyncio.run(run())
+
+
+def test_a_local_only_cache_answers_and_reports_the_same_without_an_await():
+    clock = FakeClock.at(1000.0)
+    caches = [ResponseCache(CacheSettings(mode="local", local_ttl_s=1, redis_ttl_s=10), Recorded(), clock)
+              for _ in range(2)]
+    for cache in caches:
+        cache.store(Probe("ACME|2|0", unit(1, 0)), (1.0,) * 5, "full")
+    probes = [unit(1, 0), unit(0, 1), unit(1, 0)]
+    sync, awaited = caches[0], caches[1]
+    assert sync.local_only and awaited.local_only
+    got = []
+    for i, v in enumerate(probes):
+        clock.advance(0.6 * i)                             # the third is stale
+        a = sync.lookup_local(Probe("ACME|2|0", v))
+        b = asyncio.run(awaited.lookup(Probe("ACME|2|0", v)))
+        got.append((a.source if a else None, b.source if b else None))
+    assert got == [("local", "local"), (None, None), ("stale", "stale")]
+    assert sync.hooks.results == awaited.hooks.results == ["hit_local", "miss", "stale"]   # type: ignore[attr-defined]
