@@ -378,10 +378,13 @@ def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
                 run = cache_run(agents[mode], unseen, rate, 5 + r)
                 cpu[mode].append(run["server_cpu_us_per_call"])  # type: ignore[arg-type]
                 hits += sum(v["n"] for k, v in run.items() if k in ("local", "redis", "stale"))  # type: ignore[index]
+        # A Redis that timed out (a stalled machine) opens the circuit, and a miss that skips Redis costs less:
+        # such a round understates redis, so its counters go with the result.
+        counters = _cache_counters(agents["redis"].metrics_url) if "redis" in agents else {}
     median = {mode: statistics.median(v) for mode, v in cpu.items()}
     out: dict[str, object] = {"rounds": rounds, "calls_per_run": n, "cpu_us_per_call": cpu, "median": median,
                               "vs_off": {m: round(v / median["off"] - 1, 4) for m, v in median.items()},
-                              "hits": hits}
+                              "hits": hits, "redis_counters": counters}
     print(f"cache  miss rounds  {out}", flush=True)
     return out
 
@@ -413,6 +416,8 @@ def _print_cache(res: dict) -> None:
               f"{m['hits']} hits):")
         for mode, runs in m["cpu_us_per_call"].items():
             print(f"  {mode:6s} {m['median'][mode]:6.0f} us/call  {m['vs_off'][mode]:+7.1%} vs off   runs {runs}")
+        errors = {k: v for k, v in m.get("redis_counters", {}).items() if "errors" in k or "circuit" in k}
+        print(f"  redis agent's errors and circuit in the rounds: {errors or 'none'}")
 
 
 def main() -> None:
