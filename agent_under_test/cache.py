@@ -249,7 +249,7 @@ class _Ready:
     (None: there was none), that bucket's version then, and the bucket's next matrix (the probe's vector
     first, the oldest row dropped when full), built while numpy is warm from the probe. The store uses it
     when the bucket is the same and unchanged: no entry there was the same book, so nothing else goes,
-    and the store itself calls no numpy (measured in a serving agent: 7.4 -> ~1 us a store)."""
+    and the store itself calls no numpy (measured in a serving agent: LocalTier.put 7.4 -> 2.9 us)."""
 
     __slots__ = ("bucket", "version", "matrix")
 
