@@ -478,6 +478,10 @@ class _Failed:
 FAILED = _Failed()
 
 
+MAX_REPLY_BYTES = 4 << 20   # a reply still incomplete past this closes the connection (ours are KiB)
+MAX_REPLY_DEPTH = 4
+
+
 class RedisReplyError(Exception):
     """Redis answered a command with an error reply (-ERR ...)."""
 
@@ -550,6 +554,10 @@ class RespConnection(asyncio.Protocol):
             self.close()
             return
         self._buf = buf[pos:]
+        if len(self._buf) > MAX_REPLY_BYTES:     # a bucket's entries are a few KiB: this is no reply of ours
+            _log.warning("redis: a reply over %d bytes; closing the connection", MAX_REPLY_BYTES)
+            self._buf = b""
+            self.close()
 
     def _answer(self, reply: object) -> None:
         pending = self._waiting[0]
@@ -567,9 +575,12 @@ class RespConnection(asyncio.Protocol):
             pending.future.set_result(reply)
 
 
-def _parse(buf: bytes, pos: int) -> tuple[object, int] | None:
+def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
     """One RESP2 reply at `pos`: (value, the position after it), or None when it is not all here yet.
-    Bulk strings are bytes, arrays lists, errors RedisReplyError; ValueError for bytes that are not RESP."""
+    Bulk strings are bytes, arrays lists, errors RedisReplyError; ValueError for bytes that are not RESP
+    (arrays nested deeper than MAX_REPLY_DEPTH included: ours are at most two deep)."""
+    if depth > MAX_REPLY_DEPTH:
+        raise ValueError(f"arrays nested over {MAX_REPLY_DEPTH} deep")
     eol = buf.find(b"\r\n", pos)
     if eol < 0:
         return None
@@ -587,7 +598,7 @@ def _parse(buf: bytes, pos: int) -> tuple[object, int] | None:
         items: list[object] = []
         pos = eol + 2
         for _ in range(max(n, 0)):
-            parsed = _parse(buf, pos)
+            parsed = _parse(buf, pos, depth + 1)
             if parsed is None:
                 return None
             item, pos = parsed

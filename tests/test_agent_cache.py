@@ -694,6 +694,36 @@ def test_resp_replies_split_anywhere_reach_the_sends_that_wait_for_them_in_order
     assert asyncio.run(run()) == [[b"abc", b"", None], []]
 
 
+@pytest.mark.parametrize("reply", [b"$99999999\r\n" + b"x" * (5 << 20),   # a bulk string over the bound
+                                   b"*1\r\n" * 10 + b":1\r\n",            # arrays nested 10 deep
+                                   b"?what\r\n"])                           # not RESP
+def test_a_hostile_reply_fails_the_waiting_send_and_closes_the_connection(reply: bytes) -> None:
+    from agent_under_test.cache import RespConnection, command
+
+    async def run() -> BaseException | object:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            _, conn = await asyncio.get_running_loop().create_connection(RespConnection, sock=ours)
+            waiting = conn.send(command("LRANGE", "k", 0, 31), 1, 0.0)
+            theirs.setblocking(False)
+            view = memoryview(reply)
+            while view and not conn.lost:
+                try:
+                    view = view[theirs.send(view[:1 << 16]):]
+                except BlockingIOError:
+                    pass
+                await asyncio.sleep(0)
+            for _ in range(100):
+                if conn.lost:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.lost, "the connection stays open on a hostile reply"
+            assert len(conn._buf) <= 5 << 20
+            return (await asyncio.gather(waiting, return_exceptions=True))[0]
+
+    assert isinstance(asyncio.run(run()), ConnectionError)
+
+
 @needs_redis
 def test_redis_tier_keeps_one_connection_through_abandoned_lookups_and_batches_its_writes(
         redis_server: RedisServer):
