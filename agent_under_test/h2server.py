@@ -123,11 +123,6 @@ def _request(fields: list[tuple[str, str]]) -> Request:
     return path, ctype.startswith("application/grpc"), timeout, encoding, metadata, problem
 
 
-def _tokens(budget: Budget) -> float:
-    """What `budget` holds now, refill included, without spending."""
-    return min(budget.burst, budget.tokens + (budget.clock.now() - budget.last) * budget.per_s)
-
-
 class Connection(asyncio.Protocol, h2.FrameLoop):
     """One client connection: its frames, calls and flow control."""
 
@@ -168,7 +163,7 @@ class Connection(asyncio.Protocol, h2.FrameLoop):
         if isinstance(peer, tuple):
             self.peer = f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
             self.resets = self.server.reset_budget(peer[0])
-            if _tokens(self.resets) < RESET_BUDGET[0] / 2:  # a host mid-flood: reconnecting buys no new round
+            if self.resets.available() < RESET_BUDGET[0] / 2:  # a host mid-flood: reconnecting buys no new round
                 self._send(_REFUSE_FLOODER)               # (measured: ~10,000 reconnects per 100,000 streams)
                 return self.close()
         s = self.server
@@ -801,13 +796,9 @@ class LeanServer:
         budget = self._resets.get(host)
         if budget is None:
             if len(self._resets) >= MAX_PEERS:  # forget the peers whose buckets have refilled: nothing to recall
-                kept = {h: b for h, b in self._resets.items() if _tokens(b) < b.burst}
+                kept = {h: b for h, b in self._resets.items() if b.available() < b.burst}
                 self._resets = kept if len(kept) < MAX_PEERS // 2 else {}  # amortised: never a scan per connection
             budget = self._resets[host] = Budget(*RESET_BUDGET)
-        # Budget refills lazily, from its last refill: one that sat full since the host's first connection
-        # would credit that time again when drained (measured: twice its burst). A spend it cannot afford
-        # brings it up to date and takes nothing.
-        budget.spend(float("inf"))
         return budget
 
     async def stop(self, grace: float | None) -> None:

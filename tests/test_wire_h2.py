@@ -645,3 +645,13 @@ def test_budget_refund_gives_tokens_back_up_to_the_burst() -> None:
     assert [budget.spend() for _ in range(2)] == [True, False]
     budget.refund(10)
     assert [budget.spend() for _ in range(3)] == [True, True, False]   # never more than the burst
+
+
+def test_budget_that_sat_full_gives_its_burst_once_not_twice() -> None:
+    clock = FakeClock(start_ns=0)
+    budget = Budget(burst=4, per_s=1, clock=clock)
+    clock.advance(100.0)                                   # full all along: no credit piles up meanwhile
+    assert [budget.spend() for _ in range(6)] == [True] * 4 + [False, False]
+    assert budget.available() == 0
+    clock.advance(1.5)
+    assert budget.available() == 1.5 and budget.spend() and not budget.spend()

@@ -28,8 +28,14 @@ class Budget:
             self.last = now
             if self.tokens < n:
                 return False
+        elif self.tokens >= self.burst:     # leaving full: refill counts from now, not from when it filled
+            self.last = self.clock.now()    # (else a bucket that sat full gives twice its burst once drained)
         self.tokens -= n
         return True
+
+    def available(self) -> float:
+        """What the bucket holds now, refill included, without spending."""
+        return min(self.burst, self.tokens + (self.clock.now() - self.last) * self.per_s)
 
     def refund(self, n: float = 1.0) -> None:
         """Give `n` tokens back (up to the burst): for work that shows the peer is doing real things."""
