@@ -32,6 +32,10 @@ turn (the order alternating), medians per mode (issue 27: a miss may cost at mos
     .venv/bin/python bench/agent_latency.py                      # default rates 500 1000 1500 2000
     .venv/bin/python bench/agent_latency.py --rates 1500 --duration 10 --json out.json
     .venv/bin/python bench/agent_latency.py --cache-only --cache-rate 1000 --cache-duration 4
+    .venv/bin/python bench/agent_latency.py --window-rounds 6   # throughput, adaptive vs fixed window, interleaved
+
+--window-rounds runs the closed loop alone, the adaptive and the fixed window's agents side by side in
+interleaved rounds: single runs of each, minutes apart, drifted more than the few per cent compared.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -350,7 +355,6 @@ def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
     module docstring); each agent is warmed first, and every snapshot of a round is new to all of them."""
     import contextlib
     import shutil
-    import statistics
 
     from agent_under_test.market import symbol_names
 
@@ -387,6 +391,46 @@ def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
                               "hits": hits, "redis_counters": counters}
     print(f"cache  miss rounds  {out}", flush=True)
     return out
+
+
+def _batches(url: str) -> tuple[float, float]:
+    """The agent's agent_batch_size histogram so far: (requests, forward passes)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    vals = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+            if line.startswith(("agent_batch_size_sum ", "agent_batch_size_count "))}
+    return vals["agent_batch_size_sum"], vals["agent_batch_size_count"]
+
+
+def window_rounds(rounds: int, seconds: float, callers: int) -> dict[str, object]:
+    """Closed-loop throughput of the adaptive batch window against the fixed one, interleaved: both agents
+    (full tier, pinned) up at once, one closed loop at a time, the order swapped each round (A B, B A, ...),
+    so drift on a shared host (a neighbour, the CPU's clock) falls on both alike. Each run's mean batch
+    says which way its callers settled: 64 callers can settle into passes of 32 or into smaller groups
+    (21-27 a pass), with either window, and a run that does is slower for it."""
+    pinned = {"queue_light_depth": 0, "alerts": False}
+    runs: dict[str, list[int]] = {"adaptive": [], "fixed": []}
+    batch: dict[str, list[float]] = {"adaptive": [], "fixed": []}
+    with AgentProcess(tier="full", device="cpu", server="h2", **pinned) as adaptive, \
+            AgentProcess(tier="full", device="cpu", server="h2", batch_window="fixed", **pinned) as fixed:
+        agents = {"adaptive": adaptive, "fixed": fixed}
+        for agent in agents.values():
+            saturate(agent.grpc_address, 1.0, callers, 3)      # warm: connection, batch sizes, allocator
+        for i in range(rounds):
+            for name in (("adaptive", "fixed") if i % 2 == 0 else ("fixed", "adaptive")):
+                url = str(agents[name].metrics_url)
+                n0, p0 = _batches(url)
+                runs[name].append(round(saturate(agents[name].grpc_address, seconds, callers, 4 + i)))
+                n1, p1 = _batches(url)
+                batch[name].append(round((n1 - n0) / max(p1 - p0, 1), 2))
+            print(f"window round {i + 1}: adaptive {runs['adaptive'][-1]} calls/s (mean batch {batch['adaptive'][-1]}), "
+                  f"fixed {runs['fixed'][-1]} (mean batch {batch['fixed'][-1]})", flush=True)
+    ratios = [a / f for a, f in zip(runs["adaptive"], runs["fixed"], strict=True)]
+    return {"rounds": rounds, "seconds": seconds, "callers": callers, "calls_s": runs, "mean_batch": batch,
+            "median_calls_s": {k: statistics.median(v) for k, v in runs.items()},
+            "ratio_per_round": [round(r, 3) for r in ratios], "ratio_median": round(statistics.median(ratios), 3)}
 
 
 def _print_cache(res: dict) -> None:
@@ -437,6 +481,8 @@ def main() -> None:
                     help="interleaved miss rounds (off, local, redis side by side) of the cache section; 0: none")
     ap.add_argument("--cache-only", action="store_true", help="run the cache section alone")
     ap.add_argument("--no-cache", action="store_true", help="skip the cache section")
+    ap.add_argument("--window-rounds", type=int, default=0,
+                    help="closed-loop throughput, adaptive vs fixed batch window, N interleaved rounds, then exit")
     ap.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global OPEN_LOOP_CLIENT
@@ -445,6 +491,15 @@ def main() -> None:
         asyncio.run(_echo_main(args.echo_server))
         return
     results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rates": args.rates}
+    if args.window_rounds:
+        res = window_rounds(args.window_rounds, args.throughput_s, args.callers)
+        med = res["median_calls_s"]
+        print(f"\n== batch window, closed loop ({args.callers} callers, {args.throughput_s:g} s a run): medians adaptive "
+              f"{med['adaptive']:.0f}, fixed {med['fixed']:.0f} calls/s = {med['adaptive'] / med['fixed']:.3f}; "
+              f"per round {res['ratio_per_round']} (median {res['ratio_median']:.3f}; goal: no lower)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({**results, "window": res}, indent=2))
+        return
     if not args.no_cache:
         results["cache"] = cache_section(args.cache_rate, args.cache_duration, args.cache_rounds)
     if args.cache_only:

@@ -1,7 +1,8 @@
 """Benchmark: does `shadowtest capacity` find the knee bench/agent_latency.py calls "sustained", and twice alike?
 
 One agent of the chosen tier, configured as agent_latency.py configures it (the tier pinned: no queue-depth
-degradation, no alerts, limiter off, lean h2 server), then on that same agent:
+degradation, no alerts, limiter off, lean h2 server), then on that same agent (--fresh: each on an agent
+started for it):
 
   1. `shadowtest capacity --target ADDR --pid PID` over the rates, SLO p99<=20ms and errors<=0% (the
      sustained rule: p99 <= 20 ms and no errors), Poisson arrivals, unary Decide calls;
@@ -16,18 +17,27 @@ acceptance: the knee within one step of the sustained rate, the two knees within
 
     .venv/bin/python bench/capacity_knee.py                          # light tier, 400..1600 by 100, 5 s steps
     .venv/bin/python bench/capacity_knee.py --tier full --start 200 --step 100 --max 1200
+    .venv/bin/python bench/capacity_knee.py --pin --fresh --tier full --confirm --start 4000 --step 250 --max 7000
+
+On a 2-core host, --pin gives the agent a core of its own: unpinned, the clients' CPU is part of what
+saturates the machine, so the knee is the machine's (the replay engine behind `capacity` costs several
+times the bench's lean client per call), and it wandered from run to run. --fresh starts each measurement
+from an agent that was not just pushed past its knee.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -74,10 +84,13 @@ def sustained(address: str, pid: int, rates: list[float], duration_s: float) -> 
     return best, step, rows
 
 
+_CPUS = sorted(os.sched_getaffinity(0))    # before pin() narrows this process: an agent started later is pinned too
+
+
 def pin(agent_pid: int) -> str:
     """Every thread of the agent on the last CPU this process may use, this process (and so the capacity
     child processes it starts) on the others."""
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = _CPUS
     if len(cpus) < 2:
         return "--pin: one CPU only, nothing pinned"
     agent, clients = {cpus[-1]}, set(cpus[:-1])
@@ -88,6 +101,13 @@ def pin(agent_pid: int) -> str:
             pass                                    # a thread that ended meanwhile
     os.sched_setaffinity(0, clients)
     return f"pinned: agent on CPU {cpus[-1]}, clients on CPU {','.join(map(str, sorted(clients)))}"
+
+
+def _announce(args: argparse.Namespace, agent: AgentProcess, rates: list[float]) -> None:
+    if args.pin:
+        print(pin(agent.pid), flush=True)
+    print(f"agent {args.tier} pid {agent.pid} at {agent.grpc_address}; steps {rates[0]:g}..{rates[-1]:g} "
+          f"by {args.step:g}/s, {args.step_s:g}s each", flush=True)
 
 
 def _knee(data: dict) -> float | None:
@@ -113,19 +133,32 @@ def main() -> None:
                     help="the agent on the last CPU, both clients on the others: neither client's own CPU cost "
                          "takes from the agent (on a 2-core host the grpcio client's does, and lowers what it "
                          "measures)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="each of the three measurements on an agent started for it, not one agent for all: an "
+                         "agent just pushed past its knee (queues of seconds, its heap grown) is not the agent the "
+                         "next measurement should start from")
     args = ap.parse_args()
     agent_latency.OPEN_LOOP_CLIENT = args.open_loop_client
     rates = [args.start + i * args.step for i in range(int((args.max - args.start) / args.step + 1e-9) + 1)]
     started = time.monotonic()
-    with AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED) as agent:
-        if args.pin:
-            print(pin(agent.pid), flush=True)
-        print(f"agent {args.tier} pid {agent.pid} at {agent.grpc_address}; steps {rates[0]:g}..{rates[-1]:g} "
-              f"by {args.step:g}/s, {args.step_s:g}s each", flush=True)
-        first = capacity(agent.grpc_address, agent.pid, rates, args.step_s, args.confirm)
+    agent = None if args.fresh else AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED)
+    with contextlib.ExitStack() as shared:
+        if agent is not None:
+            shared.enter_context(agent)
+            _announce(args, agent, rates)
+
+        def on_agent(step: Callable[[AgentProcess], Any]) -> Any:
+            """Run one of the three measurements on the shared agent, or (--fresh) on one started for it."""
+            if agent is not None:
+                return step(agent)
+            with AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED) as own:
+                _announce(args, own, rates)
+                return step(own)
+
+        first = on_agent(lambda a: capacity(a.grpc_address, a.pid, rates, args.step_s, args.confirm))
         reach = rates.index(_knee(first)) + 3 if _knee(first) in rates else 3   # to two steps past the knee
-        best, best_step, _ = sustained(agent.grpc_address, agent.pid, rates[:reach], args.step_s)
-        second = capacity(agent.grpc_address, agent.pid, rates, args.step_s, args.confirm)
+        best, best_step, _ = on_agent(lambda a: sustained(a.grpc_address, a.pid, rates[:reach], args.step_s))
+        second = on_agent(lambda a: capacity(a.grpc_address, a.pid, rates, args.step_s, args.confirm))
     print(f"\nrun 1: {_bound(first)}; run 2: {_bound(second)}")
     _summary(args, rates, _knee(first), _knee(second), best, best_step, time.monotonic() - started)
 
