@@ -122,16 +122,20 @@ print("ready", flush=True)
 srv.serve_forever()
 """
 
+# Each client says "ready" once started, then reads its start time: a start fixed before the clients ran
+# left a client that started late on a loaded host (imports, `ip netns exec`) behind the others. Call i
+# goes at start + i * gap (not gap after the last answer), so a slow answer does not shift the rest.
 CLIENT = """
 import http.client, sys, time
-name, n, gap, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-time.sleep(max(0.0, start - time.time()))
+name, n, gap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+print("ready", flush=True)
+start = float(sys.stdin.readline())
 for i in range(n):
+    time.sleep(max(0.0, start + i * gap - time.time()))
     conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
     conn.request("GET", f"/{name}/{i}")
     assert conn.getresponse().read() == f"{name} /{name}/{i}".encode()
     conn.close()
-    time.sleep(gap)
 """
 
 
@@ -177,10 +181,17 @@ def test_three_hosts_recorded_apart_merge_into_one_replayed_by_two_locust_worker
             while "backend_settings" not in recording_meta(out):
                 assert r.poll() is None and time.monotonic() < deadline, r.stderr.read() if r.stderr else ""
                 time.sleep(0.2)
-        start = time.time() + 1.0
-        clients = [spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, host, "6", "0.3",
-                          f"{start + k * 0.1}"], stderr=None)
-                   for k, (host, ns) in enumerate(zip(hosts, spaces, strict=True))]
+        clients = [spawn(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, host, "6", "0.45"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True)
+                   for host, ns in zip(hosts, spaces, strict=True)]
+        procs.extend(clients)
+        for c in clients:
+            assert c.stdout is not None and c.stdout.readline().strip() == "ready"
+        start = time.time() + 0.5
+        for k, c in enumerate(clients):     # the hosts take turns, 0.15 s apart
+            assert c.stdin is not None
+            c.stdin.write(f"{start + k * 0.15}\n")
+            c.stdin.flush()
         for c in clients:
             assert c.wait(60) == 0
         time.sleep(0.5)
