@@ -667,7 +667,7 @@ def test_a_full_bucket_drops_its_oldest_whichever_way_a_store_comes():
 
 
 def test_resp_replies_split_anywhere_reach_the_sends_that_wait_for_them_in_order():
-    from agent_under_test.cache import RedisReplyError, RespConnection, command
+    from agent_under_test.resp import RedisReplyError, RespConnection, command
 
     replies = (b"*3\r\n$3\r\nabc\r\n$0\r\n\r\n$-1\r\n", b":7\r\n", b"+OK\r\n-ERR wrong type\r\n:1\r\n", b"*0\r\n")
 
@@ -698,7 +698,7 @@ def test_resp_replies_split_anywhere_reach_the_sends_that_wait_for_them_in_order
                                    b"*1\r\n" * 10 + b":1\r\n",            # arrays nested 10 deep
                                    b"?what\r\n"])                           # not RESP
 def test_a_hostile_reply_fails_the_waiting_send_and_closes_the_connection(reply: bytes) -> None:
-    from agent_under_test.cache import RespConnection, command
+    from agent_under_test.resp import RespConnection, command
 
     async def run() -> BaseException | object:
         ours, theirs = socket.socketpair()

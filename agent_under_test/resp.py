@@ -1,0 +1,162 @@
+"""A pipelined Redis connection in RESP2 on asyncio: the agent cache's Redis tier talks through it.
+
+    send(cmds) --> socket --> redis           a reply is matched to the oldest send still waiting;
+    future <-- _Pending (FIFO) <-- replies    a send abandoned at its budget keeps its place in line
+                                              and its reply is read and dropped when it comes
+
+Replies are bounded (MAX_REPLY_BYTES incomplete, MAX_REPLY_DEPTH nested): a reply past either closes the
+connection, and every send still waiting fails with ConnectionError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+_log = logging.getLogger(__name__)
+
+
+MAX_REPLY_BYTES = 4 << 20   # a reply still incomplete past this closes the connection (ours are KiB)
+MAX_REPLY_DEPTH = 4
+
+
+class RedisReplyError(Exception):
+    """Redis answered a command with an error reply (-ERR ...)."""
+
+
+class _Pending:
+    """The replies one send waits for (`left` of them): the last one answers, an error reply fails it."""
+
+    __slots__ = ("future", "left", "error", "sent")
+
+    def __init__(self, future: asyncio.Future[object], left: int, sent: float) -> None:
+        self.future, self.left, self.sent = future, left, sent
+        self.error: RedisReplyError | None = None
+
+
+class RespConnection(asyncio.Protocol):
+    """One Redis connection, pipelined: every command goes out at once, replies come back in order.
+    redis-py's asyncio client cost ~170 us of CPU per lookup here and dropped (then reopened) a connection
+    after every abandoned command; this costs a write, a read and a parse, and abandons nothing."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._waiting: deque[_Pending] = deque()
+        self._buf = b""
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        while self._waiting:
+            future = self._waiting.popleft().future
+            if not future.done():
+                future.set_exception(ConnectionError(f"redis connection lost ({exc or 'closed'})"))
+
+    def send(self, payload: bytes, replies: int, now: float) -> asyncio.Future[object]:
+        """Write `payload` (`replies` commands); the future answers the last reply."""
+        assert self.transport is not None, "send() after connection_made()"
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Pending(future, replies, now))
+        self.transport.write(payload)
+        return future
+
+    def oldest(self) -> float | None:
+        """When the oldest send still waiting for a reply went out (None when nothing waits)."""
+        return self._waiting[0].sent if self._waiting else None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        pos, end = 0, len(buf)
+        try:
+            while pos < end:
+                parsed = _parse(buf, pos)
+                if parsed is None:
+                    break
+                reply, pos = parsed
+                self._answer(reply)
+        except (ValueError, IndexError) as exc:   # not RESP, or a reply nothing asked for: drop the line
+            _log.warning("redis: bad reply (%s); closing the connection", exc)
+            self._buf = b""
+            self.close()
+            return
+        self._buf = buf[pos:]
+        if len(self._buf) > MAX_REPLY_BYTES:     # a bucket's entries are a few KiB: this is no reply of ours
+            _log.warning("redis: a reply over %d bytes; closing the connection", MAX_REPLY_BYTES)
+            self._buf = b""
+            self.close()
+
+    def _answer(self, reply: object) -> None:
+        pending = self._waiting[0]
+        if isinstance(reply, RedisReplyError):
+            pending.error = reply
+        pending.left -= 1
+        if pending.left:
+            return
+        self._waiting.popleft()
+        if pending.future.done():   # abandoned at its budget: its reply is read and dropped
+            return
+        if pending.error is not None:
+            pending.future.set_exception(pending.error)
+        else:
+            pending.future.set_result(reply)
+
+
+def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
+    """One RESP2 reply at `pos`: (value, the position after it), or None when it is not all here yet.
+    Bulk strings are bytes, arrays lists, errors RedisReplyError; ValueError for bytes that are not RESP
+    (arrays nested deeper than MAX_REPLY_DEPTH included: ours are at most two deep)."""
+    if depth > MAX_REPLY_DEPTH:
+        raise ValueError(f"arrays nested over {MAX_REPLY_DEPTH} deep")
+    eol = buf.find(b"\r\n", pos)
+    if eol < 0:
+        return None
+    kind, line = buf[pos], buf[pos + 1:eol]
+    if kind == 36:                                   # $ bulk string
+        n = int(line)
+        if n < 0:
+            return None, eol + 2
+        start = eol + 2
+        if start + n + 2 > len(buf):
+            return None
+        return buf[start:start + n], start + n + 2
+    if kind == 42:                                   # * array
+        n = int(line)
+        items: list[object] = []
+        pos = eol + 2
+        for _ in range(max(n, 0)):
+            parsed = _parse(buf, pos, depth + 1)
+            if parsed is None:
+                return None
+            item, pos = parsed
+            items.append(item)
+        return (items if n >= 0 else None), pos
+    if kind == 43:                                   # + simple string
+        return line, eol + 2
+    if kind == 58:                                   # : integer
+        return int(line), eol + 2
+    if kind == 45:                                   # - error
+        return RedisReplyError(line.decode(errors="replace")), eol + 2
+    raise ValueError(f"reply type {chr(kind)!r}")
+
+
+def command(*args: bytes | str | int) -> bytes:
+    """One command in RESP (an array of bulk strings)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def with_key(head: bytes, key: bytes, tail: bytes) -> bytes:
+    """A command whose first argument is `key` (the hot ones): `head` its array header and name, `tail`
+    the arguments after the key, each already RESP."""
+    return b"%s$%d\r\n%s\r\n%s" % (head, len(key), key, tail)
