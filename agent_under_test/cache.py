@@ -34,6 +34,7 @@ agent, whose caches the model has just evicted) and in syscalls; see _Bucket and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import struct
@@ -50,7 +51,7 @@ from agent_under_test.config import CACHES
 from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
-from agent_under_test.resp import RedisReplyError, RespConnection, command, with_key
+from agent_under_test.resp import RedisReplyError, RespConnection, command, parse_url, with_key
 from wire.clock import Clock, MonotonicClock
 
 if TYPE_CHECKING:
@@ -151,11 +152,7 @@ class CacheSettings:
         if not self.redis_url.startswith(("redis://", "unix://")):
             raise ServeError(f"--redis-url {self.redis_url}: must start with redis:// or unix://")
         try:
-            from redis.asyncio.connection import parse_url
-
             parse_url(self.redis_url)
-        except ImportError as exc:
-            raise ServeError("--cache redis needs the redis package: pip install 'shadowtest[agent]'") from exc
         except ValueError as exc:
             raise ServeError(f"--redis-url {self.redis_url}: {exc}") from exc
 
@@ -497,18 +494,12 @@ class RedisTier:
     LTRIM, EXPIRE per bucket)."""
 
     def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks) -> None:
-        from redis.asyncio import ConnectionPool, Redis
-
         self.timeout_s, self.ttl_s, self.circuit, self.hooks = timeout_s, ttl_s, circuit, hooks
-        # redis-py parses the URL into the settings the connection is made with (its pool's
-        # connection_kwargs: host and port or path, db, credentials, timeouts); it never connects itself.
-        # The socket timeouts are a backstop only (the budget bounds a call): a connection whose oldest
-        # reply is overdue by this much is taken for dead and replaced.
-        backstop = max(1.0, 20 * timeout_s)
-        pool = ConnectionPool.from_url(url, socket_timeout=backstop, socket_connect_timeout=backstop)
-        self.client = Redis(connection_pool=pool)
+        self.address = parse_url(url)
+        # A backstop only (the budget bounds a call): a connect slower than this fails, and a connection
+        # whose oldest reply is overdue by this much is taken for dead and replaced. None: no backstop.
+        self.backstop: float | None = max(1.0, 20 * timeout_s)
         self._conn: RespConnection | None = None
-        self._backstop: float | None = backstop   # read again at each connect, from the settings
         self._connecting: asyncio.Task[RespConnection] | None = None
         self.reads = 0
         self._pending: deque[tuple[bytes, bytes]] = deque()
@@ -535,7 +526,7 @@ class RedisTier:
         return await conn.send(payload, replies, now)
 
     def _overdue(self, conn: RespConnection, now: float) -> bool:
-        backstop = self._backstop
+        backstop = self.backstop
         oldest = conn.oldest()
         if backstop is None or oldest is None or now - oldest < backstop:
             return False
@@ -553,19 +544,13 @@ class RedisTier:
         return await asyncio.shield(self._connecting)
 
     async def _connect(self) -> RespConnection:
-        kw = self.client.connection_pool.connection_kwargs
-        self._backstop = kw.get("socket_timeout")
-        loop = asyncio.get_running_loop()
-        setup = []
-        if kw.get("password"):
-            setup.append(command("AUTH", *([kw["username"]] if kw.get("username") else []), kw["password"]))
-        if kw.get("db"):
-            setup.append(command("SELECT", kw["db"]))
-        async with asyncio.timeout(kw.get("socket_connect_timeout")):
-            if "path" in kw:
-                _, conn = await loop.create_unix_connection(RespConnection, kw["path"])
+        address, loop = self.address, asyncio.get_running_loop()
+        setup = address.setup()
+        async with asyncio.timeout(self.backstop):
+            if address.path is not None:
+                _, conn = await loop.create_unix_connection(RespConnection, address.path)
             else:
-                _, conn = await loop.create_connection(RespConnection, kw.get("host", "localhost"), kw.get("port", 6379))
+                _, conn = await loop.create_connection(RespConnection, address.host, address.port)
         try:
             if setup:
                 await conn.send(b"".join(setup), len(setup), time.monotonic())
@@ -651,18 +636,16 @@ class RedisTier:
         """Cancel the writes in flight and close the connection, within `timeout_s` (a stopped Redis
         must not hold up the agent's shutdown)."""
         self._pending.clear()
-        for task in (self._writer, self._connecting):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        tasks = [t for t in (self._writer, self._connecting) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.gather(*tasks, return_exceptions=True)
         if self._conn is not None:
-            self._conn.close()
+            self._conn.close()      # the transport closes at the loop's next turn: nothing to wait for
             self._conn = None
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.client.aclose()
-        except Exception:  # noqa: BLE001 - shutting down: nothing left to protect
-            _log.debug("redis close", exc_info=True)
 
 
 # -- the cache ------------------------------------------------------------------------------------------

@@ -13,8 +13,67 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a Redis listens and how to log in: a redis:// or unix:// URL, parsed."""
+
+    host: str = "localhost"
+    port: int = 6379
+    path: str | None = None          # a unix socket's path (unix://), else TCP to host:port
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def setup(self) -> list[bytes]:
+        """The commands a new connection sends first: AUTH (when a password is set), SELECT (db > 0)."""
+        out = []
+        if self.password is not None:
+            out.append(command("AUTH", *([self.username] if self.username else []), self.password))
+        if self.db:
+            out.append(command("SELECT", self.db))
+        return out
+
+
+def parse_url(url: str) -> RedisAddress:
+    """redis://[[user]:password@]host[:port][/db][?db=N] or unix://[[user]:password@]/path[?db=N], the
+    forms redis-cli and the Redis clients take. ValueError, one line, for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "unix"):
+        raise ValueError("must start with redis:// or unix://")
+    query = parse_qs(parts.query)
+    unknown = sorted(set(query) - {"db"})
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} (only db=N)")
+    db_text = query["db"][-1] if "db" in query else ""
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad port: {exc}") from None
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("unix:// needs the socket's path (unix:///run/redis.sock)")
+        return RedisAddress(path=unquote(parts.path), db=_db(db_text), username=user, password=password)
+    path_db = parts.path.lstrip("/")
+    if path_db and db_text:
+        raise ValueError("the database is named twice (path and ?db=)")
+    return RedisAddress(host=parts.hostname or "localhost", port=port or 6379, db=_db(path_db or db_text),
+                        username=user, password=password)
+
+
+def _db(text: str) -> int:
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"the database must be a number, not {text!r}")
+    return int(text)
 
 
 MAX_REPLY_BYTES = 4 << 20   # a reply still incomplete past this closes the connection (ours are KiB)

@@ -146,8 +146,7 @@ def _break_cache(defects: frozenset[str]) -> None:
 
         def blocking_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            kw = self.client.connection_pool.connection_kwargs
-            kw["socket_timeout"] = kw["socket_connect_timeout"] = None   # not even the backstop
+            self.backstop = None      # not even the backstop
 
         async def unbounded(self: Any, op: str, call: Any) -> Any:
             start = time.perf_counter()

@@ -52,7 +52,7 @@ from agent_under_test.protection import ProtectionGuard
 from agent_under_test.proto import agent_pb2, agent_pb2_grpc
 from agent_under_test.snapshot import parse_snapshot
 from wire.clock import FakeClock
-from wire.process import free_port, spawn
+from wire.process import end_child, free_port, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broken_agent import broken  # noqa: E402
@@ -757,6 +757,77 @@ def test_redis_tier_keeps_one_connection_through_abandoned_lookups_and_batches_i
         await tier.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("redis://127.0.0.1:6380/2", dict(host="127.0.0.1", port=6380, db=2)),
+    ("redis://cache.internal", dict(host="cache.internal", port=6379, db=0)),
+    ("redis://:s%40cret@h:1/3", dict(host="h", port=1, db=3, password="s@cret")),
+    ("redis://ops:pw@h?db=4", dict(host="h", db=4, username="ops", password="pw")),
+    ("unix:///run/redis/redis.sock?db=5", dict(path="/run/redis/redis.sock", db=5)),
+    ("unix://:pw@/tmp/r.sock", dict(path="/tmp/r.sock", password="pw")),
+])
+def test_redis_urls_parse_as_redis_clients_read_them(url: str, want: dict[str, Any]):
+    from agent_under_test.resp import RedisAddress, parse_url
+
+    assert parse_url(url) == RedisAddress(**want)
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis://h:notaport/0", "--redis-url redis://h:notaport/0: bad port"),
+    ("redis://h/zero", "--redis-url redis://h/zero: the database must be a number, not 'zero'"),
+    ("redis://h/1?db=2", "--redis-url redis://h/1?db=2: the database is named twice (path and ?db=)"),
+    ("redis://h/1?ssl=true", "--redis-url redis://h/1?ssl=true: unknown option 'ssl' (only db=N)"),
+    ("unix://", "--redis-url unix://: unix:// needs the socket's path (unix:///run/redis.sock)"),
+])
+def test_a_bad_redis_url_is_a_one_line_error(url: str, message: str):
+    with pytest.raises(ServeError) as info:
+        CacheSettings(mode="redis", redis_url=url).validate()
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@needs_redis
+def test_redis_tier_logs_in_and_selects_its_database_over_a_unix_socket(tmp_path: Path):
+    """The connection's own AUTH and SELECT against a real redis-server that wants a password and
+    listens on a unix socket only: what the tier writes lands in the database the URL names."""
+    from agent_under_test.cache import Circuit, RedisTier
+
+    assert REDIS_SERVER is not None
+    sock = tmp_path / "redis.sock"
+    proc = spawn([REDIS_SERVER, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
+                  "--requirepass", "p@ss word", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+        clock = FakeClock.at(1000.0)
+        entry = Entry(unit(1, 0), (1.0,) * 5, "light", clock.wall())
+
+        async def run(url: str) -> tuple[bool, Entry | None]:
+            tier = RedisTier(url, 0.5, 3600.0, Circuit(100, 1.0, clock), Recorded())
+            try:
+                if not await tier.start(2.0):
+                    return False, None
+                tier.put("K", entry)
+                assert tier._writer is not None
+                await tier._writer
+                return True, await tier.find(Probe("K", entry.vector), 0.99, clock.wall())
+            finally:
+                await tier.close()
+
+        ok, found = asyncio.run(run(f"unix://:p%40ss%20word@{sock}?db=2"))
+        assert ok and found is not None and found.output == entry.output
+        assert asyncio.run(run(f"unix://:wrong@{sock}?db=2")) == (False, None)   # AUTH refused: circuit open
+        with socket.socket(socket.AF_UNIX) as s:            # the key is in db 2, not in db 0
+            s.connect(str(sock))
+            s.sendall(b"AUTH \"p@ss word\"\r\nSELECT 2\r\nDBSIZE\r\nSELECT 0\r\nDBSIZE\r\n")
+            got = b""
+            while got.count(b"\r\n") < 5:
+                got += s.recv(4096)
+        assert got.split(b"\r\n")[:5] == [b"+OK", b"+OK", b":1", b"+OK", b":0"]
+    finally:
+        end_child(proc)
 
 
 def test_a_local_only_cache_answers_and_reports_the_same_without_an_await():
