@@ -162,6 +162,8 @@ class GradientParams:
     plateau_periods: int = 10   # ... for this many healthy periods, then forget it (capacity may have grown)
     busy: float = 0.85          # with saturation known: the serving thread's busy share to hold ...
     busy_step: float = 0.5      # largest growth a period towards it (x1.5); cuts at most `step`
+    busy_futile: float = 0.5    # limiting, cut by step+ on saturation and it fell under this share of what the
+                                # cut would take off were refusing free: refusals keep the thread busy, go by latency
     ceiling_share: float = 1 / 3   # not limiting: ceiling = done x (estimate / done)^this
 
 
@@ -195,6 +197,9 @@ class GradientLimiter(_BucketLimiter):
                       else         rate = max(est, done x (1 - step))
         limiting: est > rate and hi >= low x T: hold; else rate = clamp(est, min(rate, done(1 + step)) x
                   (1 - step), rate x (1 + busy_step)); moves under `probe` of the rate are not made
+        limiting, cut on saturation by step+ since (rate0, u0) and u0 - u < busy_futile x u0 x (1 - rate/rate0):
+                  refusing costs the thread about what serving did (cutting only turned served calls into
+                  refused ones): back to rate0, and the latency rules below decide until limiting ends
     saturation unknown:
     hi >= low x T:  hold (the deadband), except not limiting above headroom x offered: come down to it
     else grow, h = 1 - hi / (low x T):
@@ -222,6 +227,8 @@ class GradientLimiter(_BucketLimiter):
         self.plateau = 0        # healthy periods spent probing near it
         self.estimates: deque[float] = deque(maxlen=self.p.window)   # rate at the saturation target, per period
         self.limited = False    # the last period refused calls
+        self.busy_cuts: tuple[float, float] | None = None   # (rate, saturation) when cutting on saturation began
+        self.busy_blind = False  # saturation proved to be the refusals' while limiting: latency rules until it ends
 
     def on_period(self, summary: PeriodSummary) -> Adjustment | None:
         if summary.count == 0 or summary.p99_ms is None:
@@ -238,6 +245,8 @@ class GradientLimiter(_BucketLimiter):
         if summary.rejected and not self.limited:
             self.estimates.clear()   # refusing costs the thread too: estimates from before do not hold
         self.limited = summary.rejected > 0
+        if not self.limited:
+            self.busy_blind, self.busy_cuts = False, None
         self.since_cut += 1
         self.recent.append(p99)
         # The window's median (low and high median while it is not full: two periods that disagree
@@ -255,7 +264,7 @@ class GradientLimiter(_BucketLimiter):
         if hi <= self.p.high * t:
             done = summary.count / summary.seconds
             self.good = done if self.good is None else max(self.good, done)
-        if summary.saturation is not None:
+        if summary.saturation is not None and not self.busy_blind:
             return self._track(summary, summary.saturation, hi < self.p.low * t)
         if hi >= self.p.low * t:
             return self._cap(summary)   # the band: hold; probing resumes where it was (a noisy period is no cut)
@@ -309,6 +318,7 @@ class GradientLimiter(_BucketLimiter):
             self.cliff, self.plateau = min(old, done), 0   # in a queue, what completed is the capacity
         self.since_cut = 0
         self.estimates.clear()   # they saw the rate that breached
+        self.busy_cuts = None
         return self._move(base * g, reason)
 
     def _track(self, summary: PeriodSummary, busy: float, may_grow: bool) -> Adjustment | None:
@@ -336,10 +346,32 @@ class GradientLimiter(_BucketLimiter):
         else:
             target = min(est, self.rate * (1 + self.p.busy_step))
             target = max(target, min(self.rate, done * (1 + self.p.step)) * (1 - self.p.step))
+            if target >= self.rate:
+                if self.busy_cuts is not None and target > self.busy_cuts[0]:
+                    self.busy_cuts = None      # back above where the cuts began: that episode is over
+            elif self.busy_cuts is None:
+                self.busy_cuts = (self.rate, busy)
+            elif self._busy_futile(busy):
+                rate0, busy0 = self.busy_cuts
+                self.busy_blind, self.busy_cuts = True, None
+                self.estimates.clear()
+                return self._move(max(rate0, self.rate), f"cuts to {self.rate:.1f}/s left the saturation at {busy:.3f} "
+                                                         f"(from {busy0:.3f}): refusing keeps the thread busy; back to "
+                                                         f"{rate0:.1f}/s, the latency decides while refusing")
         if abs(target - self.rate) <= self.p.probe * self.rate:
             return None
         return self._move(target, f"saturation {busy:.3f} (target {self.p.busy:g}): rate for it "
                                   f"~{est:.1f}/s, moving to {target:.1f}/s")
+
+    def _busy_futile(self, busy: float) -> bool:
+        """True when saturation cuts took the rate down by `step`+ and the saturation fell by less than
+        `busy_futile` of what those cuts would take off if refusing cost nothing (a share of it in
+        proportion to the rate): the thread spends on the refused calls what it saved on the served."""
+        assert self.busy_cuts is not None
+        rate0, busy0 = self.busy_cuts
+        if self.rate > rate0 * (1 - self.p.step) + 1e-9:
+            return False
+        return busy0 - busy < self.p.busy_futile * busy0 * (1 - self.rate / rate0)
 
     def _futile(self, hi: float) -> bool:
         """True when this episode has cut the rate by `step`+ and the latency did not follow (judged on
