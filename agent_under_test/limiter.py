@@ -162,8 +162,9 @@ class GradientParams:
     plateau_periods: int = 10   # ... for this many healthy periods, then forget it (capacity may have grown)
     busy: float = 0.85          # with saturation known: the serving thread's busy share to hold ...
     busy_step: float = 0.5      # largest growth a period towards it (x1.5); cuts at most `step`
-    busy_futile: float = 0.5    # limiting, cut by step+ on saturation and it fell under this share of what the
-                                # cut would take off were refusing free: refusals keep the thread busy, go by latency
+    busy_futile: float = 0.5    # limiting, cut by busy_futile_cut+ on saturation and it fell under this share of
+                                # what the cut would take off were refusing free: refusals keep the thread busy,
+    busy_futile_cut: float = 0.1  # go by latency (one step: waiting for more cuts starves the server longer)
     ceiling_share: float = 1 / 3   # not limiting: ceiling = done x (estimate / done)^this
 
 
@@ -197,7 +198,7 @@ class GradientLimiter(_BucketLimiter):
                       else         rate = max(est, done x (1 - step))
         limiting: est > rate and hi >= low x T: hold; else rate = clamp(est, min(rate, done(1 + step)) x
                   (1 - step), rate x (1 + busy_step)); moves under `probe` of the rate are not made
-        limiting, cut on saturation by step+ since (rate0, u0) and u0 - u < busy_futile x u0 x (1 - rate/rate0):
+        limiting, cut on saturation by busy_futile_cut+ since (rate0, u0) and u0 - u < busy_futile x u0 x (1 - rate/rate0):
                   refusing costs the thread about what serving did (cutting only turned served calls into
                   refused ones): back to rate0, and the latency rules below decide until limiting ends
     saturation unknown:
@@ -364,12 +365,12 @@ class GradientLimiter(_BucketLimiter):
                                   f"~{est:.1f}/s, moving to {target:.1f}/s")
 
     def _busy_futile(self, busy: float) -> bool:
-        """True when saturation cuts took the rate down by `step`+ and the saturation fell by less than
+        """True when saturation cuts took the rate down by `busy_futile_cut`+ and the saturation fell by less than
         `busy_futile` of what those cuts would take off if refusing cost nothing (a share of it in
         proportion to the rate): the thread spends on the refused calls what it saved on the served."""
         assert self.busy_cuts is not None
         rate0, busy0 = self.busy_cuts
-        if self.rate > rate0 * (1 - self.p.step) + 1e-9:
+        if self.rate > rate0 * (1 - self.p.busy_futile_cut) + 1e-9:
             return False
         return busy0 - busy < self.p.busy_futile * busy0 * (1 - self.rate / rate0)
 

@@ -295,7 +295,8 @@ def test_gradient_under_an_overload_it_costs_as_much_to_refuse_goes_by_latency_a
     # By latency it probes the cliff now and then (a period or two over T in about thirteen, as without
     # saturation): most of what it serves is within the threshold all the same.
     assert in_slo(rows) >= 0.8 * 1000.0
-    assert min(rate for _, _, rate, _ in rows) >= 400.0                     # never starved on the way
+    # Cutting from 500/s stops once a 10 % cut left the saturation where it was: never starved on the way.
+    assert min(rate for _, _, rate, _ in rows) >= 0.7 * 500.0
     # The same limiter without the check (busy_futile 0: a cut never counts as futile) starves.
     blind = simulate("gradient", periods=160, step=(0, 0), base_x=2.4, saturation=True, refuse_cost=0.8,
                      params=GradientParams(busy_futile=0.0))
