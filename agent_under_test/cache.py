@@ -149,8 +149,6 @@ class CacheSettings:
     def _validate_url(self) -> None:
         if not self.redis_url:
             raise ServeError("--cache redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
-        if not self.redis_url.startswith(("redis://", "unix://")):
-            raise ServeError(f"--redis-url {self.redis_url}: must start with redis:// or unix://")
         try:
             parse_url(self.redis_url)
         except ValueError as exc:

@@ -356,7 +356,7 @@ class GradientLimiter(_BucketLimiter):
                 rate0, busy0 = self.busy_cuts
                 self.busy_blind, self.busy_cuts = True, None
                 self.estimates.clear()
-                return self._move(max(rate0, self.rate), f"cuts to {self.rate:.1f}/s left the saturation at {busy:.3f} "
+                return self._move(rate0, f"cuts to {self.rate:.1f}/s left the saturation at {busy:.3f} "
                                                          f"(from {busy0:.3f}): refusing keeps the thread busy; back to "
                                                          f"{rate0:.1f}/s, the latency decides while refusing")
         if abs(target - self.rate) <= self.p.probe * self.rate:

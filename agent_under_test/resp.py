@@ -43,9 +43,9 @@ class RedisAddress:
 def parse_url(url: str) -> RedisAddress:
     """redis://[[user]:password@]host[:port][/db][?db=N] or unix://[[user]:password@]/path[?db=N], the
     forms redis-cli and the Redis clients take. ValueError, one line, for anything else."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "unix"):
+    if not url.startswith(("redis://", "unix://")):
         raise ValueError("must start with redis:// or unix://")
+    parts = urlsplit(url)
     query = parse_qs(parts.query)
     unknown = sorted(set(query) - {"db"})
     if unknown:

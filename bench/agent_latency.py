@@ -271,15 +271,19 @@ def cache_run(agent: AgentProcess, msgs: list, rate: float, seed: int) -> dict[s
     return out
 
 
-def _cache_counters(url: str) -> dict[str, float]:
-    """The agent's cache and Redis counters so far (agent_cache_total, errors, circuit state)."""
+def _metrics(url: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The agent's /metrics samples whose line starts with one of `prefixes`: {name{labels}: value}."""
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines() if line.startswith(prefixes)}
+
+
+def _cache_counters(url: str) -> dict[str, float]:
+    """The agent's cache and Redis counters so far (agent_cache_total, errors, circuit state), zeros left out."""
     keep = ("agent_cache_total{", "agent_dependency_errors_total{", "agent_dependency_circuit_state{")
-    return {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
-            if line.startswith(keep) and not line.endswith(" 0.0")}
+    return {k: v for k, v in _metrics(url, keep).items() if v != 0.0}
 
 
 def _redis_server() -> tuple[subprocess.Popen[bytes], str, str] | None:
@@ -395,12 +399,7 @@ def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
 
 def _batches(url: str) -> tuple[float, float]:
     """The agent's agent_batch_size histogram so far: (requests, forward passes)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    vals = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
-            if line.startswith(("agent_batch_size_sum ", "agent_batch_size_count "))}
+    vals = _metrics(url, ("agent_batch_size_sum ", "agent_batch_size_count "))
     return vals["agent_batch_size_sum"], vals["agent_batch_size_count"]
 
 

@@ -141,19 +141,20 @@ def main() -> None:
     agent_latency.OPEN_LOOP_CLIENT = args.open_loop_client
     rates = [args.start + i * args.step for i in range(int((args.max - args.start) / args.step + 1e-9) + 1)]
     started = time.monotonic()
-    agent = None if args.fresh else AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED)
-    with contextlib.ExitStack() as shared:
-        if agent is not None:
-            shared.enter_context(agent)
-            _announce(args, agent, rates)
+    def start(stack: contextlib.ExitStack) -> AgentProcess:
+        agent = stack.enter_context(AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED))
+        _announce(args, agent, rates)
+        return agent
+
+    with contextlib.ExitStack() as stack:
+        shared = None if args.fresh else start(stack)
 
         def on_agent(step: Callable[[AgentProcess], Any]) -> Any:
             """Run one of the three measurements on the shared agent, or (--fresh) on one started for it."""
-            if agent is not None:
-                return step(agent)
-            with AgentProcess(tier=args.tier, device="cpu", metrics_port=None, server="h2", **PINNED) as own:
-                _announce(args, own, rates)
-                return step(own)
+            if shared is not None:
+                return step(shared)
+            with contextlib.ExitStack() as own:
+                return step(start(own))
 
         first = on_agent(lambda a: capacity(a.grpc_address, a.pid, rates, args.step_s, args.confirm))
         reach = rates.index(_knee(first)) + 3 if _knee(first) in rates else 3   # to two steps past the knee
