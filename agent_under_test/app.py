@@ -21,7 +21,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from agent_under_test import protection
+from agent_under_test import protection, similarity
 from agent_under_test.batcher import Batcher
 from agent_under_test.cache import CacheSettings, ResponseCache, build_cache
 from agent_under_test.config import ServeOptions
@@ -91,7 +91,8 @@ class AgentServer:
         self.ready = {"event": "ready", "grpc": f"{opts.host}:{self.port}", "metrics": metrics,
                       "pid": os.getpid(), "device": self.engine.device, "tier": opts.tier}
         if self.cache is not None:
-            self.ready["cache"] = opts.cache
+            # "numpy": the compiled kernel was not built at install (no C compiler): misses cost ~30 us more
+            self.ready.update(cache=opts.cache, cache_kernel=similarity.KERNEL)
         return self.ready
 
     def _build_server(self) -> aio.Server | LeanServer:

@@ -45,13 +45,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-import numpy as np
-
 from agent_under_test.config import CACHES
 from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
 from agent_under_test.resp import RedisReplyError, RespConnection, command, parse_url, with_key
+from agent_under_test.similarity import scan, sims, unit
 from wire.clock import Clock, MonotonicClock
 
 if TYPE_CHECKING:
@@ -76,12 +75,10 @@ WRITE_LINGER_S = 0.02       # a write waits this long for others to join it: at 
                             # another agent may miss meanwhile is 20 ms of answers
 KEY_PREFIX = "shadowtest:agent:cache:"
 _SAME = 0.999999            # an entry this similar to a new one is the same book: the new one replaces it
-_NO_ROWS = np.zeros((0, 0), dtype=np.float32)
 _TIERS = TIERS   # an entry stores its tier as an index into this (FULL 0, LIGHT 1)
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_CENTRING: dict[int, np.ndarray] = {}   # book depth -> centring matrix (see _centring)
 
 
 class CacheHooks(Protocol):
@@ -162,7 +159,7 @@ class Probe:
     """A request as the cache sees it: its bucket and its unit vector (`ready`: see _Ready)."""
 
     key: str
-    vector: np.ndarray   # float32, unit norm (or all zeros: matches nothing)
+    vector: bytes   # float32 bytes (similarity.py), unit norm (or all zeros: matches nothing)
     ready: _Ready | None = None
 
 
@@ -170,7 +167,7 @@ class Probe:
 class Entry:
     """One cached model answer."""
 
-    vector: np.ndarray
+    vector: bytes               # float32 bytes, as Probe.vector
     output: tuple[float, ...]   # the model's output row
     tier: str
     written: float              # clock.wall() when computed (comparable across agents, for Redis)
@@ -187,53 +184,31 @@ def probe_for(symbol: str, position: float, feats: Features) -> Probe:
     """The bucket key (symbol, book depth, position step) and the centred, normalised feature vector."""
     x = feats.x
     n = len(x)
-    # Centred by one product with (I - 1/n) instead of x - x.mean(axis=0) (the same vector to ~1e-7), and
-    # ndarray.dot, not @ or np.dot: four numpy calls (were seven), each of the cheapest kind (.dot skips
-    # the ufunc machinery of @: 0.33 vs 0.81 us in a loop, more in a serving agent's cold caches).
-    centring = _CENTRING.get(n)
-    v = (centring if centring is not None else _centring(n)).dot(x).ravel()
-    norm = math.sqrt(v.dot(v))
-    key = f"{symbol}|{n}|{round(position / POSITION_STEP)}"
-    if norm <= 1e-12:
-        return Probe(key, np.zeros_like(v, dtype=np.float32))
-    np.divide(v, norm, out=v)
-    return Probe(key, v if v.dtype == np.float32 else v.astype(np.float32))
+    return Probe(f"{symbol}|{n}|{round(position / POSITION_STEP)}", unit(x, n))
 
 
-def _centring(n: int) -> np.ndarray:
-    """I - 1/n (float32, n x n): its product with x takes each column's mean out. One level is left as
-    it is (centred, it would be all zeros and match nothing)."""
-    m = _CENTRING.get(n)
-    if m is None:
-        m = _CENTRING[n] = np.eye(n, dtype=np.float32) - np.float32(1.0 / n if n > 1 else 0.0)
-    return m
-
-
-def best_match(entries: Sequence[Entry], vector: np.ndarray, threshold: float, now: float, hard_ttl_s: float,
-               matrix: np.ndarray | None = None) -> Entry | None:
-    """The most similar entry at or above `threshold` that is younger than the hard TTL, if any.
-    `matrix`: the entries' vectors stacked (row i = entries[i]), when the caller keeps it."""
-    if not entries:
+def best_match(entries: Sequence[Entry], vector: bytes, threshold: float, now: float,
+               hard_ttl_s: float) -> Entry | None:
+    """The most similar entry at or above `threshold` that is younger than the hard TTL, if any (entries
+    whose vector is not the length of `vector` are left out)."""
+    same = [e for e in entries if len(e.vector) == len(vector)]
+    if not same:
         return None
-    if matrix is None:
-        same = [e for e in entries if e.vector.shape == vector.shape]
-        if not same:
-            return None
-        entries, matrix = same, np.stack([e.vector for e in same])
-    sims = matrix.dot(vector)
-    best = int(sims.argmax())                   # the method: np.argmax's wrapper costs as much again
-    if sims[best] < threshold:                  # the usual miss: one pass
+    matrix = b"".join([e.vector for e in same])
+    best, top = scan(matrix, vector)
+    if top < threshold:                         # the usual miss: one pass
         return None
-    return _youngest_best(entries, sims, best, threshold, now, hard_ttl_s)
+    return _youngest_best(same, matrix, vector, best, threshold, now, hard_ttl_s)
 
 
-def _youngest_best(entries: Sequence[Entry], sims: np.ndarray, best: int, threshold: float, now: float,
-                   hard_ttl_s: float) -> Entry | None:
-    """best_match once sims[best] (the first maximum) is known to reach `threshold`."""
+def _youngest_best(entries: Sequence[Entry], matrix: bytes, vector: bytes, best: int, threshold: float,
+                   now: float, hard_ttl_s: float) -> Entry | None:
+    """best_match once entries[best] (the first maximum) is known to reach `threshold`."""
     if now - entries[best].written < hard_ttl_s:  # the usual hit
         return entries[best]
-    for i in np.argsort(-sims):                 # the best is too old: the next most similar
-        if sims[i] < threshold:
+    s = sims(matrix, vector)                    # the best is too old: the next most similar
+    for i in sorted(range(len(s)), key=s.__getitem__, reverse=True):
+        if s[i] < threshold:
             return None
         if now - entries[i].written < hard_ttl_s:
             return entries[i]
@@ -243,46 +218,42 @@ def _youngest_best(entries: Sequence[Entry], sims: np.ndarray, best: int, thresh
 class _Ready:
     """What a local lookup that missed prepares for the store that follows it: the bucket it looked in
     (None: there was none), that bucket's version then, and the bucket's next matrix (the probe's vector
-    first, the oldest row dropped when full), built while numpy is warm from the probe. The store uses it
-    when the bucket is the same and unchanged: no entry there was the same book, so nothing else goes,
-    and the store itself calls no numpy (measured in a serving agent: LocalTier.put 7.4 -> 2.9 us)."""
+    first, the oldest row dropped when full). The store uses it when the bucket is the same and unchanged:
+    no entry there was the same book, so nothing else goes, and the store compares nothing."""
 
     __slots__ = ("bucket", "version", "matrix")
 
-    def __init__(self, bucket: _Bucket | None, version: int, matrix: np.ndarray) -> None:
+    def __init__(self, bucket: _Bucket | None, version: int, matrix: bytes) -> None:
         self.bucket, self.version, self.matrix = bucket, version, matrix
 
 
 class _Bucket:
-    """One bucket's entries, newest first, and their vectors as one matrix (row i = entries[i]); `version`
-    counts the changes.
+    """One bucket's entries, newest first, and their vectors as one matrix (the rows' bytes one after
+    another: matrix == b"".join(e.vector for e in entries)); `version` counts the changes.
 
-    Each numpy call costs ~1 us in a loop and 2-4 us in a serving agent (its caches are cold from the
-    model between calls), so a miss counts them: the probe 4, the lookup 3 (product, argmax, the next
-    matrix), the store none (measured, issue 27)."""
+    A miss is on every uncached call's path: the probe is one call (unit), the lookup one (scan) and a
+    slice and concatenation of bytes, the store none (see similarity.py)."""
 
     __slots__ = ("entries", "matrix", "version")
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
-        self.matrix: np.ndarray = _NO_ROWS
+        self.matrix = b""
         self.version = 0
 
     def find(self, probe: Probe, threshold: float, now: float, hard_ttl_s: float, limit: int) -> Entry | None:
         entries, vector, matrix = self.entries, probe.vector, self.matrix
-        if not entries or entries[0].vector.shape != vector.shape:
+        if not entries or len(entries[0].vector) != len(vector):
             return None
-        sims = matrix.dot(vector)
-        best = int(sims.argmax())
-        top = sims[best]
+        best, top = scan(matrix, vector)
         if top >= threshold:
-            return _youngest_best(entries, sims, best, threshold, now, hard_ttl_s)
+            return _youngest_best(entries, matrix, vector, best, threshold, now, hard_ttl_s)
         if top < _SAME:               # no entry is this book: ready the store that follows
-            kept = matrix if len(entries) < limit else matrix[:limit - 1]
-            probe.ready = _Ready(self, self.version, np.concatenate((vector[None, :], kept)))
+            kept = matrix if len(entries) < limit else matrix[:(limit - 1) * len(vector)]
+            probe.ready = _Ready(self, self.version, vector + kept)
         return None
 
-    def push(self, entry: Entry, matrix: np.ndarray, limit: int) -> int:
+    def push(self, entry: Entry, matrix: bytes, limit: int) -> int:
         """Add `entry` first with the matrix a lookup readied (see _Ready). Returns the change in size."""
         self.version += 1
         self.matrix = matrix
@@ -293,19 +264,18 @@ class _Bucket:
         return 0
 
     def put(self, entry: Entry, replaces: Entry | None, limit: int) -> int:
-        """Add `entry` first; drop `replaces`, entries with its vector, and the oldest beyond `limit`
-        (the matrix follows: one product and one copy). Returns the change in size."""
+        """Add `entry` first; drop `replaces`, entries with its vector, and the oldest beyond `limit`.
+        Returns the change in size."""
         before = len(self.entries)
         self.version += 1
-        row = entry.vector[None, :]
-        if not self.entries or self.entries[0].vector.shape != entry.vector.shape:
-            self.entries, self.matrix = [entry], row
+        vector = entry.vector
+        if not self.entries or len(self.entries[0].vector) != len(vector):
+            self.entries, self.matrix = [entry], vector
             return 1 - before
-        matrix = self.matrix
-        sims = matrix.dot(entry.vector)
-        keep = [i for i, e in enumerate(self.entries) if e is not replaces and sims[i] < _SAME][:limit - 1]
-        self.entries = [entry, *(self.entries[i] for i in keep)]
-        self.matrix = np.concatenate((row, matrix[keep]))
+        s = sims(self.matrix, vector)
+        kept = [e for e, sim in zip(self.entries, s, strict=True) if e is not replaces and sim < _SAME][:limit - 1]
+        self.entries = [entry, *kept]
+        self.matrix = b"".join([e.vector for e in self.entries])
         return len(self.entries) - before
 
 
@@ -322,7 +292,7 @@ class LocalTier:
     def find(self, probe: Probe, threshold: float, now: float, hard_ttl_s: float) -> Entry | None:
         bucket = self._buckets.get(probe.key)
         if bucket is None:
-            probe.ready = _Ready(None, 0, probe.vector[None, :])
+            probe.ready = _Ready(None, 0, probe.vector)
             return None
         self._buckets.move_to_end(probe.key)
         return bucket.find(probe, threshold, now, hard_ttl_s, self.per_bucket)
@@ -412,14 +382,13 @@ class Circuit:
 
 # -- the Redis tier -------------------------------------------------------------------------------------
 
-_F4 = np.dtype("<f4")
 _HEADER = struct.Struct("<dBB")   # written (wall s), tier index, output length; then doubles, then float32s
 
 
 def pack_entry(entry: Entry) -> bytes:
-    n, v = len(entry.output), entry.vector
-    return (struct.pack(f"<dBB{n}d", entry.written, _TIERS.index(entry.tier) if entry.tier in _TIERS else 0, n,
-                        *entry.output) + (v if v.dtype == _F4 else v.astype(_F4)).tobytes())
+    n = len(entry.output)
+    return struct.pack(f"<dBB{n}d", entry.written, _TIERS.index(entry.tier) if entry.tier in _TIERS else 0, n,
+                       *entry.output) + entry.vector
 
 
 def unpack_entry(data: bytes) -> Entry | None:
@@ -427,18 +396,20 @@ def unpack_entry(data: bytes) -> Entry | None:
     try:
         written, tier, n = _HEADER.unpack_from(data)
         output = struct.unpack_from(f"<{n}d", data, _HEADER.size)
-        vector = np.frombuffer(data, dtype="<f4", offset=_HEADER.size + 8 * n).astype(np.float32)
-    except (struct.error, ValueError):
+    except struct.error:
+        return None
+    vector = bytes(data[_HEADER.size + 8 * n:])
+    if not vector or len(vector) % 4:
         return None
     return Entry(vector, tuple(output), _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
 
 
-def match_rows(rows: Sequence[object], vector: np.ndarray, threshold: float, now: float,
+def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: float,
                hard_ttl_s: float) -> Entry | None:
-    """best_match over packed entries read from Redis, decoding only the headers one by one and every
-    vector in one numpy call (a Redis bucket holds up to PER_BUCKET of them; rows that are not entries
+    """best_match over packed entries read from Redis, decoding only the headers one by one and building
+    only the Entry that answers (a Redis bucket holds up to PER_BUCKET of them; rows that are not entries
     of this vector's length are skipped)."""
-    width = 4 * vector.shape[0]
+    width = len(vector)
     heads, blobs = [], []
     for row in rows:
         if not isinstance(row, bytes) or len(row) < _HEADER.size:
@@ -451,19 +422,23 @@ def match_rows(rows: Sequence[object], vector: np.ndarray, threshold: float, now
         blobs.append(row[start:])
     if not heads:
         return None
-    # Read-only rows over the joined bytes ('<f4' is float32 here): an entry keeps its row, never writes it.
-    matrix = np.frombuffer(b"".join(blobs), dtype=_F4).reshape(len(heads), -1)
-    sims = matrix.dot(vector)
-    best = int(sims.argmax())
-    if sims[best] < threshold:    # the usual miss: no sort
+    matrix = b"".join(blobs)
+    best, top = scan(matrix, vector)
+    if top < threshold:           # the usual miss: no sort
         return None
-    order = (best,) if now - heads[best][0] < hard_ttl_s else np.argsort(-sims)
-    for i in order:   # as best_match, building only the Entry that answers
-        if sims[i] < threshold:
+    s: list[float] = []
+    if now - heads[best][0] < hard_ttl_s:
+        order: Sequence[int] = (best,)
+    else:                         # the best is too old: the next most similar
+        s = sims(matrix, vector)
+        order = sorted(range(len(s)), key=s.__getitem__, reverse=True)
+    for i in order:   # as best_match
+        if s and s[i] < threshold:
             return None
         written, tier, output = heads[i]
         if now - written < hard_ttl_s:
-            return Entry(matrix[i], struct.unpack(f"<{len(output) // 8}d", output), _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
+            return Entry(blobs[i], struct.unpack(f"<{len(output) // 8}d", output),
+                         _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
     return None
 
 

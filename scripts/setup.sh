@@ -117,7 +117,7 @@ mount_tracefs() {
 
 make_venv() {
     local stamp="$VENV/.shadowtest-stamp" want
-    want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml constraints.txt agent_under_test/_similarity.c | sha256sum | cut -d' ' -f1)
     if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
         say "virtual environment up to date"
     else

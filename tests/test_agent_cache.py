@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 import pytest
 
+from agent_under_test import similarity
 from agent_under_test.cache import (
     CLOSED,
     HALF_OPEN,
@@ -84,9 +85,14 @@ class Recorded:
         self.circuit.append((old, new))
 
 
-def unit(*values: float) -> np.ndarray:
-    v = np.array(values, dtype=np.float32)
-    return (v / np.linalg.norm(v)).astype(np.float32)
+def unit(*values: float) -> bytes:
+    """A unit vector as the cache keeps one: float32 bytes."""
+    v = np.array(values, dtype=np.float64)
+    return (v / np.linalg.norm(v)).astype("<f4").tobytes()
+
+
+def vec(v: bytes) -> np.ndarray:
+    return np.frombuffer(v, dtype="<f4")
 
 
 def snapshot(seed: int, seq: int = 1, symbol: str = "ACME", position: float = 0.0) -> agent_pb2.MarketSnapshot:
@@ -226,7 +232,7 @@ def test_local_tier_keeps_the_newest_per_bucket_and_evicts_the_least_recently_us
     assert len(tier) == 4
     assert tier.find(Probe("k2", entries["d"].vector), 0.5, 0.0, 10.0) is None
     assert tier.find(Probe("k1", entries["c"].vector), 0.9999, 0.0, 10.0) is entries["c"]
-    tier.put("k1", Entry(entries["c"].vector.copy(), (1.0,), "light", 1.0))   # same vector: replaced, not added
+    tier.put("k1", Entry(bytes(bytearray(entries["c"].vector)), (1.0,), "light", 1.0))   # same vector: replaced, not added
     assert len(tier) == 4 and tier.find(Probe("k1", entries["c"].vector), 0.9999, 0.0, 10.0).output == (1.0,)
 
 
@@ -253,8 +259,9 @@ def test_probe_matches_the_same_book_not_another_one_and_buckets_by_symbol_depth
     a, b = snapshot(1), snapshot(2)
     pa = probe_for("ACME", 0.0, features(a))
     assert pa.key == "ACME|10|0"
-    assert float(np.dot(pa.vector, probe_for("ACME", 0.0, features(snapshot(1, seq=99))).vector)) == pytest.approx(1.0)
-    assert float(np.dot(pa.vector, probe_for("ACME", 0.0, features(b)).vector)) < 0.85
+    assert float(np.dot(vec(pa.vector), vec(probe_for("ACME", 0.0, features(snapshot(1, seq=99))).vector))) \
+        == pytest.approx(1.0)
+    assert float(np.dot(vec(pa.vector), vec(probe_for("ACME", 0.0, features(b)).vector))) < 0.85
     assert probe_for("ACME", 260.0, features(snapshot(1, position=260.0))).key == "ACME|10|3"
     assert probe_for("OTHER", 0.0, features(a)).key == "OTHER|10|0"
 
@@ -316,7 +323,7 @@ def test_entries_survive_the_trip_through_redis_bytes_and_garbage_is_not_an_entr
     entry = Entry(unit(1, 2, 3), (0.1, -0.2, 0.3, 0.4, 0.5), "light", 1234.5)
     back = unpack_entry(pack_entry(entry))
     assert back is not None and back.output == entry.output and back.tier == "light" and back.written == 1234.5
-    assert np.array_equal(back.vector, entry.vector)
+    assert back.vector == entry.vector
     assert unpack_entry(b"nonsense") is None
     rows = [b"nonsense", pack_entry(Entry(unit(1, 2), (9.0,), "full", 0.0)),   # another length: skipped
             pack_entry(Entry(unit(1, 2, 4), (1.0,), "full", 2000.0)), pack_entry(entry)]
@@ -542,6 +549,7 @@ def test_agent_starts_with_redis_down_and_a_stale_answer_is_refreshed_once():
     with AgentProcess(**opts) as agent:
         c = Client(agent)
         assert c.circuit() == ["open"] and agent.ready["cache"] == "redis"
+        assert agent.ready["cache_kernel"] == similarity.KERNEL   # what serves is said at start
         msg = snapshot(31, seq=1)
         assert c.decide(msg)[0].cache == ""
         assert c.decide(msg)[0].cache == "local"
@@ -615,11 +623,12 @@ def test_probe_is_the_centred_unit_vector_of_the_features(levels: int):
     x = feats.x.astype(np.float64)
     want = (x - x.mean(axis=0)).ravel() if levels > 1 else x.ravel()
     want /= np.linalg.norm(want)
-    got = probe_for("ACME", 0.0, feats).vector
-    assert got.dtype == np.float32 and got.shape == (levels * x.shape[1],)
+    before = feats.x.copy()
+    got = vec(probe_for("ACME", 0.0, feats).vector)
+    assert got.shape == (levels * x.shape[1],)
     assert np.abs(got - want).max() < 1e-6
     assert float(np.dot(got, got)) == pytest.approx(1.0, abs=1e-6)
-    assert not np.shares_memory(got, feats.x)            # the features stay as they were
+    assert np.array_equal(feats.x, before)               # the features stay as they were
 
 
 def test_a_store_after_a_miss_still_replaces_the_same_book_stored_meanwhile():
@@ -659,7 +668,7 @@ def test_a_full_bucket_drops_its_oldest_whichever_way_a_store_comes():
         out = []
         for v in vectors:
             hit = await cache.lookup(Probe("ACME|3|0", v))
-            out.append(hit.entry.output[0] if hit and float(np.dot(hit.entry.vector, v)) > 0.999999 else None)
+            out.append(hit.entry.output[0] if hit and float(np.dot(vec(hit.entry.vector), vec(v))) > 0.999999 else None)
         return out
 
     assert asyncio.run(run()) == [None, None, None, None, 4.0, 5.0, 6.0]
