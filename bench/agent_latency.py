@@ -53,6 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cpus import pin  # noqa: E402
 from leanload import open_loop as lean_open_loop  # noqa: E402
 from leanload import saturate  # noqa: E402
 
@@ -220,6 +221,7 @@ async def _replay(address: str, msgs: list, rate: float, seed: int) -> dict[str,
     rng = random.Random(seed)
     by_source: dict[str, list[float]] = {}
     server: dict[str, list[float]] = {}   # the agent's own view: Decision.server_latency_ns
+    cache_us: dict[str, list[float]] = {}
     counts = {"errors": 0, "dropped": 0}
     inflight: set[asyncio.Task[None]] = set()
     async with aio.insecure_channel(address) as channel:
@@ -234,6 +236,9 @@ async def _replay(address: str, msgs: list, rate: float, seed: int) -> dict[str,
                 return
             by_source.setdefault(out.cache, []).append((loop.time() - at) * 1e3)
             server.setdefault(out.cache, []).append(out.server_latency_ns / 1e6)
+            for stage in out.stages:   # the cache's own time in the call (probe and lookup), as the agent timed it
+                if stage.stage == "cache":
+                    cache_us.setdefault(out.cache, []).append(stage.ns / 1e3)
 
         at = loop.time() + 0.05
         for msg in msgs:
@@ -247,7 +252,7 @@ async def _replay(address: str, msgs: list, rate: float, seed: int) -> dict[str,
             inflight.add(task)
             task.add_done_callback(inflight.discard)
         await asyncio.gather(*inflight)
-    return {"by_source": by_source, "server": server, **counts}
+    return {"by_source": by_source, "server": server, "cache_us": cache_us, **counts}
 
 
 def _summary(rows: list[float]) -> dict[str, float]:
@@ -266,6 +271,8 @@ def cache_run(agent: AgentProcess, msgs: list, rate: float, seed: int) -> dict[s
     for source, rows in raw["by_source"].items():  # type: ignore[union-attr]
         out[source or "computed"] = {**_summary(rows), "server_p50_ms":
                                      _summary(raw["server"][source])["p50_ms"]}  # type: ignore[index]
+        if stage := raw["cache_us"].get(source):  # type: ignore[union-attr]
+            out[source or "computed"]["cache_stage_p50_us"] = round(statistics.median(stage), 1)  # type: ignore[index]
     if agent.metrics_url:
         out["agent_metrics"] = _cache_counters(agent.metrics_url)
     return out
@@ -312,7 +319,8 @@ def _redis_server() -> tuple[subprocess.Popen[bytes], str, str] | None:
     raise RuntimeError("redis-server did not start")
 
 
-def cache_section(rate: float, duration: float, rounds: int = 3) -> dict[str, object]:
+def cache_section(rate: float, duration: float, rounds: int = 3, sets: int = 1,
+                  pinned: bool = False) -> dict[str, object]:
     """Cache off / local / redis on the same request mixes (see the module docstring)."""
     import shutil
 
@@ -350,13 +358,17 @@ def cache_section(rate: float, duration: float, rounds: int = 3) -> dict[str, ob
             shutil.rmtree(workdir, ignore_errors=True)
         print(f"cache  redis  {out['redis']}", flush=True)
     if rounds > 0:
-        out["miss_rounds"] = miss_rounds(rate, duration, rounds)
+        out["miss_rounds"] = miss_rounds(rate, duration, rounds, sets, pinned)
     return out
 
 
-def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
+def miss_rounds(rate: float, duration: float, rounds: int, sets: int = 1, pinned: bool = False) -> dict[str, object]:
     """Server CPU per call on a miss, the cache off vs local vs redis, in interleaved rounds (see the
-    module docstring); each agent is warmed first, and every snapshot of a round is new to all of them."""
+    module docstring); each agent is warmed first, and every snapshot of a round is new to all of them.
+    `sets` > 1: that many sets of fresh agents, `rounds` rounds each. Two processes of one build differ by
+    up to ~10 % of CPU per call (memory layout: bench/RESULTS.md), more than the 5 % judged, so the verdict
+    is the median over sets of each set's ratio, not one pair of processes measured many times.
+    `pinned`: the agents on a core of their own, this process and Redis on the other (cpus.pin)."""
     import contextlib
     import shutil
 
@@ -364,34 +376,56 @@ def miss_rounds(rate: float, duration: float, rounds: int) -> dict[str, object]:
 
     n = max(64, int(rate * duration))
     base = {"device": "cpu", "tier": "light", "metrics_port": 0}
-    with contextlib.ExitStack() as stack:
-        agents = {"off": stack.enter_context(AgentProcess(**base)),
-                  "local": stack.enter_context(AgentProcess(cache="local", **base))}
+    cpu: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    hits, counters = 0, {}
+    stage_us: dict[str, list[float]] = {}   # a miss's cache stage (probe + lookup) as the agent timed it
+    with contextlib.ExitStack() as outer:
         redis = _redis_server()
         if redis is not None:
             proc, url, workdir = redis
-            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-            stack.callback(proc.wait, 10)
-            stack.callback(proc.kill)
-            agents["redis"] = stack.enter_context(AgentProcess(cache="redis", redis_url=url, **base))
-        warm = [MarketSim(random.Random(30)).next(i) for i in range(200)]
-        for agent in agents.values():
-            cache_run(agent, warm, rate, 4)
-        cpu: dict[str, list[float]] = {mode: [] for mode in agents}
-        hits = 0
-        for r in range(rounds):
-            sim = MarketSim(random.Random(1000 + r), symbols=symbol_names(500))
-            unseen = [sim.next(i) for i in range(n)]
-            for mode in (list(agents) if r % 2 == 0 else list(agents)[::-1]):
-                run = cache_run(agents[mode], unseen, rate, 5 + r)
-                cpu[mode].append(run["server_cpu_us_per_call"])  # type: ignore[arg-type]
-                hits += sum(v["n"] for k, v in run.items() if k in ("local", "redis", "stale"))  # type: ignore[index]
-        # A Redis that timed out (a stalled machine) opens the circuit, and a miss that skips Redis costs less:
-        # such a round understates redis, so its counters go with the result.
-        counters = _cache_counters(agents["redis"].metrics_url) if "redis" in agents else {}
+            outer.callback(shutil.rmtree, workdir, ignore_errors=True)
+            outer.callback(proc.wait, 10)
+            outer.callback(proc.kill)
+        for k in range(sets):
+            with contextlib.ExitStack() as stack:
+                agents = {"off": stack.enter_context(AgentProcess(**base)),
+                          "local": stack.enter_context(AgentProcess(cache="local", **base))}
+                if redis is not None:
+                    agents["redis"] = stack.enter_context(AgentProcess(cache="redis", redis_url=url, **base))
+                if pinned:
+                    for agent in agents.values():
+                        done = pin(agent.pid, *([proc.pid] if redis is not None else []))
+                    if k == 0:
+                        print(f"cache  {done}", flush=True)
+                warm = [MarketSim(random.Random(30)).next(i) for i in range(200)]
+                for agent in agents.values():
+                    cache_run(agent, warm, rate, 4)
+                mine: dict[str, list[float]] = {mode: [] for mode in agents}
+                for r in range(rounds):
+                    sim = MarketSim(random.Random(1000 + 100 * k + r), symbols=symbol_names(500))
+                    unseen = [sim.next(i) for i in range(n)]
+                    for mode in (list(agents) if (k + r) % 2 == 0 else list(agents)[::-1]):
+                        run = cache_run(agents[mode], unseen, rate, 5 + r)
+                        mine[mode].append(run["server_cpu_us_per_call"])  # type: ignore[arg-type]
+                        if "cache_stage_p50_us" in run.get("computed", {}):  # type: ignore[operator]
+                            stage_us.setdefault(mode, []).append(run["computed"]["cache_stage_p50_us"])  # type: ignore[index]
+                        hits += sum(v["n"] for key, v in run.items() if key in ("local", "redis", "stale"))  # type: ignore[index]
+                # A Redis that timed out (a stalled machine) opens the circuit, and a miss that skips Redis costs
+                # less: such a round understates redis, so its counters go with the result.
+                if "redis" in agents:
+                    for key, v in _cache_counters(agents["redis"].metrics_url).items():
+                        counters[key] = counters.get(key, 0.0) + v
+            for mode, v in mine.items():
+                cpu.setdefault(mode, []).extend(v)
+                ratios.setdefault(mode, []).append(round(statistics.median(v) / statistics.median(mine["off"]) - 1, 4))
+            if sets > 1:
+                print(f"cache  miss set {k + 1}/{sets}: {mine}", flush=True)
     median = {mode: statistics.median(v) for mode, v in cpu.items()}
-    out: dict[str, object] = {"rounds": rounds, "calls_per_run": n, "cpu_us_per_call": cpu, "median": median,
-                              "vs_off": {m: round(v / median["off"] - 1, 4) for m, v in median.items()},
+    out: dict[str, object] = {"rounds": rounds, "sets": sets, "calls_per_run": n, "cpu_us_per_call": cpu,
+                              "median": median, "ratio_per_set": ratios,
+                              "vs_off": {m: statistics.median(v) for m, v in ratios.items()},
+                              "miss_cache_stage_p50_us": {m: statistics.median(v) for m, v in stage_us.items()},
                               "hits": hits, "redis_counters": counters}
     print(f"cache  miss rounds  {out}", flush=True)
     return out
@@ -455,10 +489,15 @@ def _print_cache(res: dict) -> None:
         print(f"redis  {res['redis']}")
     if "miss_rounds" in res:
         m = res["miss_rounds"]
-        print(f"miss CPU, {m['rounds']} interleaved rounds of {m['calls_per_run']} unseen calls (median, runs; "
-              f"{m['hits']} hits):")
+        sets = m.get("sets", 1)
+        print(f"miss CPU, {sets} set(s) of fresh agents, {m['rounds']} interleaved rounds of {m['calls_per_run']} "
+              f"unseen calls each (median, runs; {m['hits']} hits; vs off: the median of the sets' ratios):")
         for mode, runs in m["cpu_us_per_call"].items():
-            print(f"  {mode:6s} {m['median'][mode]:6.0f} us/call  {m['vs_off'][mode]:+7.1%} vs off   runs {runs}")
+            per_set = f"   per set {m['ratio_per_set'][mode]}" if sets > 1 else ""
+            print(f"  {mode:6s} {m['median'][mode]:6.0f} us/call  {m['vs_off'][mode]:+7.1%} vs off   runs {runs}{per_set}")
+        stage = m.get("miss_cache_stage_p50_us", {})
+        print("  a miss's cache stage (probe + lookup, as the agent timed it), median of the runs' p50: "
+              + ", ".join(f"{mode} {us:.1f} us" for mode, us in stage.items()))
         errors = {k: v for k, v in m.get("redis_counters", {}).items() if "errors" in k or "circuit" in k}
         print(f"  redis agent's errors and circuit in the rounds: {errors or 'none'}")
 
@@ -478,6 +517,10 @@ def main() -> None:
     ap.add_argument("--cache-duration", type=float, default=4.0, help="seconds of each cache-section run")
     ap.add_argument("--cache-rounds", type=int, default=3,
                     help="interleaved miss rounds (off, local, redis side by side) of the cache section; 0: none")
+    ap.add_argument("--cache-sets", type=int, default=1,
+                    help="the miss rounds on N sets of fresh agents (process-to-process spread; see miss_rounds)")
+    ap.add_argument("--cache-pin", action="store_true",
+                    help="the miss rounds' agents on a core of their own, the client and Redis on the others")
     ap.add_argument("--cache-only", action="store_true", help="run the cache section alone")
     ap.add_argument("--no-cache", action="store_true", help="skip the cache section")
     ap.add_argument("--window-rounds", type=int, default=0,
@@ -500,7 +543,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({**results, "window": res}, indent=2))
         return
     if not args.no_cache:
-        results["cache"] = cache_section(args.cache_rate, args.cache_duration, args.cache_rounds)
+        results["cache"] = cache_section(args.cache_rate, args.cache_duration, args.cache_rounds, args.cache_sets,
+                                         args.cache_pin)
     if args.cache_only:
         _print_cache(results["cache"])  # type: ignore[arg-type]
         if args.json:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import agent_latency  # noqa: E402
 from agent_latency import _best_rate, open_loop  # noqa: E402
+from cpus import pin  # noqa: E402
 
 from agent_under_test.launch import AgentProcess  # noqa: E402
 
@@ -82,25 +82,6 @@ def sustained(address: str, pid: int, rates: list[float], duration_s: float) -> 
     best = _best_rate({"open_loop": rows})
     step = next((r["rate"] for r in rows if r["achieved"] == best and best > 0), None)
     return best, step, rows
-
-
-_CPUS = sorted(os.sched_getaffinity(0))    # before pin() narrows this process: an agent started later is pinned too
-
-
-def pin(agent_pid: int) -> str:
-    """Every thread of the agent on the last CPU this process may use, this process (and so the capacity
-    child processes it starts) on the others."""
-    cpus = _CPUS
-    if len(cpus) < 2:
-        return "--pin: one CPU only, nothing pinned"
-    agent, clients = {cpus[-1]}, set(cpus[:-1])
-    for task in os.listdir(f"/proc/{agent_pid}/task"):
-        try:
-            os.sched_setaffinity(int(task), agent)
-        except OSError:
-            pass                                    # a thread that ended meanwhile
-    os.sched_setaffinity(0, clients)
-    return f"pinned: agent on CPU {cpus[-1]}, clients on CPU {','.join(map(str, sorted(clients)))}"
 
 
 def _announce(args: argparse.Namespace, agent: AgentProcess, rates: list[float]) -> None:
