@@ -83,3 +83,41 @@ def test_bad_input_is_a_one_line_error_not_a_crash(call, message: str):
     with pytest.raises((TypeError, ValueError), match=message) as info:
         call(compiled)
     assert "\n" not in str(info.value)
+
+
+def test_the_cache_answers_alike_with_either_kernel(monkeypatch: pytest.MonkeyPatch):
+    """The same lookups and stores through the cache, once on each kernel: the same hits, misses and
+    evictions (the numpy reference is what serves where the compiled kernel could not be built)."""
+    import asyncio
+
+    from agent_under_test import cache
+    from wire.clock import FakeClock
+
+    books = [build_features(parse_snapshot(make_snapshot(random.Random(i), 1, "ACME", ts_ns=1_700_000_000_000_000_000,
+                                                         levels=10), 65536)) for i in range(6)]
+
+    def trace(unit, scan, sims) -> list[object]:
+        for name, fn in (("unit", unit), ("scan", scan), ("sims", sims)):
+            monkeypatch.setattr(cache, name, fn)
+        c = cache.ResponseCache(cache.CacheSettings(mode="local"), cache.NullCacheHooks(), FakeClock.at(1000.0),
+                                cache.LocalTier(max_entries=100, per_bucket=3))
+        out: list[object] = []
+
+        async def run() -> None:
+            for i, feats in enumerate(books[:5]):                      # five books, a bucket of three
+                probe = c.probe("ACME", 0.0, feats)
+                out.append(c.lookup_local(probe))
+                c.store(probe, (float(i),) * 5, "light")
+            for feats in books:                                          # the last three are kept; book 5 is new
+                hit = c.lookup_local(c.probe("ACME", 0.0, feats))
+                out.append(hit.entry.output[0] if hit else None)
+            c.store(c.probe("ACME", 0.0, books[4]), (9.0,) * 5, "full")  # the same book again: replaced
+            hit = c.lookup_local(c.probe("ACME", 0.0, books[4]))
+            out.append((hit.entry.output[0], hit.entry.tier, len(c.local)) if hit else None)
+
+        asyncio.run(run())
+        return out
+
+    numpy_trace = trace(similarity.unit_numpy, similarity.scan_numpy, similarity.sims_numpy)
+    assert numpy_trace == [None] * 5 + [None, None, 2.0, 3.0, 4.0, None, (9.0, "full", 3)]
+    assert trace(compiled.unit, compiled.scan, compiled.sims) == numpy_trace
