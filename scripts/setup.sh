@@ -19,6 +19,7 @@ nghttp2-client     the h2load interop tests (tests/test_interop_h2load.py)
 nginx              the TLS replay tests against a real HTTPS server and the nginx capture tests (test_capture_nginx.py)
 wrk                the load in the nginx capture tests (tests/test_capture_nginx.py)
 curl               the HTTPS client of the TLS capture tests (tests/test_capture_tls.py)
+gcc                the agent cache's compiled kernel (agent_under_test/_similarity.c; without it a numpy reference serves, slower misses)
 redis-server       the agent's Redis cache tier and its outage tests (tests/test_agent_cache.py; its service is not left running)
 golang-go          the Go crypto/tls tests, which build Go peers (tests/test_capture_goelf.py, test_capture_go_tls.py)
 golang-google-grpc-dev  the grpc-go TLS server the Go capture test records (tests/test_capture_go_tls.py)
@@ -167,9 +168,21 @@ install_node_modules() {
     fi
 }
 
+install_python_headers() {
+    # The cache kernel is a C extension: it needs the interpreter's own headers (pyenv and python.org
+    # builds have them; Debian's python3 keeps them in python3.X-dev).
+    "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        && return 0
+    local ver; ver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    say "no Python.h for $PY: installing python${ver}-dev"
+    apt_install "python${ver}-dev" || apt_install python3-dev \
+        || warn "no Python headers: the cache kernel is not built (a numpy reference serves, slower misses)"
+}
+
 install_system_packages
 install_kernel_headers
 link_kernel_headers
+install_python_headers
 mount_tracefs
 make_venv
 install_node_modules
