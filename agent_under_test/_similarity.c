@@ -181,10 +181,52 @@ static PyObject *sims(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+PyDoc_STRVAR(scan_tails_doc,
+"scan_tails(rows, vec) -> (best, similarity)\n\n"
+"scan() over a list of rows that each end with a vector of len(vec) bytes (a packed entry: its header, then\n"
+"its vector), without slicing them out: the first row with the largest dot product and that product.\n"
+"Items that are not bytes, or are no longer than vec, are passed over; (-1, -inf) when none is left.");
+
+static PyObject *scan_tails(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "scan_tails(rows, vec) takes a list and a vector");
+        return NULL;
+    }
+    Py_buffer vb;
+    if (get_floats(args[1], &vb, "scan_tails") < 0)
+        return NULL;
+    Py_ssize_t width = vb.len, d = vb.len / 4, best = -1;
+    double top = -INFINITY;
+    const float *v = (const float *)vb.buf;
+    PyObject *rows = args[0];
+    for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); r++) {
+        PyObject *row = PyList_GET_ITEM(rows, r);
+        if (!PyBytes_Check(row) || width == 0 || PyBytes_GET_SIZE(row) <= width)
+            continue;
+        /* the tail sits after a header of any length: read it unaligned */
+        const char *tail = PyBytes_AS_STRING(row) + PyBytes_GET_SIZE(row) - width;
+        double s = 0.0;
+        for (Py_ssize_t i = 0; i < d; i++) {
+            float a;
+            memcpy(&a, tail + 4 * i, sizeof a);
+            s += (double)a * (double)v[i];
+        }
+        if (s > top || best < 0) {
+            top = s;
+            best = r;
+        }
+    }
+    PyBuffer_Release(&vb);
+    return Py_BuildValue("(nd)", best, top);
+}
+
 static PyMethodDef methods[] = {
     {"unit", (PyCFunction)(void (*)(void))unit, METH_FASTCALL, unit_doc},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
     {"sims", (PyCFunction)(void (*)(void))sims, METH_FASTCALL, sims_doc},
+    {"scan_tails", (PyCFunction)(void (*)(void))scan_tails, METH_FASTCALL, scan_tails_doc},
     {NULL, NULL, 0, NULL},
 };
 

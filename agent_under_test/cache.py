@@ -51,7 +51,7 @@ from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
 from agent_under_test.resp import RedisReplyError, RespConnection, command, parse_url, with_key
-from agent_under_test.similarity import scan, sims, unit
+from agent_under_test.similarity import scan, scan_tails, sims, unit
 from wire.clock import Clock, MonotonicClock
 
 if TYPE_CHECKING:
@@ -188,23 +188,10 @@ def probe_for(symbol: str, position: float, feats: Features) -> Probe:
     return Probe(f"{symbol}|{n}|{round(position / POSITION_STEP)}", unit(x, n))
 
 
-def best_match(entries: Sequence[Entry], vector: bytes, threshold: float, now: float,
-               hard_ttl_s: float) -> Entry | None:
-    """The most similar entry at or above `threshold` that is younger than the hard TTL, if any (entries
-    whose vector is not the length of `vector` are left out)."""
-    same = [e for e in entries if len(e.vector) == len(vector)]
-    if not same:
-        return None
-    matrix = b"".join([e.vector for e in same])
-    best, top = scan(matrix, vector)
-    if top < threshold:                         # the usual miss: one pass
-        return None
-    return _youngest_best(same, matrix, vector, best, threshold, now, hard_ttl_s)
-
-
 def _youngest_best(entries: Sequence[Entry], matrix: bytes, vector: bytes, best: int, threshold: float,
                    now: float, hard_ttl_s: float) -> Entry | None:
-    """best_match once entries[best] (the first maximum) is known to reach `threshold`."""
+    """The most similar entry at or above `threshold` that is younger than the hard TTL, once
+    entries[best] (the first maximum of the matrix's rows against `vector`) is known to reach `threshold`."""
     if now - entries[best].written < hard_ttl_s:  # the usual hit
         return entries[best]
     s = sims(matrix, vector)                    # the best is too old: the next most similar
@@ -407,9 +394,24 @@ def unpack_entry(data: bytes) -> Entry | None:
 
 def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: float,
                hard_ttl_s: float) -> Entry | None:
-    """best_match over packed entries read from Redis, decoding only the headers one by one and building
-    only the Entry that answers (a Redis bucket holds up to PER_BUCKET of them; rows that are not entries
-    of this vector's length are skipped)."""
+    """The best match (as _youngest_best) among packed entries read from Redis (a bucket holds up to PER_BUCKET of them; rows that
+    are not entries of this vector's length are skipped). The usual case costs one compiled scan over the
+    rows' tails and, on a hit, the decoding of one row; a best row that is not an entry, or is too old,
+    takes the full path."""
+    listed = rows if isinstance(rows, list) else list(rows)
+    best, top = scan_tails(listed, vector)
+    if top < threshold:           # the usual miss: nothing decoded
+        return None
+    entry = unpack_entry(listed[best])   # type: ignore[arg-type]  # scan_tails took only bytes
+    if entry is not None and len(entry.vector) == len(vector) and now - entry.written < hard_ttl_s:
+        return entry
+    return _match_rows_fully(listed, vector, threshold, now, hard_ttl_s)
+
+
+def _match_rows_fully(rows: Sequence[object], vector: bytes, threshold: float, now: float,
+                      hard_ttl_s: float) -> Entry | None:
+    """match_rows decoding every row's header: the most similar entry at or above `threshold` that is
+    younger than the hard TTL."""
     width = len(vector)
     heads, blobs = [], []
     for row in rows:
@@ -424,17 +426,9 @@ def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: flo
     if not heads:
         return None
     matrix = b"".join(blobs)
-    best, top = scan(matrix, vector)
-    if top < threshold:           # the usual miss: no sort
-        return None
-    s: list[float] = []
-    if now - heads[best][0] < hard_ttl_s:
-        order: Sequence[int] = (best,)
-    else:                         # the best is too old: the next most similar
-        s = sims(matrix, vector)
-        order = sorted(range(len(s)), key=s.__getitem__, reverse=True)
-    for i in order:   # as best_match
-        if s and s[i] < threshold:
+    s = sims(matrix, vector)
+    for i in sorted(range(len(s)), key=s.__getitem__, reverse=True):
+        if s[i] < threshold:
             return None
         written, tier, output = heads[i]
         if now - written < hard_ttl_s:

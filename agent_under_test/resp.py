@@ -190,7 +190,19 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
         n = int(line)
         items: list[object] = []
         pos = eol + 2
+        end = len(buf)
         for _ in range(max(n, 0)):
+            if pos < end and buf[pos] == 36:         # a bulk string, inline: an LRANGE reply is 32 of them
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    return None
+                size = int(buf[pos + 1:eol])
+                if size >= 0:
+                    pos = eol + 2 + size + 2
+                    if pos > end:
+                        return None
+                    items.append(buf[eol + 2:pos - 2])
+                    continue
             parsed = _parse(buf, pos, depth + 1)
             if parsed is None:
                 return None

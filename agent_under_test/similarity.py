@@ -8,6 +8,9 @@ row is a slice and a new matrix is a concatenation, with no numpy call. The thre
     scan(matrix, vec)   (the first row with the largest dot product with vec, that product); (-1, -inf)
                         for no rows
     sims(matrix, vec)   every row's dot product with vec
+    scan_tails(rows, vec)  scan() over a list of byte strings that each end with a vector (packed Redis
+                        entries), without slicing them out; items that are not bytes or are no longer
+                        than vec are passed over
 
 come compiled from `_similarity.c` where it was built (`pip install` builds it; where no C compiler was
 found the install goes on without it), and otherwise from the numpy code below, which is also the
@@ -73,6 +76,18 @@ def sims_numpy(matrix: object, vec: object) -> list[float]:
     return [float(s) for s in m @ v]
 
 
+def scan_tails_numpy(rows: list[object], vec: object) -> tuple[int, float]:
+    v = _floats(vec).astype(np.float64)
+    width, best, top = 4 * v.size, -1, float("-inf")
+    for r, row in enumerate(rows):
+        if not isinstance(row, bytes) or width == 0 or len(row) <= width:
+            continue
+        s = float(np.frombuffer(row, dtype=_F4, offset=len(row) - width).astype(np.float64) @ v)
+        if s > top or best < 0:
+            best, top = r, s
+    return best, top
+
+
 try:
     from agent_under_test import _similarity as _compiled
 except ImportError:   # not built (no C compiler at install) or a big-endian host: the numpy reference serves
@@ -81,4 +96,6 @@ except ImportError:   # not built (no C compiler at install) or a big-endian hos
 unit: Callable[[object, int], bytes] = _compiled.unit if _compiled else unit_numpy
 scan: Callable[[object, object], tuple[int, float]] = _compiled.scan if _compiled else scan_numpy
 sims: Callable[[object, object], list[float]] = _compiled.sims if _compiled else sims_numpy
+scan_tails: Callable[[list[object], object], tuple[int, float]] = _compiled.scan_tails if _compiled \
+    else scan_tails_numpy
 KERNEL = "compiled" if _compiled else "numpy"

@@ -331,6 +331,11 @@ def test_entries_survive_the_trip_through_redis_bytes_and_garbage_is_not_an_entr
     assert found is not None and found.output == entry.output and found.tier == "light"
     assert match_rows(rows, entry.vector, 0.85, 1234.5 + 3600.0, 3600.0) is not None    # the other one, still young
     assert match_rows(rows, entry.vector, 0.999, 1234.5 + 3600.0, 3600.0) is None      # the best is too old
+    impostor = b"\xff" * 3 + entry.vector        # ends with the very vector, but is no entry: passed over
+    found = match_rows([impostor, *rows[1:]], entry.vector, 0.85, 2000.0, 3600.0)
+    assert found is not None and found.output == entry.output
+    longer = pack_entry(Entry(unit(0, 0, 0, *np.frombuffer(entry.vector, "<f4")), (7.0,), "full", 2000.0))
+    assert match_rows([longer], entry.vector, 0.5, 2000.0, 3600.0) is None   # its tail matches; its length not
 
 
 # -- unit: the circuit breaker --------------------------------------------------------------------------

@@ -71,6 +71,24 @@ def test_scan_and_sims_agree_with_the_reference_and_take_the_first_best_row():
         assert scan(twice.tobytes(), vec)[0] == 0, name    # ties: the first (the newest) row
 
 
+def test_scan_tails_reads_each_rows_last_vector_wherever_it_starts():
+    rng = np.random.default_rng(3)
+    vec = rng.normal(size=80).astype(np.float32).tobytes()
+    tails = [rng.normal(size=80).astype(np.float32).tobytes() for _ in range(6)]
+    rows: list[object] = [b"h" * (10 + 8 * i) + t for i, t in enumerate(tails)]   # headers of 10, 18, ... bytes
+    rows[2] = "not bytes"
+    rows[4] = vec                                        # no longer than vec: no header, passed over
+    want = [float(np.frombuffer(t, "<f4").astype(np.float64) @ np.frombuffer(vec, "<f4").astype(np.float64))
+            for t in tails]
+    best = max((i for i in (0, 1, 3, 5)), key=lambda i: want[i])
+    for name, scan_tails in (("numpy", similarity.scan_tails_numpy), ("compiled", compiled.scan_tails)):
+        got = scan_tails(rows, vec)
+        assert got[0] == best and abs(got[1] - want[best]) < 1e-9, name
+        assert scan_tails(["x", b""], vec) == (-1, float("-inf")), name
+    with pytest.raises(TypeError, match="list"):
+        compiled.scan_tails(tuple(rows), vec)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda k: k.unit(np.zeros((2, 8)), 2), "float32"),                        # float64
     (lambda k: k.unit(np.zeros((3, 8), dtype=np.float32), 5), "rows"),
