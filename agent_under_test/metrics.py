@@ -9,13 +9,14 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
     Gauge,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 OUTCOME_LABELS = ("ok", "rejected", "invalid", "error")
@@ -31,6 +32,9 @@ DEPENDENCY_OPS = ("get", "set")
 DEPENDENCY_ERRORS = ("timeout", "error")
 CACHE_RESULTS = ("hit_local", "hit_redis", "stale", "miss")
 CIRCUIT_STATES = ("closed", "half_open", "open")   # agent_dependency_circuit_state = the index
+
+
+_Child = TypeVar("_Child")
 
 
 def latency_buckets(threshold_s: float) -> list[float]:
@@ -57,28 +61,50 @@ class _HistogramChild:
             self.sum += value
 
 
-class FastHistogram:
+class _Family(Generic[_Child]):
+    """A labelled family of series on a registry: the children by label values, made once each. Its
+    subclasses say how a child is made and how the family is exposed (collect)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
+        self._children: dict[tuple[str, ...], _Child] = {}
+        self._lock = threading.Lock()
+        if not labelnames:
+            self._children[()] = self._new_child()
+        registry.register(self)
+
+    def _new_child(self) -> _Child:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _Child:
+        """The series for these label values (created once; keep it to skip this lookup)."""
+        with self._lock:
+            child = self._children.get(values)
+            if child is None:
+                child = self._children[values] = self._new_child()
+            return child
+
+    def _series(self) -> list[tuple[tuple[str, ...], _Child]]:
+        with self._lock:
+            return list(self._children.items())
+
+
+class FastHistogram(_Family[_HistogramChild]):
     """A Prometheus histogram for the request path: observe() is a bisect and two additions under one
     lock (~0.4 us). prometheus_client's Histogram takes a lock per bucket and per sum and checks
     exemplars (~2-3 us), and the agent observes several times per call. Same exposition (no _created)."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry,
                  labelnames: Sequence[str] = ()) -> None:
-        self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
         self._bounds = sorted({float(b) for b in buckets} | {math.inf})
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        self._lock = threading.Lock()
-        if not labelnames:
-            self._children[()] = _HistogramChild(self._bounds)
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _HistogramChild:
-        """The series for these label values (created once; keep it to skip this lookup)."""
-        with self._lock:
-            child = self._children.get(values)
-            if child is None:
-                child = self._children[values] = _HistogramChild(self._bounds)
-            return child
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
 
     def observe(self, value: float) -> None:
         """Unlabelled histograms only."""
@@ -86,9 +112,7 @@ class FastHistogram:
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        with self._lock:
-            children = list(self._children.items())
-        for values, child in children:
+        for values, child in self._series():
             with child._lock:
                 counts, total = list(child.counts), child.sum
             cumulative, buckets = 0, []
@@ -115,29 +139,16 @@ class _CounterChild:
             self.value += amount
 
 
-class FastCounter:
+class FastCounter(_Family[_CounterChild]):
     """A Prometheus counter for the request path (see _CounterChild). Same exposition as
     prometheus_client's Counter (`<name>_total`), without the `_created` series."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
-        self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def labels(self, *values: str) -> _CounterChild:
-        """The series for these label values (created once; keep it to skip this lookup)."""
-        with self._lock:
-            child = self._children.get(values)
-            if child is None:
-                child = self._children[values] = _CounterChild()
-            return child
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
-        with self._lock:
-            children = list(self._children.items())
-        for values, child in children:
+        for values, child in self._series():
             family.add_metric(list(values), child.value)
         yield family
 
