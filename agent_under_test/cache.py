@@ -394,10 +394,10 @@ def unpack_entry(data: bytes) -> Entry | None:
 
 def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: float,
                hard_ttl_s: float) -> Entry | None:
-    """The best match (as _youngest_best) among packed entries read from Redis (a bucket holds up to PER_BUCKET of them; rows that
-    are not entries of this vector's length are skipped). The usual case costs one compiled scan over the
-    rows' tails and, on a hit, the decoding of one row; a best row that is not an entry, or is too old,
-    takes the full path."""
+    """The best match (as _youngest_best) among packed entries read from Redis: a bucket holds up to
+    PER_BUCKET of them; rows that are not entries of this vector's length are skipped. The usual case
+    costs one compiled scan over the rows' tails and, on a hit, the decoding of one row; a best row that
+    is not an entry, or is too old, takes the full path (every row decoded)."""
     listed = rows if isinstance(rows, list) else list(rows)
     best, top = scan_tails(listed, vector)
     if top < threshold:           # the usual miss: nothing decoded
@@ -405,36 +405,13 @@ def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: flo
     entry = unpack_entry(listed[best])   # type: ignore[arg-type]  # scan_tails took only bytes
     if entry is not None and len(entry.vector) == len(vector) and now - entry.written < hard_ttl_s:
         return entry
-    return _match_rows_fully(listed, vector, threshold, now, hard_ttl_s)
-
-
-def _match_rows_fully(rows: Sequence[object], vector: bytes, threshold: float, now: float,
-                      hard_ttl_s: float) -> Entry | None:
-    """match_rows decoding every row's header: the most similar entry at or above `threshold` that is
-    younger than the hard TTL."""
-    width = len(vector)
-    heads, blobs = [], []
-    for row in rows:
-        if not isinstance(row, bytes) or len(row) < _HEADER.size:
-            continue
-        written, tier, n = _HEADER.unpack_from(row)
-        start = _HEADER.size + 8 * n
-        if len(row) - start != width:
-            continue
-        heads.append((written, tier, row[_HEADER.size:start]))
-        blobs.append(row[start:])
-    if not heads:
+    entries = [e for row in listed if isinstance(row, bytes)
+               and (e := unpack_entry(row)) is not None and len(e.vector) == len(vector)]
+    if not entries:
         return None
-    matrix = b"".join(blobs)
-    s = sims(matrix, vector)
-    for i in sorted(range(len(s)), key=s.__getitem__, reverse=True):
-        if s[i] < threshold:
-            return None
-        written, tier, output = heads[i]
-        if now - written < hard_ttl_s:
-            return Entry(blobs[i], struct.unpack(f"<{len(output) // 8}d", output),
-                         _TIERS[tier] if tier < len(_TIERS) else _TIERS[0], written)
-    return None
+    matrix = b"".join([e.vector for e in entries])
+    best, top = scan(matrix, vector)
+    return _youngest_best(entries, matrix, vector, best, threshold, now, hard_ttl_s) if top >= threshold else None
 
 
 class _Failed:

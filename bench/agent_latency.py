@@ -380,6 +380,7 @@ def miss_rounds(rate: float, duration: float, rounds: int, sets: int = 1, pinned
     ratios: dict[str, list[float]] = {}
     hits, counters = 0, {}
     stage_us: dict[str, list[float]] = {}   # a miss's cache stage (probe + lookup) as the agent timed it
+    warm = [MarketSim(random.Random(30)).next(i) for i in range(200)]
     with contextlib.ExitStack() as outer:
         redis = _redis_server()
         if redis is not None:
@@ -398,7 +399,6 @@ def miss_rounds(rate: float, duration: float, rounds: int, sets: int = 1, pinned
                         done = pin(agent.pid, *([proc.pid] if redis is not None else []))
                     if k == 0:
                         print(f"cache  {done}", flush=True)
-                warm = [MarketSim(random.Random(30)).next(i) for i in range(200)]
                 for agent in agents.values():
                     cache_run(agent, warm, rate, 4)
                 mine: dict[str, list[float]] = {mode: [] for mode in agents}
