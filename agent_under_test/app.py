@@ -93,6 +93,8 @@ class AgentServer:
         if self.cache is not None:
             # "numpy": the compiled kernel was not built at install (no C compiler): misses cost ~30 us more
             self.ready.update(cache=opts.cache, cache_kernel=similarity.KERNEL)
+            if self.cache.redis is not None:   # false: Redis refused client tracking (or it is off, or down)
+                self.ready["redis_tracking"] = self.cache.redis.tracking_active
         return self.ready
 
     def _build_server(self) -> aio.Server | LeanServer:

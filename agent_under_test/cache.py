@@ -3,6 +3,7 @@
     request -> parse -> features -> probe (bucket key + unit vector)
         |-- local tier (in-process LRU)       hit: answer now ("local", or "stale" + one background refresh)
         |-- Redis tier (budget, circuit)      hit: answer now ("redis" / "stale"), copied into the local tier
+    |   (its near copy answers buckets nobody else changed since they were read: no round trip)
         `-- miss: batcher -> model -> answer; stored locally at once, in Redis fire-and-forget
 
 What is cached is the model's output row and tier, never a whole Decision: a hit still runs the risk
@@ -29,7 +30,8 @@ operation abandoned at its budget leaves its reply to be read and dropped, not a
 
 Cost. A miss is on every uncached call's path: its vector work is two compiled calls (similarity.py;
 as numpy calls, 2-4 us each in a serving agent whose caches the model has just evicted, a local miss
-cost ~40 us), and a Redis lookup is one round trip on the pipelined connection (RespConnection).
+cost ~40 us); a Redis lookup is one round trip on the pipelined connection (RespConnection), or none
+in a bucket the tier holds a near copy of (RedisTier: client tracking keeps it true).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from agent_under_test.config import CACHES
 from agent_under_test.degrade import TIERS
 from agent_under_test.errors import ServeError
 from agent_under_test.features import Features
-from agent_under_test.resp import RedisReplyError, RespConnection, command, parse_url, with_key
+from agent_under_test.resp import Push, RedisReplyError, RespConnection, Then, command, parse_url, with_key
 from agent_under_test.similarity import scan, scan_tails, sims, unit
 from wire.clock import Clock, MonotonicClock
 
@@ -69,11 +71,14 @@ LOCAL_MAX_ENTRIES = 16384   # local tier bound, over all buckets (least recently
 POSITION_STEP = 100.0       # position quantum of a bucket
 MAX_REFRESHES = 16          # background refreshes in flight; more stale hits wait for a later one
 MAX_REDIS_READS = 32        # lookups in flight; beyond that a call skips Redis (a miss, not a failure)
-MAX_PENDING_WRITES = 256    # entries waiting for Redis; beyond that a write is dropped
-WRITE_BATCH = 64            # entries per write (one pipeline: LPUSH, LTRIM, EXPIRE per bucket)
-WRITE_LINGER_S = 0.02       # a write waits this long for others to join it: at 1000 misses/s, ~20 a round
-                            # trip instead of 1 (a round trip costs the agent ~30 us of CPU; issue 27); what
-                            # another agent may miss meanwhile is 20 ms of answers
+MAX_PENDING_WRITES = 1024   # entries waiting for Redis; beyond that a write is dropped
+WRITE_BATCH = 128           # entries per write (one pipeline: LPUSH, LTRIM, EXPIRE per bucket)
+WRITE_LINGER_S = 0.1        # a write waits this long for others to join it: at 1000 misses/s, ~100 a round
+                            # trip instead of 1. A round trip costs the agent ~100 us of CPU (a send, a
+                            # wake-up, a read: syscalls are dear in a VM), ~6 us per entry at 20 ms; what
+                            # another agent may miss meanwhile is 100 ms of answers, of entries that live 60 s
+HEALTH_INTERVAL_S = 0.025  # a PING when nothing else went to Redis this long (see RedisTier._keep_measured)
+NEAR_MAX_BYTES = 16 << 20  # the Redis tier's near copy (rows of the buckets read), least recently used out
 KEY_PREFIX = "shadowtest:agent:cache:"
 _SAME = 0.999999            # an entry this similar to a new one is the same book: the new one replaces it
 _TIERS = TIERS   # an entry stores its tier as an index into this (FULL 0, LIGHT 1)
@@ -120,11 +125,12 @@ class CacheSettings:
     redis_timeout_ms: float = 5.0
     circuit_failures: int = 5
     circuit_open_s: float = 2.0
+    redis_tracking: bool = True
 
     @classmethod
     def from_options(cls, o: ServeOptions) -> CacheSettings:
         return cls(o.cache, o.redis_url, o.cache_threshold, o.cache_local_ttl_s, o.cache_redis_ttl_s,
-                   o.redis_timeout_ms, o.circuit_failures, o.circuit_open_s)
+                   o.redis_timeout_ms, o.circuit_failures, o.circuit_open_s, o.redis_tracking)
 
     def validate(self) -> None:
         """Raises ServeError, one line naming the flag, for a value the cache cannot work with."""
@@ -414,6 +420,10 @@ def match_rows(rows: Sequence[object], vector: bytes, threshold: float, now: flo
     return _youngest_best(entries, matrix, vector, best, threshold, now, hard_ttl_s) if top >= threshold else None
 
 
+def _size(rows: list[bytes]) -> int:
+    return sum(map(len, rows)) + 64     # + a little for the bucket itself: an empty one is not free
+
+
 class _Failed:
     """The operation was skipped, timed out or failed."""
 
@@ -421,11 +431,21 @@ class _Failed:
 FAILED = _Failed()
 
 
+class AskRedis:
+    """Only a round trip to Redis can answer this lookup (see RedisTier.find_near)."""
+
+
+ASK_REDIS = AskRedis()
+
+
 def _retrieve(task: asyncio.Task[RespConnection]) -> None:
     if not task.cancelled():
         task.exception()
 
 
+_PING = command("PING")
+_HELLO3 = command("HELLO", "3")
+_TRACKING = command("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", KEY_PREFIX, "NOLOOP")
 _LRANGE = b"*4\r\n$6\r\nLRANGE\r\n"
 _LTRIM = b"*4\r\n$5\r\nLTRIM\r\n"
 _EXPIRE = b"*3\r\n$6\r\nEXPIRE\r\n"
@@ -436,10 +456,34 @@ class RedisTier:
     """The shared long-term tier: one Redis list per bucket (newest first, PER_BUCKET long, expiring
     after the hard TTL), over one pipelined connection (RespConnection). Every operation goes through
     `_bounded`: circuit, budget, metrics (op "get": one lookup, LRANGE; op "set": one write batch, LPUSH,
-    LTRIM, EXPIRE per bucket)."""
+    LTRIM, EXPIRE per bucket; op "ping": a health PING, see _keep_measured).
 
-    def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks) -> None:
+    The near copy (`tracking`, Redis >= 6). A lookup's round trip is most of what a Redis miss costs
+    the agent (~50 us of CPU in asyncio and syscalls against ~10 us for the rest of the cache). So the
+    connection asks Redis to track it (HELLO 3; CLIENT TRACKING ON BCAST PREFIX <ours> NOLOOP): Redis
+    then pushes an invalidation on this connection whenever another client changes one of our keys (a
+    write, an expiry, an eviction, a flush), and the tier keeps the rows of each bucket it has read
+    until one comes. A lookup in a bucket held there, while the circuit is closed, asks Redis nothing
+    (find_near: no await either). Replies and pushes arrive in one ordered stream, and a read's rows are
+    kept as its reply is parsed (RespConnection `then`), so no invalidation can slip between the two.
+    Our own writes invalidate nothing (NOLOOP) and are not added to the copy: the local tier holds them.
+    Any failure (a timeout, an error, a lost connection) drops the copy: the next lookups read Redis,
+    as without one. What the copy lacks or still holds is never a wrong answer: every row in it is an
+    entry some agent computed, judged by its own age; the cost is a miss (our own entry, once the local
+    tier has evicted it) or a hit on an entry Redis has trimmed since. Redis refusing HELLO 3 or CLIENT TRACKING (older than 6, a
+    proxy, an ACL without them) leaves the tier without a copy, every miss one round trip, logged once."""
+
+    def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks,
+                 tracking: bool = True, health_s: float | None = HEALTH_INTERVAL_S) -> None:
         self.timeout_s, self.ttl_s, self.circuit, self.hooks = timeout_s, ttl_s, circuit, hooks
+        self.tracking, self.health_s = tracking, health_s
+        self._health: asyncio.Task[None] | None = None
+        self._last_sent = 0.0
+        self._tracked: RespConnection | None = None     # the connection whose invalidations keep the copy true
+        self._near: OrderedDict[bytes, list[bytes]] = OrderedDict()   # bucket key -> its rows, newest first
+        self._near_bytes = 0
+        self.near_reads = 0                             # lookups the copy answered (no round trip)
+        self._refused_logged = False
         self.address = parse_url(url)
         # A backstop only (the budget bounds a call): a connect slower than this fails, and a connection
         # whose oldest reply is overdue by this much is taken for dead and replaced. None: no backstop.
@@ -452,23 +496,37 @@ class RedisTier:
         self.dropped_writes = 0
 
     async def start(self, timeout_s: float) -> bool:
-        """PING within `timeout_s`; on failure the circuit opens (the agent starts all the same)."""
+        """PING within `timeout_s`; on failure the circuit opens (the agent starts all the same). Then the
+        health PINGs start (`health_s`, see _keep_measured)."""
+        if self.health_s is not None and self._health is None:
+            self._health = asyncio.get_running_loop().create_task(self._keep_measured(self.health_s))
         try:
             async with asyncio.timeout(timeout_s):
-                await self._call(command("PING"), 1)
+                await self._call(_PING, 1)
         except (TimeoutError, RedisReplyError, OSError) as exc:
             _log.warning("redis not answering at start (%s); circuit open", type(exc).__name__)
             self.circuit.open()
             return False
         return True
 
-    async def _call(self, payload: bytes, replies: int) -> object:
+    async def _keep_measured(self, interval_s: float) -> None:
+        """A PING (op "ping", within the budget, counted by the circuit) whenever nothing else went to
+        Redis for `interval_s`. With the near copy most misses ask Redis nothing and the writes go out
+        every 100 ms: without these, a quiet period has too few operations for DependencySlow to judge
+        (it could fire and never resolve), and a slow Redis would show only in the writes. With an open
+        circuit the PING is skipped until it half-opens; then it is the probe, so the circuit closes again
+        without waiting for a call. ~40 a second at most, ~50 us of CPU each."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if time.monotonic() - self._last_sent >= interval_s:
+                await self._bounded("ping", partial(self._call, _PING, 1))
+    async def _call(self, payload: bytes, replies: int, then: Then | None = None) -> object:
         """Send `payload` on the connection (made first if there is none) and wait for its last reply."""
         conn = self._conn
-        now = time.monotonic()
+        now = self._last_sent = time.monotonic()
         if conn is None or conn.lost or self._overdue(conn, now):
             conn = await self._connection()
-        return await conn.send(payload, replies, now)
+        return await conn.send(payload, replies, now, then)
 
     def _overdue(self, conn: RespConnection, now: float) -> bool:
         backstop = self.backstop
@@ -499,11 +557,68 @@ class RedisTier:
         try:
             if setup:
                 await conn.send(b"".join(setup), len(setup), time.monotonic())
+            if self.tracking:
+                await self._track(conn)
         except BaseException:
             conn.close()
             raise
         self._conn = conn
         return conn
+
+    async def _track(self, conn: RespConnection) -> None:
+        """Turn on client tracking for our keys (see the class); a Redis that refuses leaves no copy."""
+        try:
+            await conn.send(_HELLO3, 1, time.monotonic())       # pushes need RESP3 (one at a time: a
+            await conn.send(_TRACKING, 1, time.monotonic())     # refused HELLO must not leave RESP2 tracking)
+        except RedisReplyError as exc:
+            if not self._refused_logged:
+                self._refused_logged = True
+                _log.warning("redis refused client tracking (%s): every miss asks Redis", str(exc)[:120])
+            return
+        self._forget()
+        conn.on_push, conn.on_lost = self._invalidated, self._lost
+        self._tracked = conn
+
+    def _lost(self, conn: RespConnection) -> None:
+        if conn is self._tracked:
+            self._tracked = None
+            self._forget()
+
+    def _forget(self) -> None:
+        self._near.clear()
+        self._near_bytes = 0
+
+    def _invalidated(self, push: Push) -> None:
+        """Redis's word that keys changed: ["invalidate", [key, ...]], or None for all (a flush)."""
+        if len(push) < 2 or push[0] != b"invalidate":
+            return
+        keys = push[1]
+        if keys is None:
+            self._forget()
+        elif isinstance(keys, list):
+            for key in keys:
+                rows = self._near.pop(key, None) if isinstance(key, bytes) else None
+                if rows is not None:
+                    self._near_bytes -= _size(rows)
+
+    def _keep(self, key: bytes, conn: RespConnection, reply: object) -> None:
+        """A lookup's reply, as it is parsed: keep its rows in the near copy (see the class)."""
+        if conn is not self._tracked or not isinstance(reply, list):
+            return
+        rows = [row for row in reply[:PER_BUCKET] if isinstance(row, bytes)]
+        old = self._near.pop(key, None)
+        if old is not None:
+            self._near_bytes -= _size(old)
+        self._near[key] = rows
+        self._near_bytes += _size(rows)
+        while self._near_bytes > NEAR_MAX_BYTES and self._near:
+            _, evicted = self._near.popitem(last=False)
+            self._near_bytes -= _size(evicted)
+
+    @property
+    def tracking_active(self) -> bool:
+        """Is the near copy in use (tracking asked for, and Redis agreed on the current connection)?"""
+        return self._tracked is not None and not self._tracked.lost
 
     async def _bounded(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T | _Failed:
         """Run `call()` if the circuit allows, abandoning it at the budget; report it either way."""
@@ -527,17 +642,40 @@ class RedisTier:
     def _failed(self, op: str, start: float, kind: str) -> _Failed:
         self.hooks.on_dependency(DEPENDENCY, op, time.perf_counter() - start, kind)
         self.circuit.failure()
+        self._forget()     # Redis is slow or failing: its invalidations may lag, our writes may be lost
         return FAILED
 
+    def find_near(self, probe: Probe, threshold: float, now: float) -> Entry | None | AskRedis:
+        """The best match in the probe's bucket from the near copy, without an await; ASK_REDIS when the
+        copy does not hold the bucket (or is not in use: no tracking, the circuit not closed)."""
+        if self._tracked is None or self.circuit.state != CLOSED:
+            return ASK_REDIS
+        key = (KEY_PREFIX + probe.key).encode()
+        near = self._near.get(key)
+        if near is None:
+            return ASK_REDIS
+        self._near.move_to_end(key)
+        self.near_reads += 1
+        return match_rows(near, probe.vector, threshold, now, self.ttl_s) if near else None
+
     async def find(self, probe: Probe, threshold: float, now: float) -> Entry | None:
-        """The best match in the probe's bucket, or None (also when Redis is skipped, slow or failing)."""
+        """The best match in the probe's bucket, or None (also when Redis is skipped, slow or failing):
+        from the near copy if it holds the bucket, else one round trip (fetch)."""
+        near = self.find_near(probe, threshold, now)
+        if isinstance(near, AskRedis):
+            return await self.fetch(probe, threshold, now)
+        return near
+
+    async def fetch(self, probe: Probe, threshold: float, now: float) -> Entry | None:
+        """find() by a round trip (LRANGE); the rows are kept in the near copy when it is in use."""
+        key = (KEY_PREFIX + probe.key).encode()
         if self.reads >= MAX_REDIS_READS:
             return None
         self.reads += 1
-        key = (KEY_PREFIX + probe.key).encode()
         payload = with_key(_LRANGE, key, _TO_LAST)
         try:
-            rows = await self._bounded("get", partial(self._call, payload, 1))
+            rows = await self._bounded("get", partial(self._call, payload, 1,
+                                                      partial(self._keep, key) if self._tracked is not None else None))
         finally:
             self.reads -= 1
         if not isinstance(rows, list) or not rows:
@@ -581,7 +719,8 @@ class RedisTier:
         """Cancel the writes in flight and close the connection, within `timeout_s` (a stopped Redis
         must not hold up the agent's shutdown)."""
         self._pending.clear()
-        tasks = [t for t in (self._writer, self._connecting) if t is not None]
+        self._forget()
+        tasks = [t for t in (self._writer, self._connecting, self._health) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -612,29 +751,37 @@ class ResponseCache:
     def probe(self, symbol: str, position: float, feats: Features) -> Probe:
         return probe_for(symbol, position, feats)
 
-    @property
-    def local_only(self) -> bool:
-        """No Redis tier: lookup_local() answers what lookup() would, without an await."""
-        return self.redis is None
-
     async def lookup(self, probe: Probe) -> Hit | None:
         """Local first, then Redis (within its budget); reports hit_local | hit_redis | stale | miss."""
+        hit = self.lookup_now(probe)
+        if isinstance(hit, AskRedis):
+            return await self.lookup_redis(probe)
+        return hit
+
+    def lookup_now(self, probe: Probe) -> Hit | None | AskRedis:
+        """lookup() as far as it goes without an await: the local tier, then the Redis tier's near copy;
+        ASK_REDIS (nothing reported yet) when only a round trip can tell, then lookup_redis(). A miss is
+        on every uncached call's path, and a coroutine or two per call cost it a few us for nothing."""
         now = self.clock.wall()
         s = self.settings
         entry = self.local.find(probe, s.threshold, now, s.redis_ttl_s)
-        source = "local"
-        if entry is None and self.redis is not None:
-            entry = await self.redis.find(probe, s.threshold, now)
-            if entry is not None:
-                self.local.put(probe.key, entry)
-                source = "redis"
-        return self._answer(entry, source, now)
+        if entry is not None or self.redis is None:
+            return self._answer(entry, "local", now)
+        near = self.redis.find_near(probe, s.threshold, now)
+        if isinstance(near, AskRedis):
+            return near
+        return self._from_redis(probe, near, now)
 
-    def lookup_local(self, probe: Probe) -> Hit | None:
-        """lookup() of a cache that is local_only (a coroutine per call costs a miss ~1 us for nothing)."""
+    async def lookup_redis(self, probe: Probe) -> Hit | None:
+        """The rest of a lookup that lookup_now() could not answer: one round trip, within its budget."""
+        assert self.redis is not None, "lookup_now() says ASK_REDIS only with a Redis tier"
         now = self.clock.wall()
-        s = self.settings
-        return self._answer(self.local.find(probe, s.threshold, now, s.redis_ttl_s), "local", now)
+        return self._from_redis(probe, await self.redis.fetch(probe, self.settings.threshold, now), now)
+
+    def _from_redis(self, probe: Probe, entry: Entry | None, now: float) -> Hit | None:
+        if entry is not None:
+            self.local.put(probe.key, entry)
+        return self._answer(entry, "redis", now)
 
     def _answer(self, entry: Entry | None, source: str, now: float) -> Hit | None:
         if entry is None:
@@ -697,6 +844,6 @@ async def build_cache(settings: CacheSettings, hooks: CacheHooks, clock: Clock |
 
         circuit = Circuit(settings.circuit_failures, settings.circuit_open_s, clock, changed)
         cache.redis = RedisTier(settings.redis_url, settings.redis_timeout_ms / 1000, settings.redis_ttl_s,
-                                circuit, hooks)
+                                circuit, hooks, settings.redis_tracking)
         await cache.redis.start(max(0.25, settings.redis_timeout_ms / 1000))
     return cache

@@ -94,6 +94,9 @@ def _require_agent_extra(*modules: str) -> None:
       help="hard TTL: Redis expiry; older entries are gone")
 @_opt("--redis-timeout-ms", type=float, default=_D.redis_timeout_ms,
       help="budget of one Redis operation on a call's path (then the slow path answers)")
+@_opt("--redis-tracking/--no-redis-tracking", default=_D.redis_tracking,
+      help="keep a near copy of the Redis buckets read, kept true by Redis's invalidations (CLIENT TRACKING, "
+           "Redis >= 6): a miss in a bucket nobody else changed asks Redis nothing")
 @_opt("--circuit-failures", type=int, default=_D.circuit_failures,
       help="consecutive Redis failures or timeouts that open the circuit")
 @_opt("--circuit-open-s", type=float, default=_D.circuit_open_s,

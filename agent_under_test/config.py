@@ -66,6 +66,7 @@ class ServeOptions:
     cache_local_ttl_s: float = 60.0      # soft TTL: fresh this long, then "stale" + one refresh
     cache_redis_ttl_s: float = 3600.0    # hard TTL: Redis expiry; older entries are gone
     redis_timeout_ms: float = 5.0        # budget of one Redis operation on a call's path
+    redis_tracking: bool = True          # a near copy of the buckets read, kept true by Redis's invalidations
     circuit_failures: int = 5            # consecutive Redis failures/timeouts that open the circuit
     circuit_open_s: float = 2.0          # open this long, then half-open (one probe)
     dependency_threshold_ms: float = 10.0   # DependencySlow: Redis op P99 above this

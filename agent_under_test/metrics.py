@@ -28,7 +28,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A dependency's (Redis) operations: fine from 0.1 ms (a local hit) to 50 ms, plus an edge at the threshold.
 _DEPENDENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
                        0.015, 0.02, 0.03, 0.05, 0.1, 0.5)
-DEPENDENCY_OPS = ("get", "set")
+DEPENDENCY_OPS = ("get", "set", "ping")   # a lookup, a write batch, a health PING (cache.RedisTier)
 DEPENDENCY_ERRORS = ("timeout", "error")
 CACHE_RESULTS = ("hit_local", "hit_redis", "stale", "miss")
 CIRCUIT_STATES = ("closed", "half_open", "open")   # agent_dependency_circuit_state = the index

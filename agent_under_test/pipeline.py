@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from agent_under_test.batcher import Batcher
-from agent_under_test.cache import Hit, Probe, ResponseCache
+from agent_under_test.cache import AskRedis, Hit, Probe, ResponseCache
 from agent_under_test.features import Features, build_features
 from agent_under_test.hooks import Guard
 from agent_under_test.proto import agent_pb2
@@ -50,7 +50,9 @@ class Pipeline:
         cache_s = None
         if self._cache is not None:
             probe = self._cache.probe(snap.symbol, snap.position, feats)
-            hit = self._cache.lookup_local(probe) if self._cache.local_only else await self._cache.lookup(probe)
+            hit = self._cache.lookup_now(probe)
+            if isinstance(hit, AskRedis):        # the one case that awaits: a round trip to Redis
+                hit = await self._cache.lookup_redis(probe)
             cache_s = perf() - t2
             if hit is not None:
                 return self._from_cache(snap, feats, probe, hit, t1 - t0, t2 - t1, cache_s, received_ns)

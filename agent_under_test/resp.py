@@ -1,8 +1,14 @@
-"""A pipelined Redis connection in RESP2 on asyncio: the agent cache's Redis tier talks through it.
+"""A pipelined Redis connection on asyncio (RESP2, or RESP3 after HELLO 3): the agent cache's Redis tier
+talks through it.
 
     send(cmds) --> socket --> redis           a reply is matched to the oldest send still waiting;
     future <-- _Pending (FIFO) <-- replies    a send abandoned at its budget keeps its place in line
                                               and its reply is read and dropped when it comes
+    on_push <-- Push (RESP3 ">")              out-of-band messages (client tracking's invalidations)
+                                              answer no send: they go to on_push, in stream order
+
+A send's `then` sees its reply in stream order too, before anything read after it (a push that follows
+it included): what a reply says can be kept without a later invalidation slipping in between.
 
 Replies are bounded (MAX_REPLY_BYTES incomplete, MAX_REPLY_DEPTH nested): a reply past either closes the
 connection, and every send still waiting fails with ConnectionError.
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -84,13 +91,21 @@ class RedisReplyError(Exception):
     """Redis answered a command with an error reply (-ERR ...)."""
 
 
+class Push(list[object]):
+    """A RESP3 push message (">"): out of band, it answers no command."""
+
+
+Then = Callable[["RespConnection", object], None]
+
+
 class _Pending:
-    """The replies one send waits for (`left` of them): the last one answers, an error reply fails it."""
+    """The replies one send waits for (`left` of them): the last one answers, an error reply fails it;
+    `then` (if any) is given the last reply when it comes, abandoned or not, unless one was an error."""
 
-    __slots__ = ("future", "left", "error", "sent")
+    __slots__ = ("future", "left", "error", "sent", "then")
 
-    def __init__(self, future: asyncio.Future[object], left: int, sent: float) -> None:
-        self.future, self.left, self.sent = future, left, sent
+    def __init__(self, future: asyncio.Future[object], left: int, sent: float, then: Then | None) -> None:
+        self.future, self.left, self.sent, self.then = future, left, sent, then
         self.error: RedisReplyError | None = None
 
 
@@ -104,22 +119,26 @@ class RespConnection(asyncio.Protocol):
         self._waiting: deque[_Pending] = deque()
         self._buf = b""
         self.lost = False
+        self.on_push: Callable[[Push], None] | None = None   # None: pushes are read and dropped
+        self.on_lost: Callable[[RespConnection], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport   # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.on_lost is not None:
+            self.on_lost(self)
         while self._waiting:
             future = self._waiting.popleft().future
             if not future.done():
                 future.set_exception(ConnectionError(f"redis connection lost ({exc or 'closed'})"))
 
-    def send(self, payload: bytes, replies: int, now: float) -> asyncio.Future[object]:
-        """Write `payload` (`replies` commands); the future answers the last reply."""
+    def send(self, payload: bytes, replies: int, now: float, then: Then | None = None) -> asyncio.Future[object]:
+        """Write `payload` (`replies` commands); the future answers the last reply (see _Pending for `then`)."""
         assert self.transport is not None, "send() after connection_made()"
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Pending(future, replies, now))
+        self._waiting.append(_Pending(future, replies, now, then))
         self.transport.write(payload)
         return future
 
@@ -134,12 +153,26 @@ class RespConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
         pos, end = 0, len(buf)
+        waiting = self._waiting
         try:
             while pos < end:
+                # A write batch's replies but its last (":n" and "+OK", three per bucket) are counted,
+                # not parsed: nothing reads them.
+                if waiting and waiting[0].left > 1 and buf[pos] in _COUNTED:
+                    eol = buf.find(b"\r\n", pos)
+                    if eol < 0:
+                        break
+                    waiting[0].left -= 1
+                    pos = eol + 2
+                    continue
                 parsed = _parse(buf, pos)
                 if parsed is None:
                     break
                 reply, pos = parsed
+                if type(reply) is Push:
+                    if self.on_push is not None:
+                        self.on_push(reply)
+                    continue
                 self._answer(reply)
         except (ValueError, IndexError) as exc:   # not RESP, or a reply nothing asked for: drop the line
             _log.warning("redis: bad reply (%s); closing the connection", exc)
@@ -160,6 +193,8 @@ class RespConnection(asyncio.Protocol):
         if pending.left:
             return
         self._waiting.popleft()
+        if pending.then is not None and pending.error is None:
+            pending.then(self, reply)
         if pending.future.done():   # abandoned at its budget: its reply is read and dropped
             return
         if pending.error is not None:
@@ -169,16 +204,18 @@ class RespConnection(asyncio.Protocol):
 
 
 def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
-    """One RESP2 reply at `pos`: (value, the position after it), or None when it is not all here yet.
-    Bulk strings are bytes, arrays lists, errors RedisReplyError; ValueError for bytes that are not RESP
-    (arrays nested deeper than MAX_REPLY_DEPTH included: ours are at most two deep)."""
+    """One reply at `pos`: (value, the position after it), or None when it is not all here yet.
+    RESP2 and RESP3: bulk and verbatim strings are bytes, arrays and sets lists, maps flat lists (key,
+    value, ...), pushes Push, nulls None, errors RedisReplyError, attributes skipped (the reply they
+    annotate is returned). ValueError for bytes that are not RESP (aggregates nested deeper than
+    MAX_REPLY_DEPTH included: ours are at most two deep)."""
     if depth > MAX_REPLY_DEPTH:
         raise ValueError(f"arrays nested over {MAX_REPLY_DEPTH} deep")
     eol = buf.find(b"\r\n", pos)
     if eol < 0:
         return None
     kind, line = buf[pos], buf[pos + 1:eol]
-    if kind == 36:                                   # $ bulk string
+    if kind == 36 or kind == 61:                     # $ bulk string, = verbatim string (RESP3)
         n = int(line)
         if n < 0:
             return None, eol + 2
@@ -186,12 +223,13 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
         if start + n + 2 > len(buf):
             return None
         return buf[start:start + n], start + n + 2
-    if kind == 42:                                   # * array
+    if kind in _AGGREGATES:                          # * array; RESP3: ~ set, % map, > push, | attribute
         n = int(line)
-        items: list[object] = []
+        count = 2 * n if kind in (37, 124) else n    # a map's (and an attribute's) pairs
+        items: list[object] = Push() if kind == 62 else []
         pos = eol + 2
         end = len(buf)
-        for _ in range(max(n, 0)):
+        for _ in range(max(count, 0)):
             if pos < end and buf[pos] == 36:         # a bulk string, inline: an LRANGE reply is 32 of them
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
@@ -208,14 +246,38 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
                 return None
             item, pos = parsed
             items.append(item)
+        if kind == 124:                              # an attribute: the reply it annotates follows
+            return _parse(buf, pos, depth + 1)       # (deeper: a chain of them ends at the bound)
         return (items if n >= 0 else None), pos
     if kind == 43:                                   # + simple string
         return line, eol + 2
-    if kind == 58:                                   # : integer
+    if kind == 58 or kind == 40:                     # : integer, ( big number (RESP3)
         return int(line), eol + 2
     if kind == 45:                                   # - error
         return RedisReplyError(line.decode(errors="replace")), eol + 2
+    if kind == 95:                                   # _ null (RESP3)
+        if line:
+            raise ValueError("a null with a payload")
+        return None, eol + 2
+    if kind == 35:                                   # # boolean (RESP3)
+        if line not in (b"t", b"f"):
+            raise ValueError(f"boolean {line[:8]!r}")
+        return line == b"t", eol + 2
+    if kind == 44:                                   # , double (RESP3)
+        return float(line), eol + 2
+    if kind == 33:                                   # ! blob error (RESP3)
+        n = int(line)
+        start = eol + 2
+        if n < 0:
+            raise ValueError("a blob error of negative length")
+        if start + n + 2 > len(buf):
+            return None
+        return RedisReplyError(buf[start:start + n].decode(errors="replace")), start + n + 2
     raise ValueError(f"reply type {chr(kind)!r}")
+
+
+_AGGREGATES = frozenset(b"*~%>|")
+_COUNTED = frozenset(b":+")
 
 
 def command(*args: bytes | str | int) -> bytes:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from agent_under_test.cache import (
     CLOSED,
     HALF_OPEN,
     OPEN,
+    AskRedis,
     CacheSettings,
     Circuit,
     Entry,
@@ -202,12 +203,14 @@ class Client:
 
 
 def misses(n: int, client: Client, seed: int, budget_s: float = BUDGET_S) -> list[float]:
-    """`n` calls, each a book never seen before (so each looks in Redis); asserts each is answered in budget."""
-    sim = MarketSim(random.Random(seed), symbols=["ZZZ"])
+    """`n` calls, each a book never seen before of a symbol never seen before (so each looks in Redis:
+    a bucket the agent has read is held in its near copy); asserts each is answered in budget."""
     took = []
     for i in range(n):
+        symbol = f"Z{seed}N{i}"
+        sim = MarketSim(random.Random(seed * 1000 + i), symbols=[symbol])
         out, seconds = client.decide(sim.next(10_000 + i, ts_ns=TS + i))
-        assert out.sequence_id == 10_000 + i and out.symbol == "ZZZ"
+        assert out.sequence_id == 10_000 + i and out.symbol == symbol
         assert seconds < budget_s, f"call {i} took {seconds * 1000:.1f} ms"
         took.append(seconds)
     return took
@@ -510,7 +513,7 @@ def test_slow_then_gone_redis_costs_calls_at_most_the_budget_and_the_circuit_ope
             assert c.circuit() == ["open"]
             assert c.sample('agent_dependency_circuit_state{dependency="redis"}') == 2.0
             assert sum(c.sample(f'agent_dependency_errors_total{{dependency="redis",kind="timeout",op="{op}"}}')
-                       for op in ("get", "set")) >= 3       # writes count towards the circuit too
+                       for op in ("get", "set", "ping")) >= 3   # writes and health PINGs count too
             c.wait_for(lambda: any(e["alert"] == "DependencySlow" and e["to"] == "firing"
                                    for e in c.events("alert")))
         finally:
@@ -605,14 +608,15 @@ def test_broken_agents_show_their_cache_defects(redis_server: RedisServer):
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             for c in clients[1:]:
                 misses(5, c, seed=6)
-                assert c.circuit() == ["open"]
+                assert c.circuit()[:1] == ["open"] and c.circuit()[-1] == "open"   # (health PINGs probe it)
             time.sleep(1.5)                                # three periods with the circuit open
         finally:
             redis_server.resume()
         assert not any(e["alert"] == "DependencySlow" for e in clients[2].events("alert"))
         assert any(e["alert"] == "DependencySlow" and e["to"] == "firing" for e in clients[1].events("alert"))
+        clients[2].wait_for(lambda: clients[2].circuit()[-1] == "closed")   # the quiet one recovers ...
+        assert clients[2].circuit()[-2:] == ["half_open", "closed"]
         misses(3, clients[2], seed=7)
-        assert clients[2].circuit() == ["open", "half_open", "closed"]   # the quiet one recovers ...
         misses(3, clients[1], seed=7)
         assert clients[1].circuit() == ["open"]                          # ... the stuck one never tries again
         assert clients[1].sample('agent_dependency_circuit_state{dependency="redis"}') == 2.0
@@ -710,6 +714,7 @@ def test_resp_replies_split_anywhere_reach_the_sends_that_wait_for_them_in_order
 
 @pytest.mark.parametrize("reply", [b"$99999999\r\n" + b"x" * (5 << 20),   # a bulk string over the bound
                                    b"*1\r\n" * 10 + b":1\r\n",            # arrays nested 10 deep
+                                   b"|0\r\n" * 10 + b":1\r\n",            # a chain of RESP3 attributes
                                    b"?what\r\n"])                           # not RESP
 def test_a_hostile_reply_fails_the_waiting_send_and_closes_the_connection(reply: bytes) -> None:
     from agent_under_test.resp import RespConnection, command
@@ -748,7 +753,9 @@ def test_redis_tier_keeps_one_connection_through_abandoned_lookups_and_batches_i
     entries = [Entry(unit(1, i), (float(i),) * 5, "light", clock.wall()) for i in range(4)]
 
     async def run() -> None:
-        tier = RedisTier(redis_server.url, 0.05, 3600.0, Circuit(100, 1.0, clock), hooks)
+        # No near copy: every lookup here is a round trip (the copy has its own test).
+        tier = RedisTier(redis_server.url, 0.05, 3600.0, Circuit(100, 1.0, clock), hooks, tracking=False,
+                         health_s=None)
         assert await tier.start(1.0)
         conn = tier._conn
         for i, entry in enumerate(entries):                    # four writes within the linger: one round trip
@@ -852,12 +859,217 @@ def test_a_local_only_cache_answers_and_reports_the_same_without_an_await():
         cache.store(Probe("ACME|2|0", unit(1, 0)), (1.0,) * 5, "full")
     probes = [unit(1, 0), unit(0, 1), unit(1, 0)]
     sync, awaited = caches[0], caches[1]
-    assert sync.local_only and awaited.local_only
     got = []
     for i, v in enumerate(probes):
         clock.advance(0.6 * i)                             # the third is stale
-        a = sync.lookup_local(Probe("ACME|2|0", v))
+        a = sync.lookup_now(Probe("ACME|2|0", v))
+        assert not isinstance(a, AskRedis)                 # no Redis tier: never a round trip
         b = asyncio.run(awaited.lookup(Probe("ACME|2|0", v)))
         got.append((a.source if a else None, b.source if b else None))
     assert got == [("local", "local"), (None, None), ("stale", "stale")]
     assert sync.hooks.results == awaited.hooks.results == ["hit_local", "miss", "stale"]   # type: ignore[attr-defined]
+
+
+# -- the Redis tier's near copy (client tracking) -------------------------------------------------------
+
+async def _invalidated(tier: Any, key: bytes) -> None:
+    """Wait, bounded, for Redis's invalidation of `key` to reach `tier` (it is pushed as the change is made)."""
+    deadline = time.monotonic() + 5
+    while key in tier._near:
+        assert time.monotonic() < deadline, f"no invalidation of {key!r} came"
+        await asyncio.sleep(0.002)
+
+
+def _redis_command(port: int, *args: bytes) -> bytes:
+    """One command over a plain socket: a client that shares no code with the tier."""
+    from agent_under_test.resp import command
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(command(*args))
+        return s.recv(4096)
+
+
+@needs_redis
+def test_the_near_copy_answers_lookups_without_a_round_trip_until_redis_says_the_bucket_changed(
+        redis_server: RedisServer):
+    from agent_under_test.cache import KEY_PREFIX, Circuit, RedisTier
+
+    hooks = Recorded()
+    clock = FakeClock.at(1000.0)
+    e = [Entry(unit(1, i), (float(i),) * 5, "light", clock.wall()) for i in range(4)]
+    key = (KEY_PREFIX + "K").encode()
+
+    def gets() -> int:
+        return sum(op == "get" for op, _ in hooks.ops)
+
+    async def run() -> None:
+        tier = RedisTier(redis_server.url, 0.5, 3600.0, Circuit(100, 1.0, clock), hooks, health_s=None)
+        other = RedisTier(redis_server.url, 0.5, 3600.0, Circuit(100, 1.0, clock), Recorded(),   # another agent
+                          health_s=None)
+        try:
+            assert await tier.start(1.0) and await other.start(1.0)
+            assert tier.tracking_active
+
+            def find(i: int) -> Awaitable[Entry | None]:
+                return tier.find(Probe("K", e[i].vector), 0.99, clock.wall())
+
+            assert await find(0) is None and gets() == 1          # a round trip: the (empty) bucket is kept
+            assert await find(0) is None and gets() == 1          # the copy answers
+            tier.put("K", e[0])                                    # our own write invalidates nothing
+            assert tier._writer is not None                        # (NOLOOP) and is not in the copy: the
+            await tier._writer                                     # local tier holds our own entries
+            assert key in tier._near and await find(0) is None and gets() == 1 and tier.near_reads == 2
+
+            other.put("K", e[1])                                   # another agent's write to the bucket
+            assert other._writer is not None
+            await other._writer
+            await _invalidated(tier, key)
+            assert (await find(1)).output == e[1].output and gets() == 2   # read again: it is there  # type: ignore[union-attr]
+            assert (await find(0)).output == e[0].output and gets() == 2   # and ours, from the copy  # type: ignore[union-attr]
+            assert tier.find_near(Probe("K", e[1].vector), 0.99, clock.wall()) is not None   # no await
+
+            assert _redis_command(redis_server.port, b"LPUSH", b"elsewhere", b"x") == b":1\r\n"
+            assert _redis_command(redis_server.port, b"DEL", key) == b":1\r\n"   # a plain client deletes it
+            await _invalidated(tier, key)
+            assert await find(0) is None and gets() == 3
+            assert await find(1) is None and gets() == 3
+
+            other.put("K", e[2])
+            await other._writer
+            await _invalidated(tier, key)
+            assert await find(2) is not None and gets() == 4
+            assert await find(2) is not None and gets() == 4
+            tier.circuit.open()                                    # the copy serves only a closed circuit
+            assert isinstance(tier.find_near(Probe("K", e[2].vector), 0.99, clock.wall()), AskRedis)
+            tier.circuit.success()
+
+            assert _redis_command(redis_server.port, b"FLUSHALL") == b"+OK\r\n"   # a flush drops everything
+            await _invalidated(tier, key)
+            assert await find(2) is None and gets() == 5
+
+            redis_server.kill()                                    # gone: no copy, no tracking
+            deadline = time.monotonic() + 5
+            while tier.tracking_active:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert not tier._near
+            assert await find(2) is None and hooks.ops[-1] == ("get", "error")
+        finally:
+            await tier.close()
+            await other.close()
+
+    asyncio.run(run())
+
+
+@needs_redis
+def test_a_redis_that_refuses_client_tracking_still_serves_and_every_miss_asks_it(tmp_path: Path):
+    """Least privilege: an ACL without the CLIENT command (HELLO 3 is allowed, so the connection speaks
+    RESP3 from then on). The tier says it has no copy, and every lookup is a round trip that still hits."""
+    from agent_under_test.cache import Circuit, RedisTier
+
+    assert REDIS_SERVER is not None
+    port = free_port()
+    conf = tmp_path / "redis.conf"
+    conf.write_text("user default on nopass ~* &* +@all -client\n")   # (a conf line: the command line splits it)
+    proc = spawn([REDIS_SERVER, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                  "--appendonly", "no", "--dir", str(tmp_path)])
+    hooks = Recorded()
+    clock = FakeClock.at(1000.0)
+    entry = Entry(unit(1, 2), (2.0,) * 5, "light", clock.wall())
+
+    async def run() -> None:
+        tier = RedisTier(f"redis://127.0.0.1:{port}/0", 0.5, 3600.0, Circuit(100, 1.0, clock), hooks, health_s=None)
+        try:
+            deadline = time.monotonic() + 10
+            while not await tier.start(0.5):
+                assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+                tier.circuit.success()
+                await asyncio.sleep(0.05)
+            assert not tier.tracking_active
+            tier.put("K", entry)
+            assert tier._writer is not None
+            await tier._writer
+            for _ in range(2):
+                found = await tier.find(Probe("K", entry.vector), 0.99, clock.wall())
+                assert found is not None and found.output == entry.output
+            assert [op for op, error in hooks.ops if error is None] == ["set", "get", "get"]
+            assert tier.near_reads == 0
+        finally:
+            await tier.close()
+
+    try:
+        asyncio.run(run())
+        assert _redis_command(port, b"CLIENT", b"ID").startswith(b"-NOPERM")   # the ACL did refuse it
+    finally:
+        end_child(proc)
+
+
+def test_resp3_replies_and_pushes_are_read_in_stream_order() -> None:
+    """RESP3 types reach the sends that wait for them; pushes go to on_push, between them, in order; a
+    send's `then` sees its reply before anything read after it."""
+    from agent_under_test.resp import RedisReplyError, RespConnection, command
+
+    invalidate = b">2\r\n$10\r\ninvalidate\r\n*1\r\n$1\r\nk\r\n"
+    data = (b"%2\r\n+proto\r\n:3\r\n+modules\r\n*0\r\n" + invalidate + b"_\r\n" + b"#t\r\n" + b",1.5\r\n"
+            + b">2\r\n$10\r\ninvalidate\r\n_\r\n" + b"(12345678901234567890\r\n" + b"=7\r\ntxt:abc\r\n"
+            + b"~2\r\n:1\r\n:2\r\n" + b"|1\r\n+ttl\r\n:3\r\n:9\r\n" + b"!9\r\nERR blob!\r\n")
+    seen: list[object] = []
+
+    async def run() -> list[object]:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            _, conn = await asyncio.get_running_loop().create_connection(RespConnection, sock=ours)
+            conn.on_push = lambda push: seen.append(("push", list(push)))
+            sends = [conn.send(command("X"), 1, 0.0, then=lambda c, reply, i=i: seen.append((i, reply)))
+                     for i in range(9)]
+            for i in range(len(data)):                        # one byte at a time
+                theirs.sendall(data[i:i + 1])
+                await asyncio.sleep(0)
+            out = await asyncio.gather(*sends, return_exceptions=True)
+            conn.close()
+            return out
+
+    out = asyncio.run(run())
+    assert out[:8] == [[b"proto", 3, b"modules", []], None, True, 1.5, 12345678901234567890, b"txt:abc", [1, 2], 9]
+    assert isinstance(out[8], RedisReplyError) and str(out[8]) == "ERR blob!"
+    assert seen[:3] == [(0, [b"proto", 3, b"modules", []]), ("push", [b"invalidate", [b"k"]]), (1, None)]
+    assert seen[4:6] == [(3, 1.5), ("push", [b"invalidate", None])]
+    assert [s[0] for s in seen] == [0, "push", 1, 2, 3, "push", 4, 5, 6, 7]   # no `then` for an error reply
+
+
+@needs_redis
+def test_health_pings_measure_an_idle_redis_open_the_circuit_when_it_stalls_and_close_it_when_it_answers(
+        redis_server: RedisServer):
+    """No lookup, no write: the PINGs alone give DependencySlow its operations, open the circuit on a
+    stopped Redis and, as the half-open probe, close it again once Redis answers."""
+    from agent_under_test.cache import Circuit, RedisTier
+    from wire.clock import MonotonicClock
+
+    hooks = Recorded()
+
+    async def wait(what: Any, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"timed out: {hooks.ops[-5:]} {hooks.circuit}"
+            await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        circuit = Circuit(3, 0.3, MonotonicClock(), lambda old, new: hooks.on_circuit("redis", old, new))
+        tier = RedisTier(redis_server.url, 0.02, 3600.0, circuit, hooks, health_s=0.01)
+        try:
+            assert await tier.start(1.0)
+            await asyncio.sleep(0.3)
+            pings = [e for op, e in hooks.ops if op == "ping"]
+            assert 10 <= len(pings) <= 31 and set(pings) == {None}   # ~one per 10 ms of quiet, no more
+            redis_server.pause()
+            try:
+                await wait(lambda: hooks.circuit == [("closed", "open")])
+                assert ("ping", "timeout") in hooks.ops
+            finally:
+                redis_server.resume()
+            await wait(lambda: hooks.circuit[-1] == ("half_open", "closed"))
+            assert hooks.circuit == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]
+        finally:
+            await tier.close()
+        assert tier._health is not None and tier._health.done()
+
+    asyncio.run(run())

@@ -124,13 +124,13 @@ def test_the_cache_answers_alike_with_either_kernel(monkeypatch: pytest.MonkeyPa
         async def run() -> None:
             for i, feats in enumerate(books[:5]):                      # five books, a bucket of three
                 probe = c.probe("ACME", 0.0, feats)
-                out.append(c.lookup_local(probe))
+                out.append(c.lookup_now(probe))
                 c.store(probe, (float(i),) * 5, "light")
             for feats in books:                                          # the last three are kept; book 5 is new
-                hit = c.lookup_local(c.probe("ACME", 0.0, feats))
+                hit = c.lookup_now(c.probe("ACME", 0.0, feats))
                 out.append(hit.entry.output[0] if hit else None)
             c.store(c.probe("ACME", 0.0, books[4]), (9.0,) * 5, "full")  # the same book again: replaced
-            hit = c.lookup_local(c.probe("ACME", 0.0, books[4]))
+            hit = c.lookup_now(c.probe("ACME", 0.0, books[4]))
             out.append((hit.entry.output[0], hit.entry.tier, len(c.local)) if hit else None)
 
         asyncio.run(run())
