@@ -27,9 +27,10 @@ def calls(latency_s: float = 0.005, slow_from: float = 99.0, slow_s: float = 0.0
 
 
 def cache_samples(hit_share: dict[tuple[float, float], float] | None = None, ops_stop: tuple[float, float] | None = None,
-                  cache: bool = True, ops_after: bool = True) -> list[MetricSample]:
+                  cache: bool = True, ops_after: bool = True, pings: bool = False) -> list[MetricSample]:
     """Scrapes every 0.5 s: 100 lookups a second, hits at `hit_share` (by window; default 0.7), misses the
-    rest; Redis ops 60 a second, none in `ops_stop`, errors 0."""
+    rest; Redis ops 60 a second, none in `ops_stop`, errors 0; with `pings`, 40 health PINGs a second
+    throughout (not the cache path)."""
     shares = hit_share or {}
     out = []
     hits = miss = ops = 0.0
@@ -42,6 +43,8 @@ def cache_samples(hit_share: dict[tuple[float, float], float] | None = None, ops
                        'agent_cache_total{result="stale"}': 0.0, 'agent_cache_total{result="miss"}': miss}
             values |= {'agent_dependency_seconds_count{dependency="redis",op="get"}': ops,
                        'agent_dependency_errors_total{dependency="redis",kind="timeout",op="get"}': 0.0}
+            if pings:
+                values['agent_dependency_seconds_count{dependency="redis",op="ping"}'] = 20.0 * k
         out.append(MetricSample(t, values))
         hits += 50 * share
         miss += 50 * (1 - share)
@@ -190,7 +193,7 @@ OPENED = [circuit(10.2, "closed", "open"), circuit(12.2, "open", "half_open"), c
 
 def test_circuit_recovers_when_it_closes_after_the_fault_and_redis_answers() -> None:
     tl = timeline(events=[*OPENED, circuit(20.4, "open", "half_open"), circuit(20.41, "half_open", "closed")],
-                  samples=cache_samples(ops_stop=(10.0, 20.5)))
+                  samples=cache_samples(ops_stop=(10.0, 20.5), pings=True))
     v = run("circuit_recovers", tl, phase="slow", within_s=5.0)
     assert v.passed and not v.skipped, v.summary
     assert v.summary == ("the redis circuit closed at 20.4s, +0.4s after the fault was removed at 20.0s (allowed "
@@ -207,7 +210,7 @@ def test_circuit_recovers_fails_when_it_stays_open_or_redis_stays_unused() -> No
     v = run("circuit_recovers", late, phase="slow", within_s=5.0)
     assert not v.passed and v.summary.startswith("the redis circuit closed only at 26.0s, after the fault")
     unused = timeline(events=[*OPENED, circuit(20.41, "half_open", "closed")],
-                      samples=cache_samples(ops_after=False))
+                      samples=cache_samples(ops_after=False, pings=True))   # PINGs are not the cache path
     v = run("circuit_recovers", unused, phase="slow")
     assert not v.passed
     assert v.summary == ("the redis circuit closed at 20.4s but no redis operation succeeded after it: the cache "

@@ -371,14 +371,18 @@ class CircuitRecovers:
         return verdict(spec, True, f"the {dep} circuit closed at {closed_at:.1f}s, {after}{more}", **evidence)
 
     def _used(self, tl: Timeline, dep: str, since: float) -> dict[str, Any]:
-        """Redis operations answered (count less errors) and cache hits from `since` to the run's end."""
+        """The cache's Redis operations answered (count less errors; health PINGs, op="ping", are not the
+        cache path) and cache hits from `since` to the run's end."""
         seconds = _name(tl, "dependency_seconds", "agent_dependency_seconds") + "_count"
         errors = _name(tl, "dependency_errors", "agent_dependency_errors_total")
-        ops = counter_growth(tl, seconds, since, tl.duration_s + 60.0, dependency=dep)
+        end = tl.duration_s + 60.0
+        ops = counter_growth(tl, seconds, since, end, dependency=dep)
         if ops is None:
             return {"redis_ok": None, "note": f"no {seconds} samples: judged on the circuit alone"}
-        failed = counter_growth(tl, errors, since, tl.duration_s + 60.0, dependency=dep) or 0.0
-        counts = cache_counts(tl, since, tl.duration_s + 60.0) or {}
+        ops -= counter_growth(tl, seconds, since, end, dependency=dep, op="ping") or 0.0
+        failed = (counter_growth(tl, errors, since, end, dependency=dep) or 0.0) \
+            - (counter_growth(tl, errors, since, end, dependency=dep, op="ping") or 0.0)
+        counts = cache_counts(tl, since, end) or {}
         return {"redis_ok": ops - failed, "redis_failed": failed, "hits": sum(counts.get(r, 0.0) for r in HITS)}
 
 
