@@ -470,8 +470,9 @@ class RedisTier:
     Any failure (a timeout, an error, a lost connection) drops the copy: the next lookups read Redis,
     as without one. What the copy lacks or still holds is never a wrong answer: every row in it is an
     entry some agent computed, judged by its own age; the cost is a miss (our own entry, once the local
-    tier has evicted it) or a hit on an entry Redis has trimmed since. Redis refusing HELLO 3 or CLIENT TRACKING (older than 6, a
-    proxy, an ACL without them) leaves the tier without a copy, every miss one round trip, logged once."""
+    tier has evicted it) or a hit on an entry Redis has trimmed since. Redis refusing HELLO 3 or CLIENT
+    TRACKING (older than 6, a proxy, an ACL without them) leaves the tier without a copy, every miss one
+    round trip, logged once."""
 
     def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks,
                  tracking: bool = True, health_s: float | None = HEALTH_INTERVAL_S) -> None:
@@ -520,6 +521,7 @@ class RedisTier:
             await asyncio.sleep(interval_s)
             if time.monotonic() - self._last_sent >= interval_s:
                 await self._bounded("ping", partial(self._call, _PING, 1))
+
     async def _call(self, payload: bytes, replies: int, then: Then | None = None) -> object:
         """Send `payload` on the connection (made first if there is none) and wait for its last reply."""
         conn = self._conn
