@@ -620,7 +620,7 @@ class RedisTier:
     @property
     def tracking_active(self) -> bool:
         """Is the near copy in use (tracking asked for, and Redis agreed on the current connection)?"""
-        return self._tracked is not None and not self._tracked.lost
+        return self._tracked is not None      # (a lost connection unsets it: _lost)
 
     async def _bounded(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T | _Failed:
         """Run `call()` if the circuit allows, abandoning it at the budget; report it either way."""

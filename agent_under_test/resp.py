@@ -215,14 +215,17 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
     if eol < 0:
         return None
     kind, line = buf[pos], buf[pos + 1:eol]
-    if kind == 36 or kind == 61:                     # $ bulk string, = verbatim string (RESP3)
+    if kind in _LENGTHS:                             # $ bulk string; RESP3: = verbatim string, ! blob error
         n = int(line)
         if n < 0:
+            if kind == 33:
+                raise ValueError("a blob error of negative length")
             return None, eol + 2
         start = eol + 2
         if start + n + 2 > len(buf):
             return None
-        return buf[start:start + n], start + n + 2
+        data = buf[start:start + n]
+        return (RedisReplyError(data.decode(errors="replace")) if kind == 33 else data), start + n + 2
     if kind in _AGGREGATES:                          # * array; RESP3: ~ set, % map, > push, | attribute
         n = int(line)
         count = 2 * n if kind in (37, 124) else n    # a map's (and an attribute's) pairs
@@ -265,17 +268,10 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
         return line == b"t", eol + 2
     if kind == 44:                                   # , double (RESP3)
         return float(line), eol + 2
-    if kind == 33:                                   # ! blob error (RESP3)
-        n = int(line)
-        start = eol + 2
-        if n < 0:
-            raise ValueError("a blob error of negative length")
-        if start + n + 2 > len(buf):
-            return None
-        return RedisReplyError(buf[start:start + n].decode(errors="replace")), start + n + 2
     raise ValueError(f"reply type {chr(kind)!r}")
 
 
+_LENGTHS = frozenset(b"$=!")     # a length line, then that many bytes
 _AGGREGATES = frozenset(b"*~%>|")
 _COUNTED = frozenset(b":+")
 

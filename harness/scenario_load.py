@@ -62,8 +62,8 @@ AGENT_OPTIONS: dict[str, Param] = {
     # whose proxy's address the runner hands the agent as redis_url (so redis_url is not an option here).
     "cache": Param("choice:" + ",".join(CACHES)), "cache_threshold": Param("number"),
     "cache_local_ttl_s": Param("number"), "cache_redis_ttl_s": Param("number"),
-    "redis_timeout_ms": Param("number"), "redis_tracking": Param("bool"), "circuit_failures": Param("int"), "circuit_open_s": Param("number"),
-    "dependency_threshold_ms": Param("number"),
+    "redis_timeout_ms": Param("number"), "redis_tracking": Param("bool"), "circuit_failures": Param("int"),
+    "circuit_open_s": Param("number"), "dependency_threshold_ms": Param("number"),
 }
 _TOP = {"name", "description", "seed", "target", "traffic", "phases", "expect", "proxy", "faults", "prometheus",
         "dependencies"}

@@ -376,12 +376,16 @@ class CircuitRecovers:
         seconds = _name(tl, "dependency_seconds", "agent_dependency_seconds") + "_count"
         errors = _name(tl, "dependency_errors", "agent_dependency_errors_total")
         end = tl.duration_s + 60.0
-        ops = counter_growth(tl, seconds, since, end, dependency=dep)
+
+        def cache_path(name: str) -> float | None:   # `name`'s growth, the PINGs' left out
+            grown = counter_growth(tl, name, since, end, dependency=dep)
+            return None if grown is None else grown - (counter_growth(tl, name, since, end, dependency=dep, op="ping")
+                                                       or 0.0)
+
+        ops = cache_path(seconds)
         if ops is None:
             return {"redis_ok": None, "note": f"no {seconds} samples: judged on the circuit alone"}
-        ops -= counter_growth(tl, seconds, since, end, dependency=dep, op="ping") or 0.0
-        failed = (counter_growth(tl, errors, since, end, dependency=dep) or 0.0) \
-            - (counter_growth(tl, errors, since, end, dependency=dep, op="ping") or 0.0)
+        failed = cache_path(errors) or 0.0
         counts = cache_counts(tl, since, end) or {}
         return {"redis_ok": ops - failed, "redis_failed": failed, "hits": sum(counts.get(r, 0.0) for r in HITS)}
 
