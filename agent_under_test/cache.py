@@ -24,7 +24,7 @@ most MAX_REFRESHES in all); past the hard TTL it is gone.
 Redis is optional: every operation has a budget (`timeout_s`), a circuit breaker stops trying after
 `failures` consecutive failures or timeouts for `open_s` (then one probe), reads in flight are bounded,
 and writes are fire-and-forget: queued (at most MAX_PENDING_WRITES) for one background writer that sends
-them WRITE_BATCH to a round trip, after WRITE_LINGER_S for others to join. A slow or dead Redis costs a
+them WRITE_BATCH to a round trip, after up to WRITE_LINGER_S for others to join. A slow or dead Redis costs a
 call at most the budget. Every operation goes over one pipelined connection (resp.RespConnection): an
 operation abandoned at its budget leaves its reply to be read and dropped, not a connection to remake.
 
@@ -77,7 +77,9 @@ WRITE_LINGER_S = 0.1        # a write waits this long for others to join it: at 
                             # trip instead of 1. A round trip costs the agent ~100 us of CPU (a send, a
                             # wake-up, a read: syscalls are dear in a VM), ~6 us per entry at 20 ms; what
                             # another agent may miss meanwhile is 100 ms of answers, of entries that live 60 s
-HEALTH_INTERVAL_S = 0.025  # a PING when nothing else went to Redis this long (see RedisTier._keep_measured)
+WRITE_EARLY_S = 0.08        # a write this far into the linger sends the batch (RedisTier._linger)
+HEALTH_INTERVAL_S = 0.025  # a lookup sends a PING when nothing else went to Redis this long (RedisTier.tick)
+IDLE_HEALTH_S = 1.0         # without lookups, a timer sends one this often (see RedisTier._keep_measured)
 NEAR_MAX_BYTES = 16 << 20  # the Redis tier's near copy (rows of the buckets read), least recently used out
 KEY_PREFIX = "shadowtest:agent:cache:"
 _SAME = 0.999999            # an entry this similar to a new one is the same book: the new one replaces it
@@ -456,7 +458,7 @@ class RedisTier:
     """The shared long-term tier: one Redis list per bucket (newest first, PER_BUCKET long, expiring
     after the hard TTL), over one pipelined connection (RespConnection). Every operation goes through
     `_bounded`: circuit, budget, metrics (op "get": one lookup, LRANGE; op "set": one write batch, LPUSH,
-    LTRIM, EXPIRE per bucket; op "ping": a health PING, see _keep_measured).
+    LTRIM, EXPIRE per bucket; op "ping": a health PING, see tick).
 
     The near copy (`tracking`, Redis >= 6). A lookup's round trip is most of what a Redis miss costs
     the agent (~50 us of CPU in asyncio and syscalls against ~10 us for the rest of the cache). So the
@@ -475,10 +477,12 @@ class RedisTier:
     round trip, logged once."""
 
     def __init__(self, url: str, timeout_s: float, ttl_s: float, circuit: Circuit, hooks: CacheHooks,
-                 tracking: bool = True, health_s: float | None = HEALTH_INTERVAL_S) -> None:
+                 tracking: bool = True, health_s: float | None = HEALTH_INTERVAL_S,
+                 idle_health_s: float = IDLE_HEALTH_S) -> None:
         self.timeout_s, self.ttl_s, self.circuit, self.hooks = timeout_s, ttl_s, circuit, hooks
-        self.tracking, self.health_s = tracking, health_s
+        self.tracking, self.health_s, self.idle_health_s = tracking, health_s, idle_health_s
         self._health: asyncio.Task[None] | None = None
+        self._ping: asyncio.Task[object] | None = None
         self._last_sent = 0.0
         self._tracked: RespConnection | None = None     # the connection whose invalidations keep the copy true
         self._near: OrderedDict[bytes, list[bytes]] = OrderedDict()   # bucket key -> its rows, newest first
@@ -494,13 +498,15 @@ class RedisTier:
         self.reads = 0
         self._pending: deque[tuple[bytes, bytes]] = deque()
         self._writer: asyncio.Task[None] | None = None
+        self._soon: asyncio.Future[None] | None = None   # the writer's linger, ended early by put()
+        self._lingering_since = 0.0
         self.dropped_writes = 0
 
     async def start(self, timeout_s: float) -> bool:
         """PING within `timeout_s`; on failure the circuit opens (the agent starts all the same). Then the
-        health PINGs start (`health_s`, see _keep_measured)."""
+        idle health PINGs start (see tick and _keep_measured)."""
         if self.health_s is not None and self._health is None:
-            self._health = asyncio.get_running_loop().create_task(self._keep_measured(self.health_s))
+            self._health = asyncio.get_running_loop().create_task(self._keep_measured(self.idle_health_s))
         try:
             async with asyncio.timeout(timeout_s):
                 await self._call(_PING, 1)
@@ -510,13 +516,24 @@ class RedisTier:
             return False
         return True
 
+    def tick(self) -> None:
+        """Every lookup calls this: a health PING (op "ping": within the budget, counted by the circuit,
+        in the histogram) when nothing else went to Redis for `health_s`. With the near copy most misses
+        ask Redis nothing and the writes go out every 100 ms: without these, a busy period has too few
+        operations for DependencySlow to judge (it could fire and never resolve), and a slow Redis would
+        show only in the writes. With an open circuit the PING is skipped until it half-opens; then it
+        is the probe. ~40 a second at most. A PING rides on a lookup, not a timer: in a VM a wake-up
+        from idle costs ~100-200 us of CPU, more than the PING, and a call has woken the loop already."""
+        if self.health_s is None:
+            return
+        now = time.monotonic()
+        if now - self._last_sent >= self.health_s and (self._ping is None or self._ping.done()):
+            self._last_sent = now
+            self._ping = asyncio.get_running_loop().create_task(self._bounded("ping", partial(self._call, _PING, 1)))
+
     async def _keep_measured(self, interval_s: float) -> None:
-        """A PING (op "ping", within the budget, counted by the circuit) whenever nothing else went to
-        Redis for `interval_s`. With the near copy most misses ask Redis nothing and the writes go out
-        every 100 ms: without these, a quiet period has too few operations for DependencySlow to judge
-        (it could fire and never resolve), and a slow Redis would show only in the writes. With an open
-        circuit the PING is skipped until it half-opens; then it is the probe, so the circuit closes again
-        without waiting for a call. ~40 a second at most, ~50 us of CPU each."""
+        """Without lookups (an agent without calls), a PING whenever nothing went to Redis for
+        `interval_s`: the circuit still half-opens and closes, and the dependency stays measured."""
         while True:
             await asyncio.sleep(interval_s)
             if time.monotonic() - self._last_sent >= interval_s:
@@ -686,23 +703,44 @@ class RedisTier:
 
     def put(self, key: str, entry: Entry) -> None:
         """Queue a write for the one background writer (fire-and-forget); dropped when MAX_PENDING_WRITES
-        wait already. Writes made while the writer is busy go together in its next round trip."""
-        if len(self._pending) >= MAX_PENDING_WRITES:
+        wait already. Writes made while the writer lingers or is busy go together in its next round trip;
+        a put that finds the oldest waiting WRITE_EARLY_S (or a full batch) sends them now (see _linger)."""
+        pending = self._pending
+        if len(pending) >= MAX_PENDING_WRITES:
             self.dropped_writes += 1
             return
-        self._pending.append(((KEY_PREFIX + key).encode(), pack_entry(entry)))
+        pending.append(((KEY_PREFIX + key).encode(), pack_entry(entry)))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._drain())
+        elif (soon := self._soon) is not None and not soon.done() and (
+                len(pending) >= WRITE_BATCH or time.monotonic() - self._lingering_since >= WRITE_EARLY_S):
+            soon.set_result(None)
 
     async def _drain(self) -> None:
-        """Write what is queued, WRITE_BATCH entries per round trip, until nothing is; a batch the circuit
-        or Redis refuses is dropped (the cache is an optimisation: nothing retries)."""
-        await asyncio.sleep(WRITE_LINGER_S)   # let the writes of the next few ms join the first batch
+        """Write what is queued, WRITE_BATCH entries per round trip, until nothing is, lingering while
+        less than a batch waits; a batch the circuit or Redis refuses is dropped (the cache is an
+        optimisation: nothing retries)."""
         while self._pending:
+            if len(self._pending) < WRITE_BATCH:
+                await self._linger()
             batch = [self._pending.popleft() for _ in range(min(WRITE_BATCH, len(self._pending)))]
             payload, replies = self._push_commands(batch)
             if isinstance(await self._bounded("set", partial(self._call, payload, replies)), _Failed):
                 self.dropped_writes += len(batch)
+
+    async def _linger(self) -> None:
+        """Wait WRITE_LINGER_S for more writes to join, or until a put() ends the wait: one that comes
+        WRITE_EARLY_S into it, or fills a batch. While calls flow, a call sends the batch and the timer
+        never fires: in a VM a timer's wake-up from idle costs more CPU than the round trip."""
+        self._lingering_since = time.monotonic()
+        self._soon = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(WRITE_LINGER_S):
+                await self._soon
+        except TimeoutError:
+            pass
+        finally:
+            self._soon = None
 
     def _push_commands(self, batch: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
         """LPUSH (the last value ends up first: newest first), LTRIM, EXPIRE per key, as one payload."""
@@ -722,7 +760,7 @@ class RedisTier:
         must not hold up the agent's shutdown)."""
         self._pending.clear()
         self._forget()
-        tasks = [t for t in (self._writer, self._connecting, self._health) if t is not None]
+        tasks = [t for t in (self._writer, self._connecting, self._health, self._ping) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -767,9 +805,13 @@ class ResponseCache:
         now = self.clock.wall()
         s = self.settings
         entry = self.local.find(probe, s.threshold, now, s.redis_ttl_s)
-        if entry is not None or self.redis is None:
+        redis = self.redis
+        if redis is None:
             return self._answer(entry, "local", now)
-        near = self.redis.find_near(probe, s.threshold, now)
+        redis.tick()
+        if entry is not None:
+            return self._answer(entry, "local", now)
+        near = redis.find_near(probe, s.threshold, now)
         if isinstance(near, AskRedis):
             return near
         return self._from_redis(probe, near, now)

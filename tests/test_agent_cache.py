@@ -1039,7 +1039,7 @@ def test_resp3_replies_and_pushes_are_read_in_stream_order() -> None:
 @needs_redis
 def test_health_pings_measure_an_idle_redis_open_the_circuit_when_it_stalls_and_close_it_when_it_answers(
         redis_server: RedisServer):
-    """No lookup, no write: the PINGs alone give DependencySlow its operations, open the circuit on a
+    """No lookup, no write: the idle PINGs alone give DependencySlow its operations, open the circuit on a
     stopped Redis and, as the half-open probe, close it again once Redis answers."""
     from agent_under_test.cache import Circuit, RedisTier
     from wire.clock import MonotonicClock
@@ -1054,7 +1054,7 @@ def test_health_pings_measure_an_idle_redis_open_the_circuit_when_it_stalls_and_
 
     async def run() -> None:
         circuit = Circuit(3, 0.3, MonotonicClock(), lambda old, new: hooks.on_circuit("redis", old, new))
-        tier = RedisTier(redis_server.url, 0.02, 3600.0, circuit, hooks, health_s=0.01)
+        tier = RedisTier(redis_server.url, 0.02, 3600.0, circuit, hooks, health_s=0.01, idle_health_s=0.01)
         try:
             assert await tier.start(1.0)
             await asyncio.sleep(0.3)
@@ -1071,5 +1071,79 @@ def test_health_pings_measure_an_idle_redis_open_the_circuit_when_it_stalls_and_
         finally:
             await tier.close()
         assert tier._health is not None and tier._health.done()
+
+    asyncio.run(run())
+
+
+@needs_redis
+def test_health_pings_ride_on_lookups_one_per_quiet_interval_and_none_without_them(redis_server: RedisServer):
+    """While lookups come, the PINGs go out from them (tick), one per `health_s` of quiet, not from a
+    timer (whose wake-up from idle costs more CPU than the PING); without lookups only the idle timer's."""
+    from agent_under_test.cache import Circuit, RedisTier
+    from wire.clock import MonotonicClock
+
+    hooks = Recorded()
+
+    async def run() -> None:
+        tier = RedisTier(redis_server.url, 0.5, 3600.0, Circuit(3, 1.0, MonotonicClock()), hooks,
+                         health_s=0.02, idle_health_s=60.0)
+        try:
+            assert await tier.start(1.0)
+            start = len(hooks.ops)
+            await asyncio.sleep(0.3)                     # no lookups: the idle timer is 60 s away
+            assert hooks.ops[start:] == []
+            began = time.monotonic()
+            while time.monotonic() - began < 0.4:        # lookups every ~2 ms for 0.4 s
+                tier.tick()
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.05)
+            pings = [e for op, e in hooks.ops[start:] if op == "ping"]
+            assert set(pings) == {None} and 10 <= len(pings) <= 21   # ~one per 20 ms of quiet, never more
+            tier._last_sent = time.monotonic()
+            tier.tick()                                  # something went to Redis just now: no PING
+            await asyncio.sleep(0.05)
+            assert len([op for op, _ in hooks.ops[start:] if op == "ping"]) == len(pings)
+        finally:
+            await tier.close()
+
+    asyncio.run(run())
+
+
+@needs_redis
+def test_writes_linger_for_company_and_a_later_put_or_a_full_batch_sends_them_without_the_timer(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch):
+    """A lone write waits the linger; a put WRITE_EARLY_S into it, or one that fills a batch, sends what
+    waits at once, in one round trip (while calls flow, the linger's timer never wakes the loop)."""
+    from agent_under_test import cache as cache_mod
+    from agent_under_test.cache import Circuit, Entry, RedisTier
+    from wire.clock import MonotonicClock
+
+    monkeypatch.setattr(cache_mod, "WRITE_LINGER_S", 30.0)   # the timer would fire long after the test
+    monkeypatch.setattr(cache_mod, "WRITE_EARLY_S", 0.05)
+    monkeypatch.setattr(cache_mod, "WRITE_BATCH", 4)
+    hooks = Recorded()
+    entry = Entry(b"\x00" * 8, (1.0,), "light", time.time())
+
+    def llen(key: str) -> bytes:
+        return _redis_command(redis_server.port, b"LLEN", (cache_mod.KEY_PREFIX + key).encode())
+
+    async def run() -> None:
+        tier = RedisTier(redis_server.url, 0.5, 3600.0, Circuit(3, 1.0, MonotonicClock()), hooks, health_s=None)
+        try:
+            assert await tier.start(1.0)
+            tier.put("early|1|0", entry)
+            await asyncio.sleep(0.2)                         # alone, it lingers
+            assert [op for op, _ in hooks.ops].count("set") == 0 and tier._writer is not None
+            tier.put("early|1|0", entry)                     # 0.2 s > WRITE_EARLY_S into the linger: sent now
+            await asyncio.wait_for(tier._writer, 5.0)
+            assert [op for op, _ in hooks.ops].count("set") == 1
+            assert llen("early|1|0") == b":2\r\n"
+            for i in range(4):                               # a full batch goes at once, however young
+                tier.put(f"full|{i}|0", entry)
+            await asyncio.wait_for(tier._writer, 5.0)
+            assert [op for op, _ in hooks.ops].count("set") == 2
+            assert [llen(f"full|{i}|0") for i in range(4)] == [b":1\r\n"] * 4
+        finally:
+            await tier.close()
 
     asyncio.run(run())
