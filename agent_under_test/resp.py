@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,13 +170,16 @@ class RespConnection(asyncio.Protocol):
         try:
             while pos < end:
                 # A write batch's replies but its last (":n" and "+OK", three per bucket) are counted,
-                # not parsed: nothing reads them.
-                if waiting and waiting[0].left > 1 and buf[pos] in _COUNTED:
-                    eol = buf.find(b"\r\n", pos)
-                    if eol < 0:
-                        break
-                    waiting[0].left -= 1
-                    pos = eol + 2
+                # not parsed: nothing reads them. A run of them is found and counted in C (a batch of 100
+                # entries has ~300: one by one in Python they cost ~150 us a batch).
+                if (waiting and (left := waiting[0].left) > 1 and buf[pos] in _COUNTED
+                        and (run := _SIMPLE_LINES.match(buf, pos)) is not None):   # (None: not all here yet)
+                    stop = run.end()
+                    lines = buf.count(b"\r\n", pos, stop)
+                    for _ in range(lines - (left - 1)):  # not this send's last reply, nor the next send's
+                        stop = buf.rfind(b"\r\n", pos, stop - 2) + 2
+                    waiting[0].left -= min(lines, left - 1)
+                    pos = stop
                     continue
                 parsed = _parse(buf, pos)
                 if parsed is None:
@@ -291,6 +295,7 @@ def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
 _LENGTHS = frozenset(b"$=!")     # a length line, then that many bytes
 _AGGREGATES = frozenset(b"*~%>|")
 _COUNTED = frozenset(b":+")
+_SIMPLE_LINES = re.compile(rb"(?:[:+][^\r\n]*\r\n)+")   # integers and simple strings, one line each
 
 
 def command(*args: bytes | str | int) -> bytes:

@@ -1222,3 +1222,34 @@ def test_writes_linger_for_company_and_a_later_put_or_a_full_batch_sends_them_wi
             await tier.close()
 
     asyncio.run(run())
+
+
+def test_a_write_batch_s_one_line_replies_are_counted_in_runs_split_anywhere_and_the_next_sends_keep_theirs():
+    """A batch's replies but its last are counted in runs (not parsed one by one): wherever the stream
+    splits, each send gets its own last reply, an error in a batch fails only that batch, and the
+    replies that follow a batch in the same read (its last, the next sends') are not swallowed."""
+    from agent_under_test.resp import RedisReplyError, RespConnection
+
+    data = (b":1\r\n+OK\r\n:1\r\n:2\r\n+OK\r\n:9\r\n"    # a batch of six (LPUSH, LTRIM, EXPIRE x 2): its last is 9
+            b"+PONG\r\n"                                 # a PING
+            b":1\r\n-ERR wrong type\r\n:1\r\n"           # a batch of three with an error in it
+            b"*1\r\n$1\r\nx\r\n"                         # a lookup
+            b":5\r\n+OK\r\n:1\r\n")                      # a batch of three: 1
+
+    async def run(split: int) -> list[object]:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            _, conn = await asyncio.get_running_loop().create_connection(RespConnection, sock=ours)
+            sends = [conn.send(b"", 6, 0.0), conn.send(b"", 1, 0.0), conn.send(b"", 3, 0.0),
+                     conn.send(b"", 1, 0.0), conn.send(b"", 3, 0.0)]
+            for part in (data[:split], data[split:]):
+                if part:
+                    theirs.sendall(part)
+                    await asyncio.sleep(0.001)
+            out = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 5.0)
+            conn.close()
+            await asyncio.sleep(0)
+            return [type(o).__name__ if isinstance(o, RedisReplyError) else o for o in out]
+
+    for split in range(len(data) + 1):
+        assert asyncio.run(run(split)) == [9, b"PONG", "RedisReplyError", [b"x"], 1], f"split at {split}"
