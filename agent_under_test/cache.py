@@ -3,7 +3,7 @@
     request -> parse -> features -> probe (bucket key + unit vector)
         |-- local tier (in-process LRU)       hit: answer now ("local", or "stale" + one background refresh)
         |-- Redis tier (budget, circuit)      hit: answer now ("redis" / "stale"), copied into the local tier
-    |   (its near copy, once read whole, answers without a round trip: client tracking keeps it true)
+    |   (its near copy answers buckets nobody else changed since they were read: no round trip)
         `-- miss: batcher -> model -> answer; stored locally at once, in Redis fire-and-forget
 
 What is cached is the model's output row and tier, never a whole Decision: a hit still runs the risk
@@ -31,7 +31,7 @@ operation abandoned at its budget leaves its reply to be read and dropped, not a
 Cost. A miss is on every uncached call's path: its vector work is two compiled calls (similarity.py;
 as numpy calls, 2-4 us each in a serving agent whose caches the model has just evicted, a local miss
 cost ~40 us); a Redis lookup is one round trip on the pipelined connection (RespConnection), or none
-while the tier's near copy of Redis is complete (RedisTier: client tracking keeps it true).
+in a bucket the tier holds a near copy of (RedisTier: client tracking keeps it true).
 """
 
 from __future__ import annotations
@@ -81,11 +81,6 @@ WRITE_EARLY_S = 0.08        # a write this far into the linger sends the batch (
 HEALTH_INTERVAL_S = 0.025  # a lookup sends a PING when nothing else went to Redis this long (RedisTier.tick)
 IDLE_HEALTH_S = 1.0         # without lookups, a timer sends one this often (see RedisTier._keep_measured)
 NEAR_MAX_BYTES = 16 << 20  # the Redis tier's near copy (rows of the buckets read), least recently used out
-NEAR_MAX_KEYS = 1 << 16    # buckets the near copy knows of (held or not); beyond that it is not complete
-WARM_EVERY_S = 5.0         # the near copy is read whole (RedisTier._warm) at most this often
-WARM_SCANS = 256           # SCAN round trips (COUNT WARM_COUNT keys examined each) before a warm gives up
-WARM_COUNT = 1000
-WARM_CHUNK = 256           # buckets read per round trip while warming
 KEY_PREFIX = "shadowtest:agent:cache:"
 _SAME = 0.999999            # an entry this similar to a new one is the same book: the new one replaces it
 _TIERS = TIERS   # an entry stores its tier as an index into this (FULL 0, LIGHT 1)
@@ -474,12 +469,8 @@ class RedisTier:
     (find_near: no await either). Replies and pushes arrive in one ordered stream, and a read's rows are
     kept as its reply is parsed (RespConnection `then`), so no invalidation can slip between the two.
     Our own writes invalidate nothing (NOLOOP) and are not added to the copy: the local tier holds them.
-    The copy is read whole in the background (_warm: SCAN, then the rows), and a key another client
-    writes later comes as an invalidation (BCAST covers keys never read): then it knows every bucket in
-    Redis (`_complete`; those it has no room for, or whose rows changed, in `_unknown`), and a lookup in
-    a bucket it does not know asks Redis nothing either, so no miss needs a round trip. Any failure (a
-    timeout, an error, a lost connection) drops the copy: the next lookups read Redis, as without one,
-    until it has been read whole again. What the copy lacks or still holds is never a wrong answer: every row in it is an
+    Any failure (a timeout, an error, a lost connection) drops the copy: the next lookups read Redis,
+    as without one. What the copy lacks or still holds is never a wrong answer: every row in it is an
     entry some agent computed, judged by its own age; the cost is a miss (our own entry, once the local
     tier has evicted it) or a hit on an entry Redis has trimmed since. Redis refusing HELLO 3 or CLIENT
     TRACKING (older than 6, a proxy, an ACL without them) leaves the tier without a copy, every miss one
@@ -496,12 +487,6 @@ class RedisTier:
         self._tracked: RespConnection | None = None     # the connection whose invalidations keep the copy true
         self._near: OrderedDict[bytes, list[bytes]] = OrderedDict()   # bucket key -> its rows, newest first
         self._near_bytes = 0
-        self._unknown: set[bytes] = set()               # bucket keys in Redis whose rows the copy lacks
-        self._complete = False                          # _near and _unknown name every key in Redis (ours aside)
-        self._epoch = 0                                 # bumped whenever the copy loses what it knew (_forget)
-        self._warming: asyncio.Task[None] | None = None
-        self._warm_due = False
-        self._next_warm = 0.0
         self.near_reads = 0                             # lookups the copy answered (no round trip)
         self._refused_logged = False
         self.address = parse_url(url)
@@ -612,8 +597,6 @@ class RedisTier:
         self._forget()
         conn.on_push, conn.on_lost = self._invalidated, self._lost
         self._tracked = conn
-        self._next_warm = 0.0          # a new connection: warm at once (then at most every WARM_EVERY_S)
-        self._start_warm()
 
     def _lost(self, conn: RespConnection) -> None:
         if conn is self._tracked:
@@ -621,18 +604,11 @@ class RedisTier:
             self._forget()
 
     def _forget(self) -> None:
-        """The copy no longer knows Redis (a failure, a lost connection, a flush): empty it; the next
-        lookup or connection reads it whole again (_warm), at most every WARM_EVERY_S."""
         self._near.clear()
         self._near_bytes = 0
-        self._unknown.clear()
-        self._complete = False
-        self._epoch += 1
-        self._warm_due = True
 
     def _invalidated(self, push: Push) -> None:
-        """Redis's word that keys changed: ["invalidate", [key, ...]], or None for all (a flush). A key
-        changed by another client is in Redis (or was): its rows, if held, go, and it is known to exist."""
+        """Redis's word that keys changed: ["invalidate", [key, ...]], or None for all (a flush)."""
         if len(push) < 2 or push[0] != b"invalidate":
             return
         keys = push[1]
@@ -640,84 +616,23 @@ class RedisTier:
             self._forget()
         elif isinstance(keys, list):
             for key in keys:
-                if not isinstance(key, bytes):
-                    continue
-                rows = self._near.pop(key, None)
+                rows = self._near.pop(key, None) if isinstance(key, bytes) else None
                 if rows is not None:
                     self._near_bytes -= _size(rows)
-                self._unknown.add(key)
-            if len(self._unknown) > NEAR_MAX_KEYS:
-                self._forget()
 
     def _keep(self, key: bytes, conn: RespConnection, reply: object) -> None:
-        """A read's reply, as it is parsed: keep its rows in the near copy (see the class); a bucket
-        pushed out for room stays known to exist."""
+        """A lookup's reply, as it is parsed: keep its rows in the near copy (see the class)."""
         if conn is not self._tracked or not isinstance(reply, list):
             return
         rows = [row for row in reply[:PER_BUCKET] if isinstance(row, bytes)]
         old = self._near.pop(key, None)
         if old is not None:
             self._near_bytes -= _size(old)
-        self._unknown.discard(key)
         self._near[key] = rows
         self._near_bytes += _size(rows)
         while self._near_bytes > NEAR_MAX_BYTES and self._near:
-            evicted_key, evicted = self._near.popitem(last=False)
+            _, evicted = self._near.popitem(last=False)
             self._near_bytes -= _size(evicted)
-            self._unknown.add(evicted_key)
-
-    def _start_warm(self) -> None:
-        now = time.monotonic()
-        if (self._tracked is None or self.circuit.state != CLOSED or now < self._next_warm
-                or (self._warming is not None and not self._warming.done())):
-            return
-        self._warm_due = False
-        self._next_warm = now + WARM_EVERY_S
-        self._warming = asyncio.get_running_loop().create_task(self._warm(self._tracked))
-
-    async def _warm(self, conn: RespConnection) -> None:
-        """Read the copy whole, in the background: SCAN for every key under our prefix (tracking is on
-        already, so a key that another client makes meanwhile comes as an invalidation), then their
-        rows, WARM_CHUNK buckets a round trip, as long as they fit NEAR_MAX_BYTES (the rest known to
-        exist). Then the copy is complete: a lookup in a bucket it does not know asks Redis nothing,
-        since nobody but this agent wrote there, and the local tier holds what this agent wrote. Gives
-        up, the copy left partial, past WARM_SCANS round trips or NEAR_MAX_KEYS keys, on any failure,
-        and when the copy forgets meanwhile. Not on any call's path: neither budgeted nor measured."""
-        epoch = self._epoch
-        keys: list[bytes] = []
-        cursor = b"0"
-        try:
-            for _ in range(WARM_SCANS):
-                async with asyncio.timeout(self.backstop):
-                    reply = await conn.send(command("SCAN", cursor, "MATCH", KEY_PREFIX + "*", "COUNT", WARM_COUNT),
-                                            1, time.monotonic())
-                if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], bytes)
-                        and isinstance(reply[1], list)):
-                    raise ValueError(f"SCAN answered {str(reply)[:80]}")
-                cursor = reply[0]
-                keys += [k for k in reply[1] if isinstance(k, bytes)]
-                if len(keys) > NEAR_MAX_KEYS or epoch != self._epoch:
-                    return
-                if cursor == b"0":
-                    break
-            else:
-                return
-            keys = list(dict.fromkeys(keys))     # SCAN may name a key twice
-            for start in range(0, len(keys), WARM_CHUNK):
-                if self._near_bytes >= NEAR_MAX_BYTES // 2:   # no room to read more: the rest are known
-                    self._unknown.update(k for k in keys[start:] if k not in self._near)
-                    break
-                chunk = keys[start:start + WARM_CHUNK]
-                async with asyncio.timeout(self.backstop):
-                    await conn.send_all([(with_key(_LRANGE, k, _TO_LAST), partial(self._keep, k)) for k in chunk],
-                                        time.monotonic())
-                if epoch != self._epoch:
-                    return
-        except (TimeoutError, RedisReplyError, OSError, ValueError) as exc:   # (ConnectionError is an OSError)
-            _log.debug("redis: reading the near copy whole failed (%s)", exc)
-            return
-        if epoch == self._epoch and conn is self._tracked and len(self._unknown) <= NEAR_MAX_KEYS:
-            self._complete = True
 
     @property
     def tracking_active(self) -> bool:
@@ -754,14 +669,9 @@ class RedisTier:
         copy does not hold the bucket (or is not in use: no tracking, the circuit not closed)."""
         if self._tracked is None or self.circuit.state != CLOSED:
             return ASK_REDIS
-        if self._warm_due:
-            self._start_warm()
         key = (KEY_PREFIX + probe.key).encode()
         near = self._near.get(key)
         if near is None:
-            if self._complete and key not in self._unknown:   # not in Redis, or only this agent's writes
-                self.near_reads += 1
-                return None
             return ASK_REDIS
         self._near.move_to_end(key)
         self.near_reads += 1
@@ -850,7 +760,7 @@ class RedisTier:
         must not hold up the agent's shutdown)."""
         self._pending.clear()
         self._forget()
-        tasks = [t for t in (self._writer, self._connecting, self._health, self._ping, self._warming) if t is not None]
+        tasks = [t for t in (self._writer, self._connecting, self._health, self._ping) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:

@@ -143,18 +143,6 @@ class RespConnection(asyncio.Protocol):
         self.transport.write(payload)
         return future
 
-    def send_all(self, commands: list[tuple[bytes, Then | None]], now: float) -> asyncio.Future[object]:
-        """Write one-reply commands, each with its own `then`, in one write; the future answers the last
-        (an error reply of any fails only its own: its `then` is not called)."""
-        assert self.transport is not None and commands, "send_all() after connection_made(), something to send"
-        loop = asyncio.get_running_loop()
-        for _, then in commands:
-            future = loop.create_future()
-            future.add_done_callback(_retrieved)     # the caller awaits the last one only
-            self._waiting.append(_Pending(future, 1, now, then))
-        self.transport.write(b"".join([payload for payload, _ in commands]))
-        return self._waiting[-1].future
-
     def oldest(self) -> float | None:
         """When the oldest send still waiting for a reply went out (None when nothing waits)."""
         return self._waiting[0].sent if self._waiting else None
@@ -217,11 +205,6 @@ class RespConnection(asyncio.Protocol):
             pending.future.set_exception(pending.error)
         else:
             pending.future.set_result(reply)
-
-
-def _retrieved(future: asyncio.Future[object]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _parse(buf: bytes, pos: int, depth: int = 0) -> tuple[object, int] | None:
