@@ -723,6 +723,8 @@ class RedisTier:
         while self._pending:
             if len(self._pending) < WRITE_BATCH:
                 await self._linger()
+                if not self._pending:       # (emptied meanwhile: close())
+                    break
             batch = [self._pending.popleft() for _ in range(min(WRITE_BATCH, len(self._pending)))]
             payload, replies = self._push_commands(batch)
             if isinstance(await self._bounded("set", partial(self._call, payload, replies)), _Failed):
