@@ -529,7 +529,11 @@ class RedisTier:
         now = time.monotonic()
         if now - self._last_sent >= self.health_s and (self._ping is None or self._ping.done()):
             self._last_sent = now
-            self._ping = asyncio.get_running_loop().create_task(self._bounded("ping", partial(self._call, _PING, 1)))
+            self._ping = asyncio.get_running_loop().create_task(self._health_ping())
+
+    async def _health_ping(self) -> object:
+        """One health PING: op "ping", within the budget, counted by the circuit (see tick)."""
+        return await self._bounded("ping", partial(self._call, _PING, 1))
 
     async def _keep_measured(self, interval_s: float) -> None:
         """Without lookups (an agent without calls), a PING whenever nothing went to Redis for
@@ -537,7 +541,7 @@ class RedisTier:
         while True:
             await asyncio.sleep(interval_s)
             if time.monotonic() - self._last_sent >= interval_s:
-                await self._bounded("ping", partial(self._call, _PING, 1))
+                await self._health_ping()
 
     async def _call(self, payload: bytes, replies: int, then: Then | None = None) -> object:
         """Send `payload` on the connection (made first if there is none) and wait for its last reply."""
@@ -808,10 +812,9 @@ class ResponseCache:
         s = self.settings
         entry = self.local.find(probe, s.threshold, now, s.redis_ttl_s)
         redis = self.redis
-        if redis is None:
-            return self._answer(entry, "local", now)
-        redis.tick()
-        if entry is not None:
+        if redis is not None:
+            redis.tick()
+        if entry is not None or redis is None:
             return self._answer(entry, "local", now)
         near = redis.find_near(probe, s.threshold, now)
         if isinstance(near, AskRedis):
